@@ -1,0 +1,105 @@
+// Command sandmand is the in-sandbox daemon of Sandman: PID 1 of the
+// sandbox container, it runs commands, sessions and file operations for the
+// client over HTTP (protocol v1, see daemon/PROTOCOL.md).
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"strings"
+	"time"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+// config is everything run needs, parsed from flags and the environment.
+type config struct {
+	listen        []string
+	token         string
+	noAuth        bool
+	killGrace     time.Duration
+	shutdownGrace time.Duration
+}
+
+type listFlag []string
+
+func (l *listFlag) String() string     { return strings.Join(*l, ",") }
+func (l *listFlag) Set(v string) error { *l = append(*l, v); return nil }
+
+func main() {
+	logger := log.New(os.Stderr, "sandmand: ", 0)
+	// Taken before anything else so no child (or crash dump) sees it.
+	envToken := os.Getenv("SANDMAND_TOKEN")
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "SANDMAND_") {
+			os.Unsetenv(k)
+		}
+	}
+	cfg, err := parseFlags(os.Args[1:], envToken)
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if errors.Is(err, errVersion) {
+		fmt.Println(version)
+		return
+	}
+	if err != nil {
+		logger.Print(err)
+		os.Exit(2)
+	}
+	if err := run(cfg, logger); err != nil {
+		logger.Print(err)
+		os.Exit(1)
+	}
+}
+
+var errVersion = errors.New("version asked")
+
+func parseFlags(args []string, envToken string) (config, error) {
+	var cfg config
+	var listen listFlag
+	fs := flag.NewFlagSet("sandmand", flag.ContinueOnError)
+	fs.Var(&listen, "listen", "address to serve on, unix:/path or tcp:host:port (repeatable)")
+	tokenFile := fs.String("token-file", "", "file holding the bearer token (else $SANDMAND_TOKEN)")
+	fs.BoolVar(&cfg.noAuth, "no-auth", false, "serve without a token (only for tests)")
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	fs.DurationVar(&cfg.killGrace, "kill-grace", 2*time.Second, "default SIGTERM-to-SIGKILL grace on timeouts")
+	fs.DurationVar(&cfg.shutdownGrace, "shutdown-grace", 5*time.Second, "how long children get to exit on shutdown")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if *showVersion {
+		return cfg, errVersion
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if len(listen) == 0 {
+		return cfg, errors.New("at least one --listen is required")
+	}
+	for _, a := range listen {
+		if _, _, err := parseAddr(a); err != nil {
+			return cfg, err
+		}
+	}
+	cfg.listen = listen
+	cfg.token = envToken
+	if *tokenFile != "" {
+		data, err := os.ReadFile(*tokenFile)
+		if err != nil {
+			return cfg, fmt.Errorf("reading token file: %w", err)
+		}
+		cfg.token = strings.TrimSpace(string(data))
+	}
+	if cfg.token == "" && !cfg.noAuth {
+		return cfg, errors.New("no token: use --token-file or SANDMAND_TOKEN (or --no-auth)")
+	}
+	if cfg.killGrace < 0 || cfg.shutdownGrace < 0 {
+		return cfg, errors.New("grace durations must be >= 0")
+	}
+	return cfg, nil
+}

@@ -1,0 +1,3 @@
+module sandman/daemon
+
+go 1.22

@@ -1,0 +1,107 @@
+package server
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"sandman/daemon/internal/apierr"
+)
+
+var seeds = []string{
+	`{"argv":["echo","hi"],"cwd":"/tmp","env":{"A":"B"},"timeout":1.5,"kill_grace":0,"max_output":10,"encoding":"base64","stdin":"x"}`,
+	`{"cmd":"ls | wc -l","shell":"/bin/sh","stdin":true,"max_buffer":5}`,
+	`{"cmd":"x","timeout":1e308}`, `{"signal":"TERM","group":false}`, `{"signal":9}`, `{"timeout":null}`,
+	`{"path":"/x","parents":true,"mode":"755"}`, `{"src":"a","dst":"b","overwrite":true}`,
+	`{"shell":"/bin/sh","cwd":"/","env":{}}`, `[]`, `{`, ``, `null`, `{"argv":null,"cmd":null}`,
+}
+
+// checkDecodeErr: a decoder may refuse input, but only with a 4xx protocol
+// error (never a panic, never a 5xx).
+func checkDecodeErr(t *testing.T, data []byte, err error) {
+	if err == nil {
+		return
+	}
+	var ae *apierr.Error
+	if !errors.As(err, &ae) || ae.Status < 400 || ae.Status > 499 {
+		t.Fatalf("%q: error %v is not a 4xx protocol error", data, err)
+	}
+}
+
+func fuzzDecoder(f *testing.F, decode func([]byte) error) {
+	for _, s := range seeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		checkDecodeErr(t, data, decode(data))
+	})
+}
+
+func FuzzDecodeExec(f *testing.F) {
+	s := &Server{killGrace: 2 * time.Second}
+	fuzzDecoder(f, func(b []byte) error {
+		c, o, enc, err := s.parseExec(b)
+		if err == nil && (c == nil || (c.Argv == nil) == (c.Cmd == nil) || enc == "" || o.MaxOutput < 0 || o.Timeout < 0 || o.KillGrace < 0) {
+			panic("accepted an inconsistent exec request")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeProcessStart(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		c, o, err := parseProcessStart(b)
+		if err == nil && (c == nil || o.MaxBuffer < 0) {
+			panic("accepted an inconsistent process request")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeSignal(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		sig, _, err := parseSignal(b)
+		if err == nil && (sig < 1 || sig > 64) {
+			panic("accepted a bad signal")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeWait(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error { _, err := parseWait(b); return err })
+}
+
+func FuzzDecodeSessionCreate(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error { _, err := parseSessionCreate(b); return err })
+}
+
+func FuzzDecodeSessionRun(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		a, err := parseSessionRun(b)
+		if err == nil && (a.maxOutput < 0 || a.enc == "" || a.timeout < 0) {
+			panic("accepted an inconsistent run request")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeMkdir(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		a, err := parseMkdir(b)
+		if err == nil && (a.path == "" || a.mode > 0o7777) {
+			panic("accepted a bad mkdir")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeMove(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		src, dst, _, err := parseMove(b)
+		if err == nil && (src == "" || dst == "") {
+			panic("accepted an empty path")
+		}
+		return err
+	})
+}

@@ -1,0 +1,179 @@
+package server
+
+import (
+	"net/http"
+
+	"sandman/daemon/internal/apierr"
+	"sandman/daemon/internal/proc"
+)
+
+// SessionCreateRequest is the body of POST /v1/sessions.
+type SessionCreateRequest struct {
+	Shell *string           `json:"shell"`
+	Cwd   *string           `json:"cwd"`
+	Env   map[string]string `json:"env"`
+}
+
+type sessionArgs struct {
+	shell, cwd string
+	env        map[string]string
+}
+
+func parseSessionCreate(data []byte) (sessionArgs, error) {
+	var req SessionCreateRequest
+	var a sessionArgs
+	if err := decodeJSON(data, &req); err != nil {
+		return a, err
+	}
+	if req.Shell != nil {
+		if err := checkPath("shell", *req.Shell); err != nil {
+			return a, err
+		}
+		a.shell = *req.Shell
+	}
+	if req.Cwd != nil {
+		if err := checkPath("cwd", *req.Cwd); err != nil {
+			return a, err
+		}
+		a.cwd = *req.Cwd
+	}
+	a.env = req.Env
+	return a, checkEnv(req.Env)
+}
+
+// SessionRunRequest is the body of POST /v1/sessions/{id}/run.
+type SessionRunRequest struct {
+	Cmd       *string  `json:"cmd"`
+	Timeout   *float64 `json:"timeout"`
+	MaxOutput *int64   `json:"max_output"`
+	Encoding  *string  `json:"encoding"`
+}
+
+type runArgs struct {
+	cmd       string
+	timeout   float64
+	maxOutput int
+	enc       string
+}
+
+func parseSessionRun(data []byte) (runArgs, error) {
+	var req SessionRunRequest
+	var a runArgs
+	if err := decodeJSON(data, &req); err != nil {
+		return a, err
+	}
+	if req.Cmd == nil {
+		return a, apierr.InvalidRequest("cmd is required")
+	}
+	if hasNUL(*req.Cmd) {
+		return a, apierr.InvalidRequest("cmd contains NUL")
+	}
+	a.cmd = *req.Cmd
+	var err error
+	if _, err = duration("timeout", req.Timeout, true); err != nil {
+		return a, err
+	}
+	if req.Timeout != nil {
+		a.timeout = *req.Timeout
+	}
+	if a.maxOutput, err = nonNegative("max_output", req.MaxOutput, defaultMaxOutput); err != nil {
+		return a, err
+	}
+	a.enc, err = encoding(req.Encoding)
+	return a, err
+}
+
+type sessionInfo struct {
+	ID    string `json:"id"`
+	Pid   int    `json:"pid"`
+	Shell string `json:"shell"`
+	Alive bool   `json:"alive"`
+}
+
+func sessionInfoOf(s *proc.Session) sessionInfo {
+	return sessionInfo{s.ID, s.Pid, s.Shell, s.Alive()}
+}
+
+func (s *Server) sessionCreate(w http.ResponseWriter, r *http.Request, _ string) error {
+	body, err := readBody(w, r)
+	if err != nil {
+		return err
+	}
+	a, err := parseSessionCreate(body)
+	if err != nil {
+		return err
+	}
+	ss, err := s.sessions.Start(a.shell, a.cwd, a.env)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, sessionInfoOf(ss))
+	return nil
+}
+
+type sessionList struct {
+	Sessions []sessionInfo `json:"sessions"`
+}
+
+func (s *Server) sessionList(w http.ResponseWriter, r *http.Request, _ string) error {
+	out := sessionList{Sessions: []sessionInfo{}}
+	for _, ss := range s.sessions.List() {
+		out.Sessions = append(out.Sessions, sessionInfoOf(ss))
+	}
+	writeJSON(w, http.StatusOK, out)
+	return nil
+}
+
+func (s *Server) sessionGet(w http.ResponseWriter, r *http.Request, id string) error {
+	ss, err := s.sessions.Get(id)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, sessionInfoOf(ss))
+	return nil
+}
+
+func (s *Server) sessionDelete(w http.ResponseWriter, r *http.Request, id string) error {
+	if err := s.sessions.Delete(id); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+type sessionRunResult struct {
+	ExitCode        int     `json:"exit_code"`
+	Stdout          string  `json:"stdout"`
+	Stderr          string  `json:"stderr"`
+	TimedOut        bool    `json:"timed_out"`
+	Truncated       bool    `json:"truncated"`
+	DurationSeconds float64 `json:"duration_seconds"`
+	Alive           bool    `json:"alive"`
+	Encoding        string  `json:"encoding"`
+}
+
+func (s *Server) sessionRun(w http.ResponseWriter, r *http.Request, id string) error {
+	ss, err := s.sessions.Get(id)
+	if err != nil {
+		return err
+	}
+	body, err := readBody(w, r)
+	if err != nil {
+		return err
+	}
+	a, err := parseSessionRun(body)
+	if err != nil {
+		return err
+	}
+	timeout, _ := duration("timeout", &a.timeout, false)
+	res, err := ss.Run(r.Context(), a.cmd, timeout, a.maxOutput)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, sessionRunResult{
+		ExitCode: res.ExitCode, Stdout: encodeOutput(res.Stdout, a.enc), Stderr: encodeOutput(res.Stderr, a.enc),
+		TimedOut: res.TimedOut, Truncated: res.Truncated, DurationSeconds: seconds(res.Duration),
+		Alive: res.Alive, Encoding: a.enc,
+	})
+	return nil
+}

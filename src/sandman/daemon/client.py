@@ -1,0 +1,487 @@
+"""The async client of sandmand's protocol v1: commands, processes, shells, files, archives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from sandman import errors
+from sandman.daemon import protocol
+from sandman.daemon._http import ConnectionLost, HTTPResponse, HTTPTransport
+from sandman.models import (
+    ArchiveResult,
+    Encoding,
+    ExecEvent,
+    ExecResult,
+    FileStat,
+    Health,
+    ProcessInfo,
+    ProcessOutput,
+    SessionInfo,
+    SessionRunResult,
+)
+
+__all__ = ["DaemonClient"]
+
+_JSON = "application/json"
+# Extra time the client allows past a command's own timeout and kill grace
+# before it gives up on the daemon.
+_DEADLINE_SLACK = 10.0
+_DEFAULT_KILL_GRACE = 2.0
+
+
+@contextmanager
+def _map_transport_errors(address: str) -> Iterator[None]:
+    """The one place where transport failures become package errors."""
+    try:
+        yield
+    except ConnectionLost as exc:
+        raise errors.DaemonUnavailable(f"connection to {address} lost: {exc}") from exc
+    except OSError as exc:
+        raise errors.DaemonUnavailable(f"cannot reach sandmand at {address}: {exc}") from exc
+
+
+class DaemonClient:
+    """Talks to one sandmand over a unix socket (``uds``) or TCP (``host``, ``port``).
+
+    Calls may run concurrently; each uses its own kept-alive connection.
+    ``request_timeout`` bounds calls that do not run a command; command calls
+    are bounded by their own ``timeout`` (plus the kill grace and some slack).
+    """
+
+    def __init__(
+        self,
+        *,
+        uds: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        token: str | None = None,
+        request_timeout: float = 60.0,
+    ) -> None:
+        if (uds is None) == (host is None or port is None):
+            raise errors.ConfigError("DaemonClient needs either uds=, or host= and port=")
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        self._transport = HTTPTransport(uds=uds, host=host, port=port, default_headers=headers)
+        self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
+        self._request_timeout = request_timeout
+
+    def __repr__(self) -> str:
+        return f"DaemonClient({self._address!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close idle connections; the client cannot be used afterwards."""
+        await self._transport.aclose()
+
+    # -- plumbing -----------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        target: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        deadline: float | None | Literal["default"] = "default",
+        timeout_error: type[errors.SandboxTimeout] = errors.SandboxTimeout,
+    ) -> HTTPResponse:
+        if payload is not None:
+            body, content_type = json.dumps(payload).encode(), _JSON
+        seconds = self._request_timeout if deadline == "default" else deadline
+        with _map_transport_errors(self._address):
+            try:
+                async with asyncio.timeout(seconds):
+                    response = await self._transport.request(
+                        method, target, body=body, content_type=content_type
+                    )
+            except TimeoutError as exc:
+                raise timeout_error(
+                    f"sandmand at {self._address} did not answer {method} {target} "
+                    f"within {seconds} s"
+                ) from exc
+        if response.status >= 400:
+            raise protocol.error_from_response(response.status, response.body)
+        return response
+
+    async def _json(
+        self,
+        method: str,
+        target: str,
+        payload: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        response = await self._call(method, target, payload, **kwargs)
+        return json.loads(response.body)
+
+    @staticmethod
+    def _command_deadline(timeout: float | None, kill_grace: float | None) -> float | None:
+        if timeout is None:
+            return None
+        grace = _DEFAULT_KILL_GRACE if kill_grace is None else kill_grace
+        return timeout + grace + _DEADLINE_SLACK
+
+    # -- health -------------------------------------------------------------
+
+    async def health(self) -> Health:
+        """The daemon's readiness answer. Raises ProtocolVersionError on another protocol."""
+        health = Health.model_validate(await self._json("GET", "/v1/health"))
+        if health.protocol != protocol.PROTOCOL_VERSION:
+            raise errors.ProtocolVersionError(
+                f"sandmand speaks {health.protocol}, this client {protocol.PROTOCOL_VERSION}"
+            )
+        return health
+
+    # -- commands -----------------------------------------------------------
+
+    def _exec_payload(
+        self,
+        command: str | Sequence[str],
+        *,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        stdin: str | None,
+        timeout: float | None,
+        kill_grace: float | None,
+        max_output: int | None,
+        shell: str | None,
+        encoding: Encoding,
+    ) -> dict[str, Any]:
+        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        payload.update(
+            protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
+        )
+        if stdin is not None:
+            payload["stdin"] = stdin
+        if kill_grace is not None:
+            payload["kill_grace"] = kill_grace
+        return payload
+
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        kill_grace: float | None = None,
+        max_output: int | None = None,
+        shell: str | None = None,
+        encoding: Encoding = "utf-8",
+        check: bool = False,
+    ) -> ExecResult:
+        """Run a command to completion: a string runs in ``shell -c``, a sequence as argv.
+
+        A non-zero exit code is data (``result.exit_code``); ``check=True``
+        raises CommandFailed for it, and ExecTimeout if the command timed out.
+        """
+        payload = self._exec_payload(
+            command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
+            max_output=max_output, shell=shell, encoding=encoding,
+        )  # fmt: skip
+        data = await self._json(
+            "POST", "/v1/exec", payload,
+            deadline=self._command_deadline(timeout, kill_grace),
+            timeout_error=errors.ExecTimeout,
+        )  # fmt: skip
+        result = ExecResult.model_validate(data)
+        if check:
+            _check(command, result.exit_code, result.timed_out, result.stdout, result.stderr)
+        return result
+
+    @asynccontextmanager
+    async def exec_stream(
+        self,
+        command: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        kill_grace: float | None = None,
+        max_output: int | None = None,
+        shell: str | None = None,
+        encoding: Encoding = "utf-8",
+    ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
+        """Run a command and read its output as it happens.
+
+        ``async with client.exec_stream("make") as events: async for ev in events: ...``
+        The last event is ``exit``. Leaving the block early kills the command.
+        """
+        payload = self._exec_payload(
+            command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
+            max_output=max_output, shell=shell, encoding=encoding,
+        )  # fmt: skip
+        body = json.dumps(payload).encode()
+        with _map_transport_errors(self._address):
+            async with self._transport.stream(
+                "POST", "/v1/exec/stream", body=body, content_type=_JSON
+            ) as response:
+                if response.status >= 400:
+                    raise protocol.error_from_response(response.status, await response.read())
+
+                async def events() -> AsyncIterator[ExecEvent]:
+                    async for line in response.iter_lines():
+                        if line:
+                            yield ExecEvent.model_validate_json(line)
+
+                yield events()
+
+    # -- background processes -------------------------------------------------
+
+    async def start_process(
+        self,
+        command: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        max_buffer: int | None = None,
+        shell: str | None = None,
+    ) -> ProcessInfo:
+        """Start a command in the background; it outlives this call.
+
+        ``stdin=True`` keeps a pipe open for `write_stdin`.
+        """
+        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        if stdin:
+            payload["stdin"] = True
+        if max_buffer is not None:
+            payload["max_buffer"] = max_buffer
+        return ProcessInfo.model_validate(await self._json("POST", "/v1/processes", payload))
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        data = await self._json("GET", "/v1/processes")
+        return [ProcessInfo.model_validate(item) for item in data["processes"]]
+
+    async def get_process(self, process_id: str) -> ProcessInfo:
+        return ProcessInfo.model_validate(await self._json("GET", _process(process_id)))
+
+    async def read_output(
+        self,
+        process_id: str,
+        *,
+        stdout_offset: int = 0,
+        stderr_offset: int = 0,
+        wait: float | None = None,
+        encoding: Encoding = "utf-8",
+    ) -> ProcessOutput:
+        """Output of a background process from the given offsets.
+
+        ``wait`` (seconds) long-polls until there is new output or the process exits.
+        """
+        target = protocol.target(
+            _process(process_id, "output"),
+            stdout_offset=stdout_offset,
+            stderr_offset=stderr_offset,
+            wait=wait,
+            encoding=None if encoding == "utf-8" else encoding,
+        )
+        deadline = self._request_timeout + (wait or 0.0)
+        return ProcessOutput.model_validate(await self._json("GET", target, deadline=deadline))
+
+    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Write to a background process's stdin; ``close=True`` closes it afterwards."""
+        body = data.encode() if isinstance(data, str) else data
+        target = protocol.target(_process(process_id, "stdin"), close=close or None)
+        await self._call("POST", target, body=body, content_type="application/octet-stream")
+
+    async def signal_process(
+        self, process_id: str, signal: str | int = "TERM", *, group: bool = True
+    ) -> ProcessInfo:
+        """Send a signal (``"TERM"``, ``"KILL"``, ... or a number) to the process or its group."""
+        payload = {"signal": signal, "group": group}
+        return ProcessInfo.model_validate(
+            await self._json("POST", _process(process_id, "signal"), payload)
+        )
+
+    async def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
+        """Wait for the process to exit; ``running`` is still true if ``timeout`` passed first."""
+        deadline = None if timeout is None else timeout + self._request_timeout
+        data = await self._json(
+            "POST", _process(process_id, "wait"), {"timeout": timeout}, deadline=deadline
+        )
+        return ProcessInfo.model_validate(data)
+
+    async def kill_process(self, process_id: str) -> None:
+        """Kill the process's group if it runs, and forget it."""
+        await self._call("DELETE", _process(process_id))
+
+    # -- shell sessions ---------------------------------------------------------
+
+    async def create_session(
+        self,
+        *,
+        shell: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> SessionInfo:
+        """Start a persistent shell (bash if the image has it, else sh)."""
+        payload: dict[str, Any] = {}
+        if shell is not None:
+            payload["shell"] = shell
+        if cwd is not None:
+            payload["cwd"] = cwd
+        if env:
+            payload["env"] = dict(env)
+        return SessionInfo.model_validate(await self._json("POST", "/v1/sessions", payload))
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        data = await self._json("GET", "/v1/sessions")
+        return [SessionInfo.model_validate(item) for item in data["sessions"]]
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return SessionInfo.model_validate(await self._json("GET", _session(session_id)))
+
+    async def run_in_session(
+        self,
+        session_id: str,
+        cmd: str,
+        *,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        encoding: Encoding = "utf-8",
+        check: bool = False,
+    ) -> SessionRunResult:
+        """Run a command in the session's shell; ``cd`` and ``export`` persist.
+
+        On timeout the session is killed (``alive`` is false afterwards).
+        """
+        payload: dict[str, Any] = {"cmd": cmd}
+        payload.update(
+            protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
+        )
+        data = await self._json(
+            "POST", _session(session_id, "run"), payload,
+            deadline=self._command_deadline(timeout, None),
+            timeout_error=errors.ExecTimeout,
+        )  # fmt: skip
+        result = SessionRunResult.model_validate(data)
+        if check:
+            _check(cmd, result.exit_code, result.timed_out, result.stdout, result.stderr)
+        return result
+
+    async def close_session(self, session_id: str) -> None:
+        """Kill the session's shell and everything it started."""
+        await self._call("DELETE", _session(session_id))
+
+    # -- files ----------------------------------------------------------------
+
+    async def read_file(self, path: str) -> bytes:
+        return (await self._call("GET", protocol.target("/v1/files", path=path))).body
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int | None = None,
+        parents: bool = True,
+    ) -> FileStat:
+        """Write a whole file atomically (readers see the old or the new content)."""
+        body = data.encode() if isinstance(data, str) else data
+        target = protocol.target(
+            "/v1/files",
+            path=path,
+            mode=None if mode is None else format(mode, "o"),
+            parents=None if parents else False,
+        )
+        response = await self._call(
+            "PUT", target, body=body, content_type="application/octet-stream"
+        )
+        return FileStat.model_validate_json(response.body)
+
+    async def stat(self, path: str) -> FileStat:
+        """Stat ``path`` without following a final symlink."""
+        return FileStat.model_validate(
+            await self._json("GET", protocol.target("/v1/files/stat", path=path))
+        )
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except errors.PathNotFound:
+            return False
+        return True
+
+    async def list_dir(self, path: str) -> list[FileStat]:
+        data = await self._json("GET", protocol.target("/v1/files/list", path=path))
+        return [FileStat.model_validate(item) for item in data["entries"]]
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int | None = None) -> FileStat:
+        payload: dict[str, Any] = {"path": path, "parents": parents}
+        if mode is not None:
+            payload["mode"] = format(mode, "o")
+        return FileStat.model_validate(await self._json("POST", "/v1/files/mkdir", payload))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._call(
+            "DELETE", protocol.target("/v1/files", path=path, recursive=recursive or None)
+        )
+
+    async def move(self, src: str, dst: str, *, overwrite: bool = False) -> FileStat:
+        payload = {"src": src, "dst": dst, "overwrite": overwrite}
+        return FileStat.model_validate(await self._json("POST", "/v1/files/move", payload))
+
+    # -- archives ---------------------------------------------------------------
+
+    async def upload_archive(self, path: str, tar: bytes | AsyncIterable[bytes]) -> ArchiveResult:
+        """Unpack a tar stream (gzip or not) under directory ``path``.
+
+        Entries that would land outside ``path`` make the whole upload fail
+        with UnsafeArchive, and nothing of it is kept.
+        """
+        target = protocol.target("/v1/archive", path=path)
+        with _map_transport_errors(self._address):
+            async with self._transport.stream(
+                "PUT", target, body=tar, content_type="application/x-tar"
+            ) as response:
+                body = await response.read()
+        if response.status >= 400:
+            raise protocol.error_from_response(response.status, body)
+        return ArchiveResult.model_validate_json(body)
+
+    async def download_archive(self, path: str, *, gzip: bool = False) -> bytes:
+        """A tar of ``path``: a directory's contents, or one file under its base name."""
+        target = protocol.target("/v1/archive", path=path, gzip=gzip or None)
+        return (await self._call("GET", target, deadline=None)).body
+
+
+def _process(process_id: str, action: str | None = None) -> str:
+    base = f"/v1/processes/{protocol.quote_segment(process_id)}"
+    return f"{base}/{action}" if action else base
+
+
+def _session(session_id: str, action: str | None = None) -> str:
+    base = f"/v1/sessions/{protocol.quote_segment(session_id)}"
+    return f"{base}/{action}" if action else base
+
+
+def _check(
+    command: str | Sequence[str], exit_code: int, timed_out: bool, stdout: str, stderr: str
+) -> None:
+    shown = command if isinstance(command, str) else " ".join(command)
+    if timed_out:
+        raise errors.ExecTimeout(f"command timed out: {shown!r}")
+    if exit_code != 0:
+        raise errors.CommandFailed(
+            f"command exited {exit_code}: {shown!r}: {stderr[-500:]}",
+            exit_code=exit_code,
+            stdout=stdout,
+            stderr=stderr,
+        )

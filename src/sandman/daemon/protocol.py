@@ -1,0 +1,117 @@
+"""Protocol v1 of sandmand, the Python side: version, error codes, request building.
+
+The contract is ``daemon/spec/openapi.json`` (prose: ``daemon/PROTOCOL.md``).
+Pure functions only, so they are shared by every client and tested without I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from sandman import errors
+from sandman.models import Encoding
+
+__all__ = [
+    "ERROR_CLASSES",
+    "PROTOCOL_VERSION",
+    "command_fields",
+    "error_from_response",
+    "output_fields",
+    "quote_segment",
+    "target",
+]
+
+PROTOCOL_VERSION = "v1"
+
+# Stable wire codes to classes; a code this client does not know is a plain DaemonError.
+ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
+    "invalid_json": errors.InvalidRequest,
+    "invalid_request": errors.InvalidRequest,
+    "invalid_path": errors.InvalidRequest,
+    "payload_too_large": errors.InvalidRequest,
+    "invalid_archive": errors.InvalidRequest,
+    "unknown_route": errors.ProtocolVersionError,
+    "method_not_allowed": errors.ProtocolVersionError,
+    "unauthorized": errors.Unauthorized,
+    "permission_denied": errors.PermissionDenied,
+    "not_found": errors.PathNotFound,
+    "already_exists": errors.PathExists,
+    "directory_not_empty": errors.DirectoryNotEmpty,
+    "is_a_directory": errors.IsADirectory,
+    "not_a_directory": errors.NotADirectory,
+    "unsafe_archive": errors.UnsafeArchive,
+    "session_busy": errors.SessionBusy,
+    "session_closed": errors.SessionClosed,
+    "stdin_closed": errors.StdinClosed,
+}
+
+
+def error_from_response(status: int, body: bytes) -> errors.DaemonError:
+    """Turn an error answer into the matching exception (never raises itself)."""
+    try:
+        payload = json.loads(body)
+        code = str(payload["error"]["code"])
+        message = str(payload["error"]["message"])
+    except (ValueError, TypeError, KeyError):
+        text = body[:200].decode("utf-8", "replace")
+        return errors.DaemonError(f"HTTP {status}: {text}", code="internal", status=status)
+    cls = ERROR_CLASSES.get(code, errors.DaemonError)
+    return cls(message, code=code, status=status)
+
+
+def target(endpoint: str, /, **params: object) -> str:
+    """A request target: ``endpoint`` plus the query of the given non-None params."""
+    query = {
+        key: ("true" if value else "false") if isinstance(value, bool) else str(value)
+        for key, value in params.items()
+        if value is not None
+    }
+    return f"{endpoint}?{urlencode(query, quote_via=quote)}" if query else endpoint
+
+
+def quote_segment(value: str) -> str:
+    """Quote one path segment (a process or session id) for a request target."""
+    return quote(value, safe="")
+
+
+def command_fields(
+    command: str | Sequence[str],
+    *,
+    shell: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The fields that say what to run: a string runs in a shell, a sequence as argv."""
+    fields: dict[str, Any]
+    if isinstance(command, str):
+        fields = {"cmd": command}
+        if shell is not None:
+            fields["shell"] = shell
+    else:
+        argv = list(command)
+        if not argv:
+            raise errors.ConfigError("argv must not be empty")
+        if shell is not None:
+            raise errors.ConfigError("shell applies only to a command string")
+        fields = {"argv": argv}
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if env:
+        fields["env"] = dict(env)
+    return fields
+
+
+def output_fields(
+    *, max_output: int | None, encoding: Encoding, timeout: float | None
+) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if max_output is not None:
+        fields["max_output"] = max_output
+    if encoding != "utf-8":
+        fields["encoding"] = encoding
+    if timeout is not None:
+        fields["timeout"] = timeout
+    return fields

@@ -1,0 +1,226 @@
+"""Every error Sandman raises, in one tree.
+
+```
+SandboxError
+├── ConfigError                 (ValueError)  bad settings or arguments
+├── ProviderError                             the backend refused
+│   ├── CapacityError           retryable: quota, unschedulable
+│   └── ImageError              permanent: pull or import failed
+├── SandboxNotFound             released, expired, evicted
+├── DaemonError                 the in-sandbox daemon answered with an error
+│   ├── DaemonUnavailable       retryable: cannot connect, connection lost
+│   ├── ProtocolVersionError    the daemon speaks another protocol
+│   ├── Unauthorized            wrong or missing token
+│   ├── InvalidRequest          (ValueError)  the daemon refused the request
+│   ├── PathNotFound            (FileNotFoundError)  also a missing process or session
+│   ├── PathExists              (FileExistsError)
+│   ├── IsADirectory            (IsADirectoryError)
+│   ├── NotADirectory           (NotADirectoryError)
+│   ├── DirectoryNotEmpty       (OSError)
+│   ├── PermissionDenied        (PermissionError)
+│   ├── UnsafeArchive           (ValueError)  tar entry escapes its target
+│   ├── SessionBusy             a run is already in progress in that shell session
+│   ├── SessionClosed           the session's shell has exited
+│   └── StdinClosed             the process has no open stdin
+├── CommandFailed               exec(check=True) and the exit code was not 0
+├── SandboxTimeout              (TimeoutError)
+│   ├── CreateTimeout
+│   └── ExecTimeout
+└── PoolClosed
+```
+
+`retryable` says whether trying the same call again can help.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "CapacityError",
+    "CommandFailed",
+    "ConfigError",
+    "CreateTimeout",
+    "DaemonError",
+    "DaemonUnavailable",
+    "DirectoryNotEmpty",
+    "ExecTimeout",
+    "ImageError",
+    "InvalidRequest",
+    "IsADirectory",
+    "NotADirectory",
+    "PathExists",
+    "PathNotFound",
+    "PermissionDenied",
+    "PoolClosed",
+    "ProtocolVersionError",
+    "ProviderError",
+    "SandboxError",
+    "SandboxNotFound",
+    "SandboxTimeout",
+    "SessionBusy",
+    "SessionClosed",
+    "StdinClosed",
+    "Unauthorized",
+    "UnsafeArchive",
+]
+
+
+class SandboxError(Exception):
+    """Root of every error Sandman raises."""
+
+    retryable: ClassVar[bool] = False
+
+
+class ConfigError(SandboxError, ValueError):
+    """Invalid settings or arguments, found before anything was started."""
+
+
+class ProviderError(SandboxError):
+    """The backend refused or failed an operation."""
+
+
+class CapacityError(ProviderError):
+    """The backend has no room now (quota, unschedulable); retry later."""
+
+    retryable = True
+
+
+class ImageError(ProviderError):
+    """The image cannot be pulled or imported."""
+
+
+class SandboxNotFound(SandboxError):
+    """The sandbox is gone: released, expired or lost."""
+
+
+class DaemonError(SandboxError):
+    """The in-sandbox daemon answered with an error.
+
+    `code` is the daemon's stable error code (see the protocol document),
+    `status` the HTTP status (0 when no answer came at all).
+    """
+
+    default_code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None, status: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.status = status
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.code}]"
+
+
+class DaemonUnavailable(DaemonError):
+    """The daemon cannot be reached, or the connection broke mid-request."""
+
+    default_code = "unavailable"
+    retryable = True
+
+
+class ProtocolVersionError(DaemonError):
+    """The daemon does not speak the protocol version this client needs."""
+
+    default_code = "protocol_version"
+
+
+class Unauthorized(DaemonError):
+    """The daemon refused the token."""
+
+    default_code = "unauthorized"
+
+
+class InvalidRequest(DaemonError, ValueError):
+    """The daemon refused the request as malformed or invalid."""
+
+    default_code = "invalid_request"
+
+
+class PathNotFound(DaemonError, FileNotFoundError):
+    """The path, process or session does not exist."""
+
+    default_code = "not_found"
+
+
+class PathExists(DaemonError, FileExistsError):
+    """The target exists and overwriting was not asked for."""
+
+    default_code = "already_exists"
+
+
+class IsADirectory(DaemonError, IsADirectoryError):
+    """A file was expected, a directory found."""
+
+    default_code = "is_a_directory"
+
+
+class NotADirectory(DaemonError, NotADirectoryError):
+    """A directory was expected, something else found."""
+
+    default_code = "not_a_directory"
+
+
+class DirectoryNotEmpty(DaemonError, OSError):
+    """Removing a non-empty directory needs ``recursive=True``."""
+
+    default_code = "directory_not_empty"
+
+
+class PermissionDenied(DaemonError, PermissionError):
+    """The operating system inside the sandbox refused the operation."""
+
+    default_code = "permission_denied"
+
+
+class UnsafeArchive(DaemonError, ValueError):
+    """A tar entry would land outside its target directory; nothing was kept."""
+
+    default_code = "unsafe_archive"
+
+
+class SessionBusy(DaemonError):
+    """A command is already running in this shell session."""
+
+    default_code = "session_busy"
+
+
+class SessionClosed(DaemonError):
+    """The session's shell has exited (``exit``, a timeout, or a kill)."""
+
+    default_code = "session_closed"
+
+
+class StdinClosed(DaemonError):
+    """The process was started without stdin, or its stdin was closed."""
+
+    default_code = "stdin_closed"
+
+
+class CommandFailed(SandboxError):
+    """``check=True`` was given and the command exited with a non-zero code."""
+
+    def __init__(self, message: str, *, exit_code: int, stdout: str, stderr: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+
+class CreateTimeout(SandboxTimeout):
+    """The sandbox was not ready within the deadline."""
+
+    retryable = True
+
+
+class ExecTimeout(SandboxTimeout):
+    """A command ran past its timeout and was killed."""
+
+
+class PoolClosed(SandboxError):
+    """The pool is closed: no more sandboxes are handed out."""

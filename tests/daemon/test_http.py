@@ -1,0 +1,156 @@
+"""The lean HTTP/1.1 client against a scripted server: framing, keep-alive, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from sandman.daemon._http import ConnectionLost, HTTPTransport
+
+pytestmark = pytest.mark.anyio
+
+Reply = Callable[[bytes], bytes | None]
+
+
+@asynccontextmanager
+async def scripted_server(path: Path, reply: Reply) -> AsyncIterator[list[int]]:
+    """Answers each request head with reply(head); None closes the connection."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if length:
+                    await reader.readexactly(length)
+                answer = reply(head)
+                if answer is None:
+                    break
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_unix_server(handle, path=str(path))
+    try:
+        yield connections
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_content_length_and_keep_alive(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    async with scripted_server(
+        sock, lambda _: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"
+    ) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        for _ in range(5):
+            response = await transport.request("GET", "/")
+            assert (response.status, response.body) == (200, b"hi")
+        await transport.aclose()
+    assert len(conns) == 1
+
+
+async def test_chunked_and_no_content(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+
+    def reply(head: bytes) -> bytes:
+        if head.startswith(b"DELETE"):
+            return b"HTTP/1.1 204 No Content\r\n\r\n"
+        return (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        )
+
+    async with scripted_server(sock, reply) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        assert (await transport.request("GET", "/")).body == b"abcde"
+        assert (await transport.request("DELETE", "/")).status == 204
+        assert (await transport.request("GET", "/")).body == b"abcde"
+        async with transport.stream("GET", "/") as response:
+            assert [line async for line in response.iter_lines()] == [b"abcde"]
+        await transport.aclose()
+    assert len(conns) == 1
+
+
+async def test_connection_close_is_honoured(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+    async with scripted_server(sock, lambda _: answer) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        for _ in range(3):
+            assert (await transport.request("GET", "/")).body == b"x"
+        await transport.aclose()
+    assert len(conns) == 3
+
+
+async def test_stale_idle_connection_is_replaced(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    count = 0
+
+    def reply(_: bytes) -> bytes | None:
+        nonlocal count
+        count += 1
+        # Answer once per connection, then close it as an idle server would.
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx" if count % 2 else None
+
+    async with scripted_server(sock, reply) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        for _ in range(3):
+            assert (await transport.request("GET", "/")).body == b"x"
+        await transport.aclose()
+    assert len(conns) == 3
+
+
+async def test_fresh_connection_failure_is_not_retried(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    async with scripted_server(sock, lambda _: None):
+        transport = HTTPTransport(uds=str(sock))
+        with pytest.raises(ConnectionLost):
+            await transport.request("POST", "/", body=b"{}")
+        await transport.aclose()
+
+
+async def test_truncated_body(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, path=str(sock))
+    transport = HTTPTransport(uds=str(sock))
+    try:
+        with pytest.raises(ConnectionLost):
+            await transport.request("GET", "/")
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_garbage_status_line(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    async with scripted_server(sock, lambda _: b"garbage\r\n\r\n"):
+        transport = HTTPTransport(uds=str(sock))
+        with pytest.raises(ConnectionLost):
+            await transport.request("GET", "/")
+        await transport.aclose()
+
+
+def test_needs_exactly_one_address() -> None:
+    with pytest.raises(ValueError, match="either"):
+        HTTPTransport()

@@ -1,0 +1,170 @@
+"""sandmand as PID 1 of a rootfs that holds nothing but a static busybox.
+
+Uses ``unshare`` (util-linux) for new pid and mount namespaces and a chroot,
+which is what a container runtime gives the daemon, minus the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandman.daemon import DaemonClient, daemon_path
+from tests.daemon.running import wait_listening
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or not Path("/bin/busybox").exists(),
+    reason="needs root, unshare and a static busybox (scripts/setup installs them)",
+)
+
+TOKEN = "pid1-token"
+BUSYBOX_APPLETS = ["sh", "sleep", "ps", "cat", "echo", "seq", "ls", "true", "kill"]
+
+
+def _busybox_is_static() -> bool:
+    out = subprocess.run(
+        ["file", "-L", "/bin/busybox"], capture_output=True, text=True, check=False
+    ).stdout
+    return "statically linked" in out
+
+
+def _make_rootfs(root: Path) -> None:
+    for sub in ("bin", ".sandman", "run", "tmp", "proc", "dev"):
+        (root / sub).mkdir(parents=True)
+    os.mknod(root / "dev" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+    for applet in BUSYBOX_APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    shutil.copy2(daemon_path(), root / ".sandman" / "sandmand")
+
+
+class Pid1:
+    def __init__(self, root: Path, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.root = root
+        self.process = process
+        self.log = log
+        self.sock = str(root / "run" / "sandmand.sock")
+
+    def client(self) -> DaemonClient:
+        return DaemonClient(uds=self.sock, token=TOKEN)
+
+    def daemon_host_pid(self) -> int:
+        # unshare --fork: the daemon is unshare's only child.
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
+        return int(children.split()[0])
+
+
+@pytest.fixture
+def pid1(tmp_path: Path) -> Iterator[Pid1]:
+    if not _busybox_is_static():
+        pytest.skip("/bin/busybox is not static (install busybox-static)")
+    root = tmp_path / "rootfs"
+    _make_rootfs(root)
+    log = tmp_path / "sandmand.log"
+    env = {"PATH": "/bin", "SANDMAND_TOKEN": TOKEN}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", f"--root={root}",
+             "/.sandman/sandmand", "--listen", "unix:/run/sandmand.sock"],
+            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+        )  # fmt: skip
+    try:
+        wait_listening(process, log, 1)
+        yield Pid1(root, process, log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=15)
+
+
+def test_binary_is_static_and_small() -> None:
+    out = subprocess.run(
+        ["file", str(daemon_path())], capture_output=True, text=True, check=False
+    ).stdout
+    assert "statically linked" in out
+    assert daemon_path().stat().st_size < 8 * 1024 * 1024
+
+
+async def _zombies(client: DaemonClient) -> list[str]:
+    ps = await client.exec(["ps", "-o", "pid,stat,comm"], check=True)
+    return [line for line in ps.stdout.splitlines()[1:] if line.split()[1].startswith("Z")]
+
+
+@pytest.mark.anyio
+async def test_runs_as_pid1_and_reaps_orphans(pid1: Pid1) -> None:
+    async with pid1.client() as client:
+        assert (await client.health()).pid == 1
+        assert (await client.exec("echo $$; ls /", check=True)).stdout.split()[0] != "1"
+        await client.exec("for i in $(seq 1 40); do (sleep 0.05 &); done", check=True)
+        with anyio.fail_after(10):
+            while zombies := await _zombies(client):
+                await anyio.sleep(0.02)
+        assert zombies == []
+
+
+@pytest.mark.anyio
+async def test_sigterm_reaches_children_and_the_daemon_exits_cleanly(pid1: Pid1) -> None:
+    async with pid1.client() as client:
+        await client.start_process(
+            "trap 'echo term > /tmp/got-term; exit 0' TERM; while true; do sleep 0.05; done"
+        )
+        session = await client.create_session()
+        await client.run_in_session(session.id, "echo session up", check=True)
+    os.kill(pid1.daemon_host_pid(), signal.SIGTERM)
+    assert pid1.process.wait(timeout=15) == 0
+    assert (pid1.root / "tmp" / "got-term").read_text() == "term\n"
+    assert not Path(pid1.sock).exists()
+
+
+@pytest.mark.anyio
+async def test_pids_limited_sandbox_does_not_fill_with_zombies(tmp_path: Path) -> None:
+    cgroup_root = Path("/sys/fs/cgroup/pids")
+    if not (cgroup_root / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 pids controller")
+    if not _busybox_is_static():
+        pytest.skip("/bin/busybox is not static")
+    cgroup = cgroup_root / f"sandman-test-{uuid.uuid4().hex[:8]}"
+    cgroup.mkdir()
+    root = tmp_path / "rootfs"
+    _make_rootfs(root)
+    log = tmp_path / "sandmand.log"
+    try:
+        (cgroup / "pids.max").write_text("64")
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh",
+                 "unshare", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", f"--root={root}",
+                 "/.sandman/sandmand", "--listen", "unix:/run/sandmand.sock"],
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SANDMAND_TOKEN": TOKEN},
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            )  # fmt: skip
+        try:
+            wait_listening(process, log, 1)
+            async with DaemonClient(uds=str(root / "run" / "sandmand.sock"), token=TOKEN) as c:
+                # 15 rounds of 30 orphans = 450 processes through a 64-task limit
+                # (the daemon's own threads count too): only possible if every
+                # orphan is reaped; a zombie keeps its pid.
+                for _ in range(15):
+                    result = await c.exec("for i in $(seq 1 30); do (true &); done; echo ok")
+                    assert (result.stdout, result.stderr) == ("ok\n", "")
+                    with anyio.fail_after(10):
+                        while int((cgroup / "pids.current").read_text()) > 30:
+                            await anyio.sleep(0.01)
+        finally:
+            process.kill()
+            process.wait(timeout=15)
+    finally:
+        deadline = time.monotonic() + 10
+        while (cgroup / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cgroup.rmdir()
