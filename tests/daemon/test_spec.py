@@ -1,0 +1,230 @@
+"""The Python side against the OpenAPI document: every request the client sends
+and every answer it reads must match ``daemon/spec/openapi.json``."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from jsonschema import Draft202012Validator
+from pydantic import BaseModel
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+import sandman
+from sandman import models
+from sandman.daemon import DaemonClient
+from sandman.daemon._http import HTTPTransport, StreamingResponse
+from sandman.daemon.protocol import ERROR_CLASSES
+from tests.daemon.conftest import TOKEN
+from tests.daemon.running import RunningDaemon
+
+SPEC_PATH = Path(__file__).resolve().parents[2] / "daemon" / "spec" / "openapi.json"
+SPEC: dict[str, Any] = json.loads(SPEC_PATH.read_text())
+REGISTRY: Registry[Any] = Registry().with_resource(
+    "urn:spec", Resource.from_contents(SPEC, default_specification=DRAFT202012)
+)
+
+
+HTTP_METHODS = {"get", "put", "post", "delete", "patch", "head"}
+
+
+def _validator(ref: str) -> Draft202012Validator:
+    return Draft202012Validator({"$ref": f"urn:spec{ref}"}, registry=REGISTRY)
+
+
+def _schema(name: str) -> dict[str, Any]:
+    schema: dict[str, Any] = SPEC["components"]["schemas"][name]
+    return schema
+
+
+@dataclass
+class Exchange:
+    method: str
+    target: str
+    request_body: bytes | None
+    content_type: str | None
+    status: int = 0
+    response_type: str = ""
+    response_body: bytearray = field(default_factory=bytearray)
+
+
+class RecordingTransport(HTTPTransport):
+    """Keeps a copy of every request and response that passes through."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.exchanges: list[Exchange] = []
+
+    @asynccontextmanager
+    async def stream(
+        self, method: str, target: str, *, body: Any = None, content_type: str | None = None
+    ) -> AsyncIterator[StreamingResponse]:
+        exchange = Exchange(method, target, body if isinstance(body, bytes) else None, content_type)
+        self.exchanges.append(exchange)
+        async with super().stream(method, target, body=body, content_type=content_type) as response:
+            exchange.status = response.status
+            exchange.response_type = response.headers.get("content-type", "")
+            plain = response.iter_bytes
+
+            async def tapped() -> AsyncIterator[bytes]:
+                async for piece in plain():
+                    exchange.response_body += piece
+                    yield piece
+
+            response.iter_bytes = tapped  # type: ignore[method-assign]
+            yield response
+
+
+def _operation(method: str, path: str) -> tuple[str, dict[str, Any]]:
+    for template, item in SPEC["paths"].items():
+        pattern = "^" + re.sub(r"\{[^}]+\}", "[^/]+", template) + "$"
+        if re.match(pattern, path) and method.lower() in item:
+            return template, item[method.lower()]
+    raise AssertionError(f"{method} {path} is not in the spec")
+
+
+def _response(operation: dict[str, Any], status: int) -> dict[str, Any]:
+    response: dict[str, Any] = operation["responses"][str(status)]
+    if "$ref" in response:
+        response = SPEC["components"]["responses"][response["$ref"].rsplit("/", 1)[1]]
+    return response
+
+
+def check_exchange(exchange: Exchange) -> str:
+    """Assert the exchange matches the spec; returns 'METHOD template'."""
+    url = urlsplit(exchange.target)
+    template, operation = _operation(exchange.method, url.path)
+    documented = {p["name"] for p in operation.get("parameters", []) if p["in"] == "query"}
+    assert set(parse_qs(url.query)) <= documented, (exchange.target, documented)
+    if exchange.content_type == "application/json":
+        assert exchange.request_body is not None
+        schema = operation["requestBody"]["content"]["application/json"]["schema"]
+        _validator(schema["$ref"]).validate(json.loads(exchange.request_body))
+    assert str(exchange.status) in operation["responses"], (exchange.target, exchange.status)
+    content = _response(operation, exchange.status).get("content", {})
+    body = bytes(exchange.response_body)
+    if exchange.response_type.startswith("application/json"):
+        _validator(content["application/json"]["schema"]["$ref"]).validate(json.loads(body))
+    elif exchange.response_type.startswith("application/x-ndjson"):
+        validator = _validator(content["application/x-ndjson"]["schema"]["$ref"])
+        for line in body.splitlines():
+            validator.validate(json.loads(line))
+    return f"{exchange.method} {template}"
+
+
+async def _exercise(client: DaemonClient, work: Path) -> None:
+    """Every client method, with a few failures among them."""
+    await client.health()
+    await client.exec(["echo", "hi"], cwd=str(work), env={"A": "1"}, stdin="x", timeout=5,
+                      kill_grace=1, max_output=100, encoding="base64")  # fmt: skip
+    await client.exec("echo hi", shell="/bin/sh")
+    async with client.exec_stream("echo a; echo b >&2", timeout=5) as events:
+        _ = [event async for event in events]
+    proc = await client.start_process(["cat"], stdin=True, max_buffer=1024, cwd=str(work))
+    await client.write_stdin(proc.id, "data", close=True)
+    await client.wait_process(proc.id, timeout=5)
+    await client.read_output(proc.id, stdout_offset=0, stderr_offset=0, wait=0.1)
+    await client.list_processes()
+    await client.get_process(proc.id)
+    await client.signal_process(proc.id, "TERM")
+    await client.kill_process(proc.id)
+    session = await client.create_session(shell="/bin/sh", cwd=str(work), env={"B": "2"})
+    await client.run_in_session(session.id, "cd /", timeout=5, max_output=100)
+    await client.list_sessions()
+    await client.get_session(session.id)
+    await client.close_session(session.id)
+    await client.write_file(str(work / "f"), "x", mode=0o600)
+    await client.write_file(str(work / "d" / "g"), "y", parents=True)
+    await client.read_file(str(work / "f"))
+    await client.stat(str(work / "f"))
+    await client.list_dir(str(work))
+    await client.mkdir(str(work / "m"), mode=0o700)
+    await client.move(str(work / "f"), str(work / "m" / "f"), overwrite=True)
+    await client.remove(str(work / "m"), recursive=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("t.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"t"))
+    await client.upload_archive(str(work / "a"), buf.getvalue())
+    await client.download_archive(str(work / "a"), gzip=True)
+    for failing in (
+        client.read_file(str(work / "missing")),
+        client.list_dir(str(work / "a" / "t.txt")),
+        client.get_process("p-missing"),
+        client.run_in_session("s-missing", "true"),
+    ):
+        with pytest.raises(sandman.DaemonError):
+            await failing
+
+
+@pytest.mark.anyio
+async def test_client_requests_and_daemon_answers_match_the_spec(
+    daemon: RunningDaemon, tmp_path: Path
+) -> None:
+    assert daemon.uds is not None
+    recorder = RecordingTransport(
+        uds=daemon.uds, default_headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    client = DaemonClient(uds=daemon.uds, token=TOKEN)
+    client._transport = recorder  # the seam: same client, recording transport
+    try:
+        await _exercise(client, tmp_path)
+    finally:
+        await client.aclose()
+    covered = {check_exchange(exchange) for exchange in recorder.exchanges}
+    every = {
+        f"{method.upper()} {path}"
+        for path, item in SPEC["paths"].items()
+        for method in item
+        if method in HTTP_METHODS and path != "/v1/openapi.json"
+    }
+    assert every - covered == set(), "operations the client never used"
+
+
+@pytest.mark.parametrize(
+    ("model", "schema"),
+    [
+        (models.Health, "Health"),
+        (models.ExecResult, "ExecResult"),
+        (models.ProcessInfo, "ProcessInfo"),
+        (models.ProcessOutput, "ProcessOutput"),
+        (models.SessionInfo, "SessionInfo"),
+        (models.SessionRunResult, "SessionRunResult"),
+        (models.FileStat, "FileStat"),
+        (models.ArchiveResult, "ArchiveResult"),
+    ],
+)
+def test_models_have_the_spec_fields(model: type[BaseModel], schema: str) -> None:
+    assert set(model.model_fields) == set(_schema(schema)["properties"])
+
+
+def test_exec_event_model_covers_both_event_schemas() -> None:
+    fields = set(_schema("ExecOutputEvent")["properties"]) | set(
+        _schema("ExecExitEvent")["properties"]
+    )
+    assert set(models.ExecEvent.model_fields) == fields
+
+
+def test_enums_match() -> None:
+    assert set(get_args(models.FileType)) == set(_schema("FileStat")["properties"]["type"]["enum"])
+    assert set(get_args(models.Encoding)) == set(
+        _schema("ExecResult")["properties"]["encoding"]["enum"]
+    )
+
+
+def test_every_wire_error_code_is_mapped() -> None:
+    codes = set(_schema("Error")["properties"]["error"]["properties"]["code"]["enum"])
+    unmapped = codes - set(ERROR_CLASSES)
+    # These two are the daemon's own failures: a plain DaemonError is right for them.
+    assert unmapped == {"internal", "process_running"}
