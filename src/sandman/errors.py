@@ -6,6 +6,7 @@ SandboxError
 ├── ProviderError                             the backend refused
 │   ├── CapacityError           retryable: quota, unschedulable
 │   └── ImageError              permanent: pull or import failed
+│       └── ImageNotFound       (LookupError)  no such image in the local store
 ├── SandboxNotFound             released, expired, evicted
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
@@ -46,6 +47,7 @@ __all__ = [
     "DirectoryNotEmpty",
     "ExecTimeout",
     "ImageError",
+    "ImageNotFound",
     "InvalidRequest",
     "IsADirectory",
     "NotADirectory",
@@ -88,6 +90,10 @@ class CapacityError(ProviderError):
 
 class ImageError(ProviderError):
     """The image cannot be pulled or imported."""
+
+
+class ImageNotFound(ImageError, LookupError):
+    """No image with that name or id is in the local image store."""
 
 
 class SandboxNotFound(SandboxError):

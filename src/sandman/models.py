@@ -6,9 +6,10 @@ All are frozen; unknown fields from a newer daemon are ignored.
 from __future__ import annotations
 
 import base64
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ArchiveResult",
@@ -18,8 +19,10 @@ __all__ = [
     "FileStat",
     "FileType",
     "Health",
+    "NetworkMode",
     "ProcessInfo",
     "ProcessOutput",
+    "SandboxSpec",
     "SessionInfo",
     "SessionRunResult",
 ]
@@ -29,6 +32,26 @@ Encoding = Literal["utf-8", "base64"]
 
 FileType = Literal["file", "directory", "symlink", "other"]
 
+NetworkMode = Literal["none", "isolated", "egress"]
+"""``none``: loopback only. ``isolated``: reachable from the host only.
+``egress``: also NAT to the outside."""
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
+
+
+def _parse_bytes(value: object) -> object:
+    """Accept 512 * 2**20, "512Mi", "1G", "1.5Gi" (Kubernetes-style quantities)."""
+    if not isinstance(value, str):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", value)
+    if match is None:
+        raise ValueError(f"not a byte quantity: {value!r} (try 512Mi or 2Gi)")
+    return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+
+
+Bytes = Annotated[int, BeforeValidator(_parse_bytes)]
+
 
 class _Value(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -36,6 +59,27 @@ class _Value(BaseModel):
 
 def _raw(text: str, encoding: Encoding) -> bytes:
     return base64.b64decode(text) if encoding == "base64" else text.encode()
+
+
+class SandboxSpec(BaseModel):
+    """What sandbox to make: the task image and the limits it runs under.
+
+    Resources are hard limits: ``cpu`` in cores (a CFS quota), ``memory`` in
+    bytes (``"2Gi"`` works; no swap beyond it), ``pids`` the most tasks.
+    ``env``, ``workdir`` and ``user`` override the image's own.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = Field(min_length=1)
+    cpu: float = Field(default=1.0, gt=0, le=1024)
+    memory: Bytes = Field(default=2**30, ge=16 * 2**20)
+    pids: int = Field(default=1024, ge=16, le=2**22)
+    network: NetworkMode = "none"
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
 
 
 class Health(_Value):

@@ -172,3 +172,7 @@ async def test_streamed_upload(client: DaemonClient, tmp_path: Path) -> None:
 
     await client.upload_archive(str(tmp_path / "s"), pieces())
     assert (tmp_path / "s" / "f").read_bytes() == b"x" * 100_000
+
+
+async def test_proc_files_that_claim_size_zero_are_read_whole(client: DaemonClient) -> None:
+    assert (await client.read_file("/proc/self/status")).startswith(b"Name:")

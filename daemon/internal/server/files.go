@@ -33,8 +33,13 @@ func (s *Server) fileRead(w http.ResponseWriter, r *http.Request, _ string) erro
 	}
 	defer f.Close()
 	w.Header().Set("Content-Type", "application/octet-stream")
-	if fi.Mode().IsRegular() {
-		w.Header().Set("Content-Length", strconv.FormatInt(fi.Size(), 10))
+	// procfs and sysfs files say size 0 but have content: stream those.
+	if size := fi.Size(); fi.Mode().IsRegular() && size > 0 {
+		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
+		w.WriteHeader(http.StatusOK)
+		// A file that grew since the stat must not overrun the declared length.
+		_, _ = io.CopyN(w, f, size)
+		return nil
 	}
 	w.WriteHeader(http.StatusOK)
 	_, _ = io.Copy(w, f)

@@ -146,6 +146,26 @@ class DaemonClient:
             )
         return health
 
+    async def wait_ready(self, timeout: float) -> Health:
+        """Poll health until the daemon answers; CreateTimeout after ``timeout`` seconds.
+
+        A daemon that is still starting (no socket yet, connection refused)
+        is retried with a short, growing pause; any other error is raised.
+        """
+        delay = 0.0005
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        return await self.health()
+                    except errors.DaemonUnavailable:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 1.5, 0.02)
+        except TimeoutError:
+            raise errors.CreateTimeout(
+                f"sandmand at {self._address} not ready within {timeout} s"
+            ) from None
+
     # -- commands -----------------------------------------------------------
 
     def _exec_payload(

@@ -1,0 +1,161 @@
+"""Density and create latency of the local provider (crun) with a tiny busybox image.
+
+1. Creates and deletes 20 sandboxes one at a time: their create->ready p50
+   is ``create_p50_ms``.
+2. Starts N sandboxes at concurrency C; prints the time until all are ready,
+   create->ready p50/p95 under load, and host memory per sandbox (the
+   kernel's MemAvailable before and after, divided by N).
+3. Deletes them all at concurrency C; prints the time and what was left.
+
+Last line: ``ready=<n>/<N> create_p50_ms=<x> mem_per_sandbox_mib=<y> leftover=<z>``
+(leftover counts sandbox dirs, runtime containers, cgroups, mounts and processes).
+
+Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from sandman.errors import SandboxError
+from sandman.images.busybox import busybox_rootfs_tar
+from sandman.models import SandboxSpec
+from sandman.providers.base import SandboxInfo
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+
+SPEC = SandboxSpec(image="busybox", memory="64Mi", pids=64, cpu=0.5)
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def _quantile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _create_ready(provider: LocalProvider) -> tuple[SandboxInfo, float]:
+    started = time.perf_counter()
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None
+    client = info.endpoint.client()
+    try:
+        await client.wait_ready(timeout=120)
+    finally:
+        await client.aclose()
+    return info, time.perf_counter() - started
+
+
+def _leftover(provider: LocalProvider) -> int:
+    state = provider.config.state_dir
+    count = len(list((state / "sandboxes").iterdir()))
+    runtime = state / "runtime" / provider.config.runtime
+    count += len(list(runtime.iterdir())) if runtime.exists() else 0
+    parent = provider.config.cgroup_parent.strip("/")
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        if (hierarchy / parent).is_dir():
+            count += sum(1 for p in (hierarchy / parent).iterdir() if p.is_dir())
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(state) in (proc / "mountinfo").read_text():
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+async def run(n: int, concurrency: int, state: Path) -> str:
+    cgroup_parent = f"/sandman-bench/{uuid.uuid4().hex[:8]}"
+    provider = LocalProvider(LocalConfig(state_dir=state, cgroup_parent=cgroup_parent))
+    tar = busybox_rootfs_tar(state / "busybox.tar")
+    await provider.images.import_archive(tar, name="busybox")
+    lines: list[str] = []
+
+    serial: list[float] = []
+    for _ in range(20):
+        info, seconds = await _create_ready(provider)
+        serial.append(seconds)
+        await provider.delete(info.id)
+    create_p50 = statistics.median(serial) * 1e3
+    lines.append(
+        f"serial       create_ready_p50_ms={create_p50:.1f} p95_ms={_quantile(serial, 0.95) * 1e3:.1f}"
+    )
+
+    gate = asyncio.Semaphore(concurrency)
+    infos: list[SandboxInfo] = []
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    async def one() -> None:
+        async with gate:
+            try:
+                info, seconds = await _create_ready(provider)
+            except SandboxError as exc:  # report, don't stop the burst
+                failures.append(repr(exc))
+                return
+            infos.append(info)
+            latencies.append(seconds)
+
+    mem_before = _mem_available()
+    started = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    all_ready = time.perf_counter() - started
+    await asyncio.sleep(2)  # let page cache and slab settle before reading memory
+    mem_per = (mem_before - _mem_available()) / max(1, len(infos)) / 2**20
+    if latencies:
+        lines.append(
+            f"burst        n={n} concurrency={concurrency} all_ready_s={all_ready:.2f} "
+            f"rate_per_s={len(infos) / all_ready:.1f} create_ready_p50_ms={statistics.median(latencies) * 1e3:.1f} "
+            f"p95_ms={_quantile(latencies, 0.95) * 1e3:.1f} mem_per_sandbox_mib={mem_per:.2f}"
+        )
+    if failures:
+        lines.append(f"failures     {len(failures)} first={failures[0]}")
+
+    async def drop(info: SandboxInfo) -> None:
+        async with gate:
+            await provider.delete(info.id)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(drop(info) for info in await provider.list()))
+    deleted = time.perf_counter() - started
+    leftover = _leftover(provider)
+    lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        target = hierarchy / cgroup_parent.strip("/")
+        if target.is_dir():
+            target.rmdir()
+    lines.append(
+        f"ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
+        f"mem_per_sandbox_mib={mem_per:.2f} leftover={leftover}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("n", type=int, nargs="?", default=100, help="sandboxes in the burst")
+    parser.add_argument("-c", "--concurrency", type=int, default=8)
+    args = parser.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+    try:
+        print(asyncio.run(run(args.n, args.concurrency, state)))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The local image store: import docker/OCI archives and rootfs tarballs, unpack once, reuse.
+
+The local provider turns an `Image` into an overlayfs lower dir
+(`Image.rootfs`) and runs it with the settings in `Image.config`
+(`resolve_user` gives the numeric ids of its user).
+"""
+
+from sandman.images.image import Image, ImageConfig
+from sandman.images.store import ImageStore
+from sandman.images.users import resolve_user
+
+__all__ = ["Image", "ImageConfig", "ImageStore", "resolve_user"]

@@ -1,0 +1,86 @@
+"""The seam between the pool and a backend: the Provider protocol and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from sandman.daemon import DaemonClient
+from sandman.models import SandboxSpec
+
+__all__ = ["DaemonEndpoint", "Provider", "SandboxInfo", "SandboxState"]
+
+SandboxState = Literal["creating", "running", "stopped", "unknown"]
+"""What the backend says of a sandbox. ``creating``: recorded, not started
+(or a create that crashed half-way). ``stopped``: its init is gone."""
+
+
+class DaemonEndpoint(BaseModel):
+    """How to reach a sandbox's daemon: a unix socket or a TCP address, and its token."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uds: str | None = None
+    host: str | None = None
+    port: int | None = None
+    token: str
+
+    def client(self, *, request_timeout: float = 60.0) -> DaemonClient:
+        """A new client for this daemon; close it with ``aclose``."""
+        return DaemonClient(
+            uds=self.uds, host=self.host, port=self.port, token=self.token,
+            request_timeout=request_timeout,
+        )  # fmt: skip
+
+
+class SandboxInfo(BaseModel):
+    """One sandbox as the backend knows it. Everything here survives a restart of the caller."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    provider: str
+    state: SandboxState
+    labels: dict[str, str]
+    created_at: float
+    image: str
+    endpoint: DaemonEndpoint | None = None
+
+
+class Provider(Protocol):
+    """Creates, lists and deletes sandboxes on one backend.
+
+    Implementations record a sandbox (its id and labels) before asking the
+    backend for it, so a crash in between leaves something `list` finds;
+    `delete` is idempotent and succeeds only once the backend holds nothing.
+    """
+
+    name: str
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        sandbox_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SandboxInfo:
+        """Start a sandbox; it is running (not necessarily ready) when this returns."""
+        ...
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Remove the sandbox and everything it holds; a missing sandbox is not an error."""
+        ...
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+        """Every sandbox this provider owns whose labels include ``labels``."""
+        ...
+
+    async def inspect(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox; raises SandboxNotFound when there is none."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the provider's own resources; sandboxes are left as they are."""
+        ...

@@ -1,0 +1,185 @@
+"""The OCI runtime configuration (``config.json``) of one sandbox. Pure: no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sandman.models import SandboxSpec
+
+__all__ = [
+    "DAEMON_IN_SANDBOX",
+    "SOCKET_DIR_IN_SANDBOX",
+    "SOCKET_NAME",
+    "TOKEN_IN_SANDBOX",
+    "BundleLayout",
+    "config",
+]
+
+DAEMON_IN_SANDBOX = "/.sandman/sandmand"
+TOKEN_IN_SANDBOX = "/.sandman/token"
+SOCKET_DIR_IN_SANDBOX = "/run/sandman"
+SOCKET_NAME = "sandmand.sock"
+DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CPU_PERIOD_US = 100_000
+NOFILE = 20_000  # no CAP_SYS_RESOURCE here: cannot exceed our own hard limit
+
+# Docker's default set minus NET_RAW and MKNOD: root inside, contained.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+]  # fmt: skip
+
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
+]  # fmt: skip
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    """Host paths the container config refers to."""
+
+    daemon: str
+    token_file: str
+    socket_dir: str
+    netns: str | None = None
+    """A named network namespace to join; None makes a new, loopback-only one."""
+
+
+def _env(image_env: list[str], spec_env: Mapping[str, str]) -> list[str]:
+    merged: dict[str, str] = {}
+    for item in image_env:
+        key, _, value = item.partition("=")
+        merged[key] = value
+    merged.update(spec_env)
+    merged.setdefault("PATH", DEFAULT_PATH.removeprefix("PATH="))
+    merged.setdefault("HOME", "/root")
+    return [f"{key}={value}" for key, value in merged.items()]
+
+
+def config(
+    *,
+    sandbox_id: str,
+    spec: SandboxSpec,
+    image_env: list[str],
+    workdir: str,
+    uid: int,
+    gid: int,
+    cgroup_parent: str,
+    layout: BundleLayout,
+    annotations: Mapping[str, str],
+) -> dict[str, Any]:
+    """The ``config.json`` that runs sandmand as PID 1 of the sandbox."""
+    caps = list(CAPABILITIES)
+    namespace_net: dict[str, str] = {"type": "network"}
+    if layout.netns is not None:
+        namespace_net["path"] = layout.netns
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": uid, "gid": gid},
+            "args": [
+                DAEMON_IN_SANDBOX,
+                "--listen",
+                f"unix:{SOCKET_DIR_IN_SANDBOX}/{SOCKET_NAME}",
+                "--token-file",
+                TOKEN_IN_SANDBOX,
+            ],
+            "env": _env(image_env, spec.env),
+            "cwd": workdir,
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": NOFILE, "soft": NOFILE}],
+            "noNewPrivileges": True,
+            # PID 1 stays at 0 so the OOM killer prefers the commands it runs.
+            "oomScoreAdj": 0,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": sandbox_id,
+        "mounts": [
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": [
+                    "nosuid",
+                    "noexec",
+                    "newinstance",
+                    "ptmxmode=0666",
+                    "mode=0620",
+                    "gid=5",
+                ],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": DAEMON_IN_SANDBOX,
+                "type": "bind",
+                "source": layout.daemon,
+                "options": ["rbind", "ro", "nosuid", "nodev"],
+            },
+            {
+                "destination": TOKEN_IN_SANDBOX,
+                "type": "bind",
+                "source": layout.token_file,
+                "options": ["rbind", "ro", "nosuid", "nodev", "noexec"],
+            },
+            {
+                "destination": SOCKET_DIR_IN_SANDBOX,
+                "type": "bind",
+                "source": layout.socket_dir,
+                "options": ["rbind", "rw", "nosuid", "nodev", "noexec"],
+            },
+        ],
+        "annotations": dict(annotations),
+        "linux": {
+            "cgroupsPath": f"{cgroup_parent.rstrip('/')}/{sandbox_id}",
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                "memory": {"limit": spec.memory, "swap": spec.memory},
+                "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
+                "pids": {"limit": spec.pids},
+            },
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+                namespace_net,
+            ],
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+        },
+    }

@@ -1,0 +1,259 @@
+"""LocalProvider: sandboxes as crun (or runc) containers on this machine.
+
+On disk, under ``<state_dir>/sandboxes/<id>/``: ``meta.json`` (written
+first: the record that makes even a half-created sandbox findable),
+``config.json`` (the OCI bundle), ``upper/`` and ``work/`` (the sandbox's
+overlay layer over the shared, read-only image), ``rootfs/`` (the mount
+point, mounted only inside the container's mount namespace), ``run/`` (the
+daemon's socket, shared with the host), ``token`` and ``log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from sandman import errors
+from sandman.daemon import daemon_path
+from sandman.images import Image, ImageStore, resolve_user
+from sandman.models import SandboxSpec
+from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.local import oci
+from sandman.providers.local.host import prepare_cgroups
+from sandman.providers.local.mounts import overlay_in_private_namespace
+from sandman.providers.local.runtime import OCIRuntime
+from sandman.settings import LocalConfig
+
+__all__ = ["LocalProvider"]
+
+logger = logging.getLogger(__name__)
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
+_STATES: dict[str, SandboxState] = {
+    "created": "creating",
+    "running": "running",
+    "stopped": "stopped",
+}
+
+
+def new_sandbox_id() -> str:
+    """A fresh id: short, so socket paths stay within the unix limit."""
+    return f"sb-{secrets.token_hex(6)}"
+
+
+class LocalProvider:
+    """Creates sandboxes from images in a local store, one OCI container each."""
+
+    name = "local"
+
+    def __init__(
+        self, config: LocalConfig | None = None, *, images: ImageStore | None = None
+    ) -> None:
+        self.config = config or LocalConfig()
+        state = self.config.state_dir.resolve()
+        self._sandboxes = state / "sandboxes"
+        self.images = images or ImageStore(state / "images")
+        binary = self.config.runtime_path or shutil.which(self.config.runtime)
+        if binary is None or not os.access(binary, os.X_OK):
+            raise errors.ConfigError(
+                f"OCI runtime {self.config.runtime!r} not found: apt-get install -y {self.config.runtime}"
+            )
+        self._runtime = OCIRuntime(
+            binary, state / "runtime" / self.config.runtime,
+            kind=self.config.runtime, timeout=self.config.stop_timeout,
+        )  # fmt: skip
+        self._daemon = (self.config.daemon_path or daemon_path()).resolve()
+        self._prepared = False
+        self._prepare_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalProvider(state_dir={str(self.config.state_dir)!r}, runtime={self.config.runtime!r})"
+
+    async def _prepare(self) -> None:
+        if self._prepared:
+            return
+        async with self._prepare_lock:
+            if self._prepared:
+                return
+            if os.geteuid() != 0:
+                raise errors.ConfigError("the local provider needs root (run `sandman doctor`)")
+            if self.config.runtime == "crun":
+                await anyio.to_thread.run_sync(prepare_cgroups)
+            self._sandboxes.mkdir(parents=True, exist_ok=True)
+            self._prepared = True
+
+    def _dir(self, sandbox_id: str) -> Path:
+        if not _ID.match(sandbox_id):
+            raise errors.ConfigError(
+                f"invalid sandbox id {sandbox_id!r}: lowercase letters, digits and '-', at most 63"
+            )
+        return self._sandboxes / sandbox_id
+
+    def _socket(self, directory: Path) -> Path:
+        return directory / "run" / oci.SOCKET_NAME
+
+    # -- create -------------------------------------------------------------
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        sandbox_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SandboxInfo:
+        """Start a sandbox from ``spec``; its daemon is starting when this returns."""
+        if spec.network != "none":
+            raise errors.ConfigError(
+                f"network mode {spec.network!r} is not available in the local provider yet"
+            )
+        await self._prepare()
+        image = await self.images.get(spec.image)
+        sid = sandbox_id or new_sandbox_id()
+        directory = self._dir(sid)
+        socket = self._socket(directory)
+        if len(os.fsencode(socket)) > _MAX_SOCKET_PATH:
+            raise errors.ConfigError(
+                f"socket path {socket} is longer than {_MAX_SOCKET_PATH} bytes: use a shorter state_dir"
+            )
+        all_labels = {**spec.labels, **(labels or {})}
+        uid, gid = resolve_user(image.rootfs, spec.user or image.config.user)
+        created_at = time.time()
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            raise errors.ConfigError(f"sandbox {sid} already exists") from None
+        # The record comes before anything else, so that a crash from here on
+        # leaves a sandbox that list() finds and delete() removes.
+        meta = {
+            "id": sid, "labels": all_labels, "image": spec.image, "image_id": image.id,
+            "created_at": created_at, "spec": spec.model_dump(mode="json"),
+        }  # fmt: skip
+        _write(directory / "meta.json", json.dumps(meta))
+        try:
+            token = secrets.token_urlsafe(32)
+            await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.delete(sid)
+            raise
+        return SandboxInfo(
+            id=sid, provider=self.name, state="running", labels=all_labels,
+            created_at=created_at, image=spec.image,
+            endpoint=DaemonEndpoint(uds=str(socket), token=token),
+        )  # fmt: skip
+
+    async def _start(
+        self,
+        sid: str,
+        directory: Path,
+        spec: SandboxSpec,
+        image: Image,
+        uid: int,
+        gid: int,
+        token: str,
+        labels: Mapping[str, str],
+    ) -> None:
+        for sub in ("upper", "work", "rootfs", "run"):
+            (directory / sub).mkdir()
+        os.chown(directory / "run", uid, gid)
+        token_file = directory / "token"
+        _write(token_file, token, mode=0o400)
+        os.chown(token_file, uid, gid)
+        layout = oci.BundleLayout(
+            daemon=str(self._daemon), token_file=str(token_file), socket_dir=str(directory / "run")
+        )
+        config = oci.config(
+            sandbox_id=sid, spec=spec, image_env=image.config.env,
+            workdir=spec.workdir or image.config.working_dir or "/",
+            uid=uid, gid=gid, cgroup_parent=self.config.cgroup_parent, layout=layout,
+            annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
+        )  # fmt: skip
+        _write(directory / "config.json", json.dumps(config))
+        preexec = overlay_in_private_namespace(
+            image.rootfs, directory / "upper", directory / "work", directory / "rootfs"
+        )
+        await self._runtime.create(sid, directory, log=directory / "log", preexec=preexec)
+        await self._runtime.start(sid)
+
+    # -- delete -------------------------------------------------------------
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
+        directory = self._dir(sandbox_id)
+        await self._runtime.delete(sandbox_id)
+        await anyio.to_thread.run_sync(_remove_tree, directory)
+
+    # -- list / inspect -------------------------------------------------------
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+        """Every sandbox of this state directory, including half-created ones and
+        containers the runtime holds without a record (reported with no labels)."""
+        states = await self._runtime.states()
+        infos = await anyio.to_thread.run_sync(self._read_all, states)
+        wanted = dict(labels or {})
+        return [info for info in infos if wanted.items() <= info.labels.items()]
+
+    async def inspect(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox; SandboxNotFound when neither a record nor a container exists."""
+        directory = self._dir(sandbox_id)
+        states = await self._runtime.states()
+        if not directory.exists() and sandbox_id not in states:
+            raise errors.SandboxNotFound(f"no sandbox {sandbox_id} in {self._sandboxes}")
+        return self._read(directory, states)
+
+    def _read_all(self, states: dict[str, str]) -> builtins.list[SandboxInfo]:
+        found = {}
+        if self._sandboxes.exists():
+            for directory in self._sandboxes.iterdir():
+                if _ID.match(directory.name):
+                    found[directory.name] = self._read(directory, states)
+        for orphan in states.keys() - found.keys():
+            found[orphan] = self._read(self._sandboxes / orphan, states)
+        return sorted(found.values(), key=lambda info: info.created_at)
+
+    def _read(self, directory: Path, states: dict[str, str]) -> SandboxInfo:
+        sid = directory.name
+        meta: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads((directory / "meta.json").read_text())
+        token = None
+        with contextlib.suppress(OSError):
+            token = (directory / "token").read_text()
+        state = _STATES.get(states.get(sid, ""), "creating" if meta else "unknown")
+        endpoint = (
+            DaemonEndpoint(uds=str(self._socket(directory)), token=token)
+            if token is not None and state == "running"
+            else None
+        )
+        return SandboxInfo(
+            id=sid, provider=self.name, state=state, labels=meta.get("labels", {}),
+            created_at=meta.get("created_at", 0.0), image=meta.get("image", ""), endpoint=endpoint,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        """Nothing to release: sandboxes live on until deleted."""
+
+
+def _write(path: Path, text: str, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def _remove_tree(directory: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(directory)

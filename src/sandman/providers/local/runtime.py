@@ -1,0 +1,106 @@
+"""The OCI runtime (crun or runc) driven as a command: create, start, delete, list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import anyio
+
+from sandman import errors
+
+__all__ = ["OCIRuntime"]
+
+logger = logging.getLogger(__name__)
+
+
+class OCIRuntime:
+    """One runtime binary with its own state directory (``--root``).
+
+    Every call is bounded by ``timeout``; a runtime that hangs is killed and
+    the call fails with ProviderError.
+    """
+
+    def __init__(
+        self, binary: str, root: Path, *, kind: Literal["crun", "runc"], timeout: float
+    ) -> None:
+        self.binary = binary
+        self.root = root.resolve()  # crun misbehaves with a relative --root
+        self.kind = kind
+        self.timeout = timeout
+
+    async def _run(
+        self,
+        *args: str,
+        log: Path | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> tuple[int, str]:
+        """Run the runtime; returns (exit code, stdout). Errors go to ``log`` when given."""
+        argv = [self.binary, "--root", str(self.root), *args]
+        with open(log, "ab") if log is not None else open("/dev/null", "wb") as err:  # noqa: ASYNC230
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                # create: the container's PID 1 inherits these as its stdio.
+                stdout=err if log is not None else subprocess.PIPE,
+                stderr=err if log is not None else subprocess.PIPE,
+                preexec_fn=preexec,
+            )
+        try:
+            async with asyncio.timeout(self.timeout):
+                out, stderr = await process.communicate()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise errors.ProviderError(
+                f"{self.kind} {args[0]} did not finish within {self.timeout} s"
+            ) from None
+        if process.returncode != 0 and log is None:
+            logger.debug(
+                "%s %s failed: %s", self.kind, " ".join(args), stderr.decode(errors="replace")
+            )
+            return process.returncode or 1, stderr.decode(errors="replace")
+        return process.returncode or 0, (out or b"").decode(errors="replace")
+
+    async def create(
+        self, sandbox_id: str, bundle: Path, *, log: Path, preexec: Callable[[], None]
+    ) -> None:
+        pid_file = bundle / "pid"
+        code, _ = await self._run(
+            "create", "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
+            log=log, preexec=preexec,
+        )  # fmt: skip
+        if code != 0:
+            tail = (await anyio.Path(log).read_text(errors="replace"))[-2000:].strip()
+            raise errors.ProviderError(f"{self.kind} create {sandbox_id} failed ({code}): {tail}")
+
+    async def start(self, sandbox_id: str) -> None:
+        code, message = await self._run("start", sandbox_id)
+        if code != 0:
+            raise errors.ProviderError(f"{self.kind} start {sandbox_id} failed: {message.strip()}")
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Kill and remove the container, its cgroups and its state; fine if it is gone."""
+        code, message = await self._run("delete", "--force", sandbox_id)
+        if code != 0 and not _is_missing(message):
+            raise errors.ProviderError(f"{self.kind} delete {sandbox_id} failed: {message.strip()}")
+
+    async def states(self) -> dict[str, str]:
+        """Every container under our ``--root``: id to status (created, running, stopped)."""
+        if not self.root.exists():
+            return {}
+        code, out = await self._run("list", "--format", "json")
+        if code != 0:
+            raise errors.ProviderError(f"{self.kind} list failed: {out.strip()}")
+        entries = json.loads(out or "[]") or []
+        return {entry["id"]: entry["status"] for entry in entries}
+
+
+def _is_missing(message: str) -> bool:
+    lowered = message.lower()
+    return "does not exist" in lowered or "not found" in lowered or "no such file" in lowered

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.images.builders import busybox_rootfs_tar
+from tests.providers.local.leaks import assert_nothing_left
+
+needs_root_and_crun = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("crun") is None,
+    reason="the local provider needs root and crun (scripts/setup installs crun)",
+)
+
+
+@pytest.fixture(scope="session")
+def busybox_tar(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return busybox_rootfs_tar(tmp_path_factory.mktemp("images") / "busybox-rootfs.tar")
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Short on purpose: the daemon's socket path must fit in 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def provider(state_dir: Path, busybox_tar: Path) -> AsyncIterator[LocalProvider]:
+    """A local provider with the busybox image imported as ``busybox``.
+
+    Teardown deletes whatever a test left, then asserts that nothing of any
+    kind (container, cgroup, mount, process, file) is left behind.
+    """
+    config = LocalConfig(
+        state_dir=state_dir, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}"
+    )
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    try:
+        yield provider
+    finally:
+        for info in await provider.list():
+            await provider.delete(info.id)
+        await provider.aclose()
+        await assert_nothing_left(provider)
