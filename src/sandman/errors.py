@@ -6,7 +6,7 @@ SandboxError
 ├── ProviderError                             the backend refused
 │   ├── CapacityError           retryable: quota, unschedulable
 │   └── ImageError              permanent: pull or import failed
-│       └── ImageNotFound       (LookupError)  no such image in the local store
+│       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
@@ -93,7 +93,7 @@ class ImageError(ProviderError):
 
 
 class ImageNotFound(ImageError, LookupError):
-    """No image with that name or id is in the local image store."""
+    """No such image: not in the local store, or not in the registry pulled from."""
 
 
 class SandboxNotFound(SandboxError):

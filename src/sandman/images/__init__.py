@@ -1,4 +1,5 @@
-"""The local image store: import docker/OCI archives and rootfs tarballs, unpack once, reuse.
+"""The local image store: import docker/OCI archives and rootfs tarballs, or pull from a
+registry (`ImageStore.pull`, with skopeo); unpack once, reuse.
 
 The local provider turns an `Image` into an overlayfs lower dir
 (`Image.rootfs`) and runs it with the settings in `Image.config`
@@ -6,7 +7,8 @@ The local provider turns an `Image` into an overlayfs lower dir
 """
 
 from sandman.images.image import Image, ImageConfig
+from sandman.images.registry import RegistryAuth
 from sandman.images.store import ImageStore
 from sandman.images.users import resolve_user
 
-__all__ = ["Image", "ImageConfig", "ImageStore", "resolve_user"]
+__all__ = ["Image", "ImageConfig", "ImageStore", "RegistryAuth", "resolve_user"]

@@ -7,8 +7,9 @@ On disk, under ``root``::
     images/<hex>.json      its metadata; written last, so its presence means "complete"
     names.json             name → image id, replaced atomically
     locks/<xx>.lock        flock files: images by the first two hex digits of their id;
-                           names.lock for the table
-    tmp/                   unpacks in progress; stale entries go at the next start
+                           names.lock for the table; pulls.lock, held shared by every pull
+    tmp/                   unpacks and pulls (``pulls.<random>/``) in progress; stale
+                           entries go at the next start
 
 An image is unpacked once, under its id's lock, into ``tmp/`` and renamed into
 ``rootfs/``. Importing it again (under any name) reuses it. Layer blobs are
@@ -19,12 +20,13 @@ sandboxes use, and keeping both would double the disk taken by large images.
 from __future__ import annotations
 
 import builtins
+import fcntl
 import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar, TypeVarTuple
@@ -40,12 +42,14 @@ from sandman.images.image import Image, ImageConfig
 from sandman.images.layers import apply_layer, disk_usage, rmtree
 from sandman.images.locks import StoreLock, try_lock_file
 from sandman.images.names import is_id_prefix, normalize_name, read_names, write_names
+from sandman.images.registry import RegistryAuth, parse_reference, run_skopeo
 
 __all__ = ["ImageStore"]
 
 logger = logging.getLogger(__name__)
 
 NAMES_KEY = "names"
+PULLS_KEY = "pulls"
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -126,6 +130,32 @@ class ImageStore:
         plan = await _run(plan_layout, source, wanted)
         return await self._install(plan, wanted)
 
+    async def pull(
+        self,
+        reference: str,
+        *,
+        auth: RegistryAuth | None = None,
+        tls_verify: bool = True,
+        timeout: float = 600,
+    ) -> Image:
+        """Pull `reference` (``docker.io/library/python:3.11``, ``localhost:5000/x:1``) and import it.
+
+        Needs skopeo (``apt-get install -y skopeo``). The image is named as
+        `reference` says (``python:3.11``); one that is already unpacked is
+        reused. `tls_verify=False` allows plain HTTP and unverified
+        certificates (a registry on 127.0.0.1). `timeout` bounds the download,
+        not the unpacking. Raises `ImageError`: at once when the registry is
+        unreachable, `ImageNotFound` for an unknown repository or tag. The
+        download's scratch directory and the credentials file are always removed.
+        """
+        await self._start()
+        parsed = parse_reference(reference)
+        async with self._scratch() as scratch:
+            layout = await run_skopeo(
+                parsed, scratch, auth=auth, tls_verify=tls_verify, timeout=timeout
+            )
+            return await self.import_oci_layout(layout, name=parsed.name)
+
     async def get(self, ref: str) -> Image:
         """The image named `ref` (``busybox`` means ``busybox:latest``) or with that id.
 
@@ -186,6 +216,27 @@ class ImageStore:
                 logger.info("removed image %s", image_id)
 
     # -- import ----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _scratch(self) -> AsyncIterator[Path]:
+        """A private directory in tmp/ for one pull, removed on the way out whatever happens.
+
+        Pulls hold ``pulls.lock`` shared, so start-up cleanup (which needs it
+        exclusively) removes ``pulls.*`` entries only when no pull is running.
+        """
+        # Shielded: once the thread has the flock we must get the fd back to release it.
+        with anyio.CancelScope(shield=True):
+            fd = await _run(_lock_shared, self._lock_path(PULLS_KEY))
+        try:
+            path = self._dirs["tmp"] / f"{PULLS_KEY}.{secrets.token_hex(8)}"
+            os.mkdir(path, 0o700)
+            try:
+                yield path
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await _run(rmtree, path)
+        finally:
+            os.close(fd)
 
     async def _install(self, plan: Plan, name: str | None) -> Image:
         hex_id = hex_of(plan.id)
@@ -375,7 +426,8 @@ class ImageStore:
     def _lock_path(self, key: str) -> Path:
         # Lock files cannot be deleted safely, so images share 256 of them (by the first
         # two hex digits): a bounded set, and a rare wait between unrelated imports.
-        return self._dirs["locks"] / f"{key if key == NAMES_KEY else key[:2]}.lock"
+        whole = key in (NAMES_KEY, PULLS_KEY)
+        return self._dirs["locks"] / f"{key if whole else key[:2]}.lock"
 
     async def _update_names(self, change: Callable[[dict[str, str]], None]) -> None:
         async with self._lock(NAMES_KEY):
@@ -406,7 +458,7 @@ class ImageStore:
             if not self._record_path(hex_id).exists():
                 stale.setdefault(hex_id, []).append(self._dirs["rootfs"] / hex_id)
         for key, entries in stale.items():
-            if not (key == NAMES_KEY or is_id_prefix(key)):
+            if not (key in (NAMES_KEY, PULLS_KEY) or is_id_prefix(key)):
                 continue
             fd = try_lock_file(self._lock_path(key))
             if fd is None:
@@ -420,3 +472,14 @@ class ImageStore:
                         entry.unlink(missing_ok=True)
             finally:
                 os.close(fd)
+
+
+def _lock_shared(path: Path) -> int:
+    """Take `path`'s flock shared (waiting while someone holds it exclusively); the fd."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
