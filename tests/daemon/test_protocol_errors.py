@@ -121,3 +121,15 @@ def test_client_needs_one_address() -> None:
         DaemonClient(token="x")
     with pytest.raises(sandman.ConfigError):
         DaemonClient(uds="/x", host="h", port=1)
+
+
+async def test_child_oom_score_adj_flag(tmp_path: Path) -> None:
+    running = start_daemon(
+        tmp_path, token=TOKEN, tcp=False, extra_args=["--child-oom-score-adj", "500"]
+    )
+    try:
+        async with running.client() as client:
+            result = await client.exec(["cat", "/proc/self/oom_score_adj"])
+            assert result.stdout == "500\n"
+    finally:
+        assert running.stop() == 0

@@ -23,6 +23,8 @@ type config struct {
 	noAuth        bool
 	killGrace     time.Duration
 	shutdownGrace time.Duration
+	// childOOMScoreAdj makes the OOM killer prefer commands over the daemon.
+	childOOMScoreAdj int
 }
 
 type listFlag []string
@@ -69,11 +71,21 @@ func parseFlags(args []string, envToken string) (config, error) {
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	fs.DurationVar(&cfg.killGrace, "kill-grace", 2*time.Second, "default SIGTERM-to-SIGKILL grace on timeouts")
 	fs.DurationVar(&cfg.shutdownGrace, "shutdown-grace", 5*time.Second, "how long children get to exit on shutdown")
+	// As PID 1 the daemon's death is the sandbox's: by default its children
+	// are the OOM killer's first choice.
+	defaultAdj := 0
+	if os.Getpid() == 1 {
+		defaultAdj = 1000
+	}
+	fs.IntVar(&cfg.childOOMScoreAdj, "child-oom-score-adj", defaultAdj, "oom_score_adj of every child, 0 leaves it alone (default 1000 as PID 1)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
 	if *showVersion {
 		return cfg, errVersion
+	}
+	if cfg.childOOMScoreAdj < -1000 || cfg.childOOMScoreAdj > 1000 {
+		return cfg, fmt.Errorf("--child-oom-score-adj must be in -1000..1000, got %d", cfg.childOOMScoreAdj)
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected arguments: %q", fs.Args())

@@ -76,6 +76,7 @@ func run(cfg config, logger *log.Logger) error {
 	srv, err := server.New(server.Options{
 		Token: cfg.token, NoAuth: cfg.noAuth, Version: version,
 		KillGrace: cfg.killGrace, Reaper: rp, Env: proc.DaemonEnv(), Log: logger,
+		ChildOOMScoreAdj: cfg.childOOMScoreAdj,
 	})
 	if err != nil {
 		return err

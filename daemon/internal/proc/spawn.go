@@ -6,6 +6,7 @@ package proc
 import (
 	"errors"
 	"os"
+	"strconv"
 	"syscall"
 
 	"sandman/daemon/internal/apierr"
@@ -41,6 +42,8 @@ type Runner struct {
 	reaper  *reaper.Reaper
 	baseEnv []string
 	devNull *os.File // shared read-only stdin for children that get none
+	// ChildOOMScoreAdj, if not zero, is set on every child (see server.Options).
+	ChildOOMScoreAdj int
 }
 
 // NewRunner refuses a nil reaper: without it nobody would reap the children.
@@ -136,6 +139,11 @@ func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
 			code = 127 // e.g. a script whose interpreter is missing
 		}
 		return nil, launchErr(code, argv[0], err.Error())
+	}
+	if r.ChildOOMScoreAdj != 0 {
+		// Best effort: a child that already exited has no such file.
+		_ = os.WriteFile("/proc/"+strconv.Itoa(child.Pid)+"/oom_score_adj",
+			[]byte(strconv.Itoa(r.ChildOOMScoreAdj)), 0)
 	}
 	return &started{child: child, stdout: outR, stderr: errR, stdin: inW}, nil
 }

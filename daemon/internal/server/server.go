@@ -33,6 +33,10 @@ type Options struct {
 	Env []string
 	// Log receives internal errors; nil discards them.
 	Log *log.Logger
+	// ChildOOMScoreAdj, when not zero, is written to every child's
+	// oom_score_adj, so that under memory pressure the kernel kills the
+	// commands rather than the daemon (PID 1: the whole sandbox).
+	ChildOOMScoreAdj int
 }
 
 // Server implements the v1 protocol.
@@ -63,6 +67,7 @@ func New(o Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	runner.ChildOOMScoreAdj = o.ChildOOMScoreAdj
 	s := &Server{
 		version: o.Version, killGrace: o.KillGrace, started: time.Now(), log: o.Log,
 		runner: runner, procs: proc.NewManager(runner), sessions: proc.NewSessionManager(runner),

@@ -44,6 +44,9 @@ async def test_create_exec_delete(provider: LocalProvider) -> None:
             "token",
         ]
         assert (await sb.exec(["cat", "/proc/1/cmdline"])).stdout.startswith("/.sandman/sandmand")
+        # Under memory pressure the kernel kills commands, not PID 1 (the whole sandbox).
+        adj = await sb.exec("cat /proc/self/oom_score_adj /proc/1/oom_score_adj")
+        assert adj.stdout.split() == ["1000", "0"]
     await provider.delete(info.id)
     assert leftovers(provider) == []
     await provider.delete(info.id)  # idempotent
