@@ -108,6 +108,27 @@ func (d *daemon) post(t testing.TB, path, token string, body any) map[string]any
 	return out
 }
 
+// waitOutput long-polls a background process's stdout until it contains want.
+func waitOutput(t testing.TB, d *daemon, id, want string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		req, _ := http.NewRequest("GET", "http://d/v1/processes/"+id+"/output?wait=1", nil)
+		req.Header.Set("Authorization", "Bearer tok")
+		resp, err := d.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out map[string]any
+		err = json.NewDecoder(resp.Body).Decode(&out)
+		resp.Body.Close()
+		if err == nil && strings.Contains(fmt.Sprint(out["stdout"]), want) {
+			return
+		}
+	}
+	t.Fatalf("process %s never printed %q", id, want)
+}
+
 func TestVersion(t *testing.T) {
 	out, err := exec.Command(binary, "--version").Output()
 	if err != nil || strings.TrimSpace(string(out)) != "9.9.9" {
@@ -156,7 +177,9 @@ func TestTokenFileAndEnvScrubbing(t *testing.T) {
 func TestSIGTERMStopsEverything(t *testing.T) {
 	d := startDaemon(t, []string{"SANDMAND_TOKEN=tok"}, "--shutdown-grace", "300ms")
 	p1 := d.post(t, "/v1/processes", "tok", map[string]any{"argv": []string{"sleep", "60"}})
-	p2 := d.post(t, "/v1/processes", "tok", map[string]any{"cmd": "trap '' TERM; sleep 60 & wait"})
+	p2 := d.post(t, "/v1/processes", "tok", map[string]any{"cmd": "trap '' TERM; echo trapped; sleep 60 & wait"})
+	// Until the shell has run `trap`, a SIGTERM would still end it.
+	waitOutput(t, d, p2["id"].(string), "trapped")
 	s := d.post(t, "/v1/sessions", "tok", map[string]any{})
 	pids := []int{int(p1["pid"].(float64)), int(p2["pid"].(float64)), int(s["pid"].(float64))}
 	for _, pid := range pids {

@@ -133,8 +133,11 @@ func run(cfg config, logger *log.Logger) error {
 }
 
 // stopChildren sends SIGTERM to every child's process group, waits up to
-// grace for them to exit, then SIGKILLs what is left.
+// grace for them to exit, SIGKILLs what is left, then drains orphans.
 func stopChildren(rp *reaper.Reaper, grace time.Duration) {
+	// Orphans (re-parented to us, maybe in groups of their own) and the
+	// zombies of killed ones: none may outlive the daemon.
+	defer rp.Drain(time.Second)
 	rp.SignalAll(syscall.SIGTERM)
 	t := time.NewTimer(grace)
 	defer t.Stop()

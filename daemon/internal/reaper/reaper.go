@@ -10,6 +10,10 @@ package reaper
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -152,4 +156,42 @@ func (r *Reaper) Live() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return len(r.children)
+}
+
+// Drain SIGKILLs every remaining child of this process — orphans that were
+// re-parented to us included, whatever their process group — and waits until
+// the wait loop has reaped them all, or until timeout. Used at shutdown, so
+// that nothing outlives the daemon, not even as a zombie.
+func (r *Reaper) Drain(timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for {
+		kids := children()
+		if len(kids) == 0 || time.Now().After(deadline) {
+			return
+		}
+		for _, pid := range kids {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// children lists this process's children (zombies included) from
+// /proc/self/task/*/children: a child is listed under the thread that forked
+// it, or under the thread group leader when it was re-parented.
+func children() []int {
+	tasks, _ := filepath.Glob("/proc/self/task/*/children")
+	var pids []int
+	for _, task := range tasks {
+		data, err := os.ReadFile(task)
+		if err != nil {
+			continue
+		}
+		for _, field := range strings.Fields(string(data)) {
+			if pid, err := strconv.Atoi(field); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+	}
+	return pids
 }
