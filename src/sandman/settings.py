@@ -29,3 +29,7 @@ class LocalConfig(BaseModel):
     """The sandmand binary mounted into sandboxes; default: the one built with this package."""
     stop_timeout: float = Field(default=10.0, gt=0)
     """How long a runtime command may take before it counts as failed."""
+    subnet: str = "10.200.0.0/16"
+    """Sandboxes with network ``isolated`` or ``egress`` each get a /30 from here."""
+    uplink: str | None = None
+    """The interface ``egress`` sandboxes are NATed out of; default: the default route's."""

@@ -52,5 +52,7 @@ async def provider(state_dir: Path, busybox_tar: Path) -> AsyncIterator[LocalPro
     finally:
         for info in await provider.list():
             await provider.delete(info.id)
+        assert await provider.network.list() == []
+        await provider.network.reset()
         await provider.aclose()
         await assert_nothing_left(provider)

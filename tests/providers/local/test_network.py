@@ -216,6 +216,7 @@ async def test_egress(harness: Harness) -> None:
 @pytest.mark.anyio
 @needs_root_and_ip
 async def test_teardown_and_reset_leave_nothing(harness: Harness) -> None:
+    alone_before = not foreign_sandboxes([]) and not _FORWARD_RECORD.exists()
     before = _ip_forward()
     async with fake_internet():
         e_id, e = await harness.sandbox("egress")
@@ -237,8 +238,22 @@ async def test_teardown_and_reset_leave_nothing(harness: Harness) -> None:
         assert state["attachments"] == {}
         if not foreign_sandboxes(harness.ids):
             assert await tables() == set()
-            assert _ip_forward() == before
             assert not _FORWARD_RECORD.exists()
+            if alone_before:
+                assert _ip_forward() == before
+
+
+@pytest.mark.anyio
+@needs_root_and_ip
+async def test_teardown_while_a_process_holds_the_namespace(harness: Harness) -> None:
+    """A container not yet deleted keeps the netns alive: the veth is removed anyway."""
+    sandbox_id, attachment = await harness.sandbox("isolated")
+    async with server(_sandbox_ns(attachment), "still-running"):
+        start = time.monotonic()
+        await harness.manager.teardown(sandbox_id)
+        assert time.monotonic() - start < network.VETH_WAIT + 2
+        assert await leftovers([sandbox_id]) == []
+        assert not (await probe(None, attachment.sandbox_ip)).reached
 
 
 @pytest.mark.anyio

@@ -94,8 +94,12 @@ async def test_bad_input(provider: LocalProvider) -> None:
         await provider.create(SPEC, sandbox_id="../escape")
     with pytest.raises(sandman.ConfigError):
         await provider.delete("../escape")
-    with pytest.raises(sandman.ConfigError):
-        await provider.create(SPEC.model_copy(update={"network": "egress"}))
+    no_uplink = LocalProvider(
+        provider.config.model_copy(update={"uplink": "smnouplink0"}), images=provider.images
+    )
+    with pytest.raises(sandman.ConfigError, match="smnouplink0"):
+        await no_uplink.create(SPEC.model_copy(update={"network": "egress"}))
+    assert await provider.network.list() == []
     info = await provider.create(SPEC, sandbox_id="fixed-id")
     with pytest.raises(sandman.ConfigError, match="already exists"):
         await provider.create(SPEC, sandbox_id="fixed-id")

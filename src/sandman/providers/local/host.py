@@ -61,6 +61,13 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
             f"apt-get install -y {runtime}",
         )
     )
+    findings.append(
+        Finding(
+            shutil.which("nft") is not None and shutil.which("ip") is not None,
+            "nft and ip installed (network modes isolated and egress)",
+            "apt-get install -y nftables iproute2",
+        )
+    )
     filesystems = Path("/proc/filesystems").read_text()
     findings.append(Finding("overlay" in filesystems, "overlayfs available", "modprobe overlay"))
     v1 = (CGROUP_ROOT / "memory" / "memory.limit_in_bytes").exists()

@@ -34,6 +34,7 @@ from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
 from sandman.providers.local import oci
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.mounts import overlay_in_private_namespace
+from sandman.providers.local.network import NetworkManager
 from sandman.providers.local.runtime import OCIRuntime
 from sandman.settings import LocalConfig
 
@@ -77,6 +78,9 @@ class LocalProvider:
             kind=self.config.runtime, timeout=self.config.stop_timeout,
         )  # fmt: skip
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
+        self.network = NetworkManager(
+            state_dir=state, subnet=self.config.subnet, uplink=self.config.uplink
+        )
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
 
@@ -116,10 +120,6 @@ class LocalProvider:
         labels: Mapping[str, str] | None = None,
     ) -> SandboxInfo:
         """Start a sandbox from ``spec``; its daemon is starting when this returns."""
-        if spec.network != "none":
-            raise errors.ConfigError(
-                f"network mode {spec.network!r} is not available in the local provider yet"
-            )
         await self._prepare()
         image = await self.images.get(spec.image)
         sid = sandbox_id or new_sandbox_id()
@@ -173,9 +173,14 @@ class LocalProvider:
         token_file = directory / "token"
         _write(token_file, token, mode=0o400)
         os.chown(token_file, uid, gid)
+        netns = None
+        if spec.network != "none":
+            # The namespace must exist before the runtime creates the container in it.
+            netns = (await self.network.setup(sid, spec.network)).netns_path
         layout = oci.BundleLayout(
-            daemon=str(self._daemon), token_file=str(token_file), socket_dir=str(directory / "run")
-        )
+            daemon=str(self._daemon), token_file=str(token_file),
+            socket_dir=str(directory / "run"), netns=netns,
+        )  # fmt: skip
         config = oci.config(
             sandbox_id=sid, spec=spec, image_env=image.config.env,
             workdir=spec.workdir or image.config.working_dir or "/",
@@ -195,6 +200,8 @@ class LocalProvider:
         """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
         directory = self._dir(sandbox_id)
         await self._runtime.delete(sandbox_id)
+        # After the container: its processes are gone, so the netns goes at once.
+        await self.network.teardown(sandbox_id)
         await anyio.to_thread.run_sync(_remove_tree, directory)
 
     # -- list / inspect -------------------------------------------------------
@@ -203,7 +210,8 @@ class LocalProvider:
         """Every sandbox of this state directory, including half-created ones and
         containers the runtime holds without a record (reported with no labels)."""
         states = await self._runtime.states()
-        infos = await anyio.to_thread.run_sync(self._read_all, states)
+        networks = await self.network.list()
+        infos = await anyio.to_thread.run_sync(self._read_all, states, networks)
         wanted = dict(labels or {})
         return [info for info in infos if wanted.items() <= info.labels.items()]
 
@@ -215,13 +223,16 @@ class LocalProvider:
             raise errors.SandboxNotFound(f"no sandbox {sandbox_id} in {self._sandboxes}")
         return self._read(directory, states)
 
-    def _read_all(self, states: dict[str, str]) -> builtins.list[SandboxInfo]:
+    def _read_all(
+        self, states: dict[str, str], networks: builtins.list[str]
+    ) -> builtins.list[SandboxInfo]:
         found = {}
         if self._sandboxes.exists():
             for directory in self._sandboxes.iterdir():
                 if _ID.match(directory.name):
                     found[directory.name] = self._read(directory, states)
-        for orphan in states.keys() - found.keys():
+        # A container or a network without a record is an orphan: listed, so it gets deleted.
+        for orphan in (states.keys() | set(networks)) - found.keys():
             found[orphan] = self._read(self._sandboxes / orphan, states)
         return sorted(found.values(), key=lambda info: info.created_at)
 

@@ -1,0 +1,589 @@
+"""Network modes of the local provider: ``isolated`` and ``egress``.
+
+Each sandbox with a network gets a named network namespace ``sm-<h>`` (``h``
+is 10 hex digits of a hash of the sandbox id) and a veth pair: ``smh<h>`` on
+the host, ``eth0`` inside, with a /30 from the subnet (index ``n`` is the n-th
+/30: host end ``.1``, sandbox ``.2``), lo up and a default route via the host
+end. IPv6 is off on both ends (no address is ever generated), and the
+``inet`` table drops IPv6 from sandboxes as well.
+
+One nftables ruleset serves every sandbox (``smh*`` matches them all):
+
+- ``input``: from a sandbox, only replies (ESTABLISHED, RELATED) reach the
+  host. Without it the weak host model exposes every host service bound to
+  0.0.0.0, through any host address, including the sandbox's own gateway.
+- ``forward``: sandbox to sandbox is dropped; sandboxes in the ``egress_ifs``
+  set may go out through an uplink in ``uplink_ifs``; nothing else.
+- ``sandman_nat``: what leaves through an uplink is masqueraded.
+
+``isolated``: reachable from the host only. ``egress``: also NAT to the
+outside, which needs ``ip_forward`` (host-wide; switched on only once the
+forward rules are loaded, and restored by :meth:`NetworkManager.reset`).
+
+Allocations live in ``<state_dir>/network/alloc.json`` under an ``flock``,
+so several processes and a restarted one agree on them. An allocation is
+recorded before anything is made, so a crash leaves nothing that
+:meth:`NetworkManager.list` does not report and ``teardown`` cannot remove.
+
+The tables, the ``smh*`` names and ``ip_forward`` belong to the whole host,
+and several managers (state directories) may share it: their state lives in
+``/run/sandman/network`` (boot-scoped, like the namespaces and ``ip_forward``
+themselves). Setups hold its lock shared; ``reset`` holds it exclusively and
+removes the tables and restores ``ip_forward`` only when no sandbox interface
+is left on the host. A /30 whose address is already on the host is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from sandman import errors
+
+__all__ = [
+    "HOST_PREFIX",
+    "NetworkAttachment",
+    "NetworkManager",
+    "NetworkMode",
+    "names",
+    "ruleset",
+    "slot",
+]
+
+logger = logging.getLogger(__name__)
+
+NetworkMode = Literal["isolated", "egress"]
+
+NETNS_PREFIX = "sm-"
+HOST_PREFIX = "smh"
+SANDBOX_INTERFACE = "eth0"
+NETNS_DIR = Path("/var/run/netns")
+SYS_NET = Path("/sys/class/net")
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+HOST_STATE = Path("/run/sandman/network")
+TABLE = "sandman"
+NAT_TABLE = "sandman_nat"
+COMMAND_TIMEOUT = 10.0
+VETH_WAIT = 1.0
+_STATE_VERSION = 1
+_IFNAMSIZ = 15
+
+
+@dataclass(frozen=True)
+class NetworkAttachment:
+    """What a sandbox's container needs to join its network."""
+
+    netns_path: str
+    """``/var/run/netns/<name>``: goes into the OCI config, ``namespaces[].path``."""
+    sandbox_ip: str
+    host_ip: str
+    host_interface: str
+
+
+# -- pure parts -------------------------------------------------------------
+
+
+def names(sandbox_id: str) -> tuple[str, str]:
+    """The (netns, host interface) names of a sandbox: stable, and short enough for IFNAMSIZ."""
+    short = hashlib.sha256(sandbox_id.encode()).hexdigest()[:10]
+    host = HOST_PREFIX + short
+    assert len(host) <= _IFNAMSIZ
+    return NETNS_PREFIX + short, host
+
+
+def slot(subnet: ipaddress.IPv4Network, index: int) -> tuple[str, str]:
+    """The (host, sandbox) addresses of the ``index``-th /30 of ``subnet``."""
+    base = int(subnet.network_address) + 4 * index
+    if index < 0 or base + 3 > int(subnet.broadcast_address):
+        raise errors.CapacityError(f"no free /30 left in {subnet}")
+    return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+
+
+def _lowest_free(used: Iterable[int]) -> int:
+    taken = set(used)
+    index = 0
+    while index in taken:
+        index += 1
+    return index
+
+
+def _ifnames(items: Iterable[str]) -> str:
+    return ", ".join(json.dumps(item) for item in sorted(items))
+
+
+def ruleset(*, egress_ifs: Iterable[str] = (), uplinks: Iterable[str] = ()) -> str:
+    """The whole nftables ruleset (both tables), replacing any previous one atomically."""
+    wild = json.dumps(HOST_PREFIX + "*")
+    egress = _ifnames(egress_ifs)
+    up = _ifnames(uplinks)
+    egress_elements = f" elements = {{ {egress} }};" if egress else ""
+    uplink_elements = f" elements = {{ {up} }};" if up else ""
+    return f"""\
+add table inet {TABLE}
+delete table inet {TABLE}
+add table ip {NAT_TABLE}
+delete table ip {NAT_TABLE}
+table inet {TABLE} {{
+    set egress_ifs {{ type ifname;{egress_elements} }}
+    set uplink_ifs {{ type ifname;{uplink_elements} }}
+    chain input {{
+        type filter hook input priority filter; policy accept;
+        iifname {wild} ct state established,related accept
+        iifname {wild} counter drop
+    }}
+    chain forward {{
+        type filter hook forward priority filter; policy accept;
+        iifname {wild} oifname {wild} counter drop
+        oifname {wild} ct state established,related accept
+        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs accept
+        iifname {wild} counter drop
+        oifname {wild} counter drop
+    }}
+}}
+table ip {NAT_TABLE} {{
+    set uplink_ifs {{ type ifname;{uplink_elements} }}
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        iifname {wild} oifname @uplink_ifs counter masquerade
+    }}
+}}
+"""
+
+
+def _host_batch(netns: str, host_if: str, host_ip: str) -> str:
+    return (
+        f"netns add {netns}\n"
+        f"link add {host_if} type veth peer name {SANDBOX_INTERFACE} netns {netns}\n"
+        f"link set {host_if} addrgenmode none\n"
+        f"addr add {host_ip}/30 dev {host_if}\n"
+        f"link set {host_if} up\n"
+    )
+
+
+def _inside_batch(sandbox_ip: str, host_ip: str) -> str:
+    return (
+        "link set lo up\n"
+        f"link set {SANDBOX_INTERFACE} addrgenmode none\n"
+        f"addr add {sandbox_ip}/30 dev {SANDBOX_INTERFACE}\n"
+        f"link set {SANDBOX_INTERFACE} up\n"
+        f"route add default via {host_ip}\n"
+    )
+
+
+# -- state ------------------------------------------------------------------
+
+
+def _empty_state(subnet: str) -> dict[str, Any]:
+    return {"version": _STATE_VERSION, "subnet": subnet, "attachments": {}, "uplinks": []}
+
+
+def _flock(path: Path, operation: int) -> int:
+    """Open ``path`` and lock it (blocking: run in a thread); returns the fd, close it to unlock."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, operation)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.asynccontextmanager
+async def _host_lock(*, shared: bool) -> AsyncIterator[None]:
+    operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    fd = await anyio.to_thread.run_sync(_flock, HOST_STATE / "lock", operation)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+class _Store:
+    """``alloc.json`` guarded by an flock on ``lock`` (blocking calls: run them in a thread)."""
+
+    def __init__(self, directory: Path, subnet: str) -> None:
+        self.directory = directory
+        self.path = directory / "alloc.json"
+        self.subnet = subnet
+
+    def acquire(self) -> int:
+        return _flock(self.directory / "lock", fcntl.LOCK_EX)
+
+    def load(self) -> dict[str, Any]:
+        try:
+            state: dict[str, Any] = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return _empty_state(self.subnet)
+        if state.get("version") != _STATE_VERSION:
+            raise errors.ConfigError(f"{self.path}: unknown state version {state.get('version')}")
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+# -- commands ---------------------------------------------------------------
+
+
+async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> tuple[int, str]:
+    """Run a command with a deadline; returns (exit code, stdout), or raises ProviderError."""
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        raise errors.ConfigError(
+            f"{argv[0]} not found: apt-get install -y iproute2 nftables"
+        ) from None
+    try:
+        async with asyncio.timeout(COMMAND_TIMEOUT):
+            out, err = await process.communicate(stdin.encode() if stdin is not None else None)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+        raise
+    code = process.returncode or 0
+    if check and code != 0:
+        message = err.decode(errors="replace").strip()
+        raise errors.ProviderError(f"{' '.join(argv)} failed ({code}): {message}")
+    return code, out.decode(errors="replace")
+
+
+async def _default_uplink() -> str | None:
+    _, out = await _run("ip", "-j", "route", "show", "default")
+    for route in json.loads(out or "[]"):
+        if isinstance(route, dict) and route.get("dev"):
+            return str(route["dev"])
+    return None
+
+
+async def _host_slots(subnet: ipaddress.IPv4Network) -> set[int]:
+    """The /30s of ``subnet`` whose addresses are on the host already (another manager's)."""
+    _, out = await _run("ip", "-j", "-4", "addr", "show")
+    taken = set()
+    for link in json.loads(out or "[]"):
+        for info in link.get("addr_info", []):
+            address = ipaddress.IPv4Address(info.get("local", "0.0.0.0"))
+            if address in subnet:
+                taken.add((int(address) - int(subnet.network_address)) // 4)
+    return taken
+
+
+async def _sandbox_links() -> builtins.list[str]:
+    """Every sandbox interface (``smh*``) on the host, whichever manager made it."""
+    return [p.name async for p in anyio.Path(SYS_NET).iterdir() if p.name.startswith(HOST_PREFIX)]
+
+
+_OUR_TABLES = {f"table inet {TABLE}", f"table ip {NAT_TABLE}"}
+
+
+async def _our_tables() -> set[str]:
+    """Which of our two tables are loaded (as ``table <family> <name>``)."""
+    _, out = await _run("nft", "list", "tables")
+    return {line.strip() for line in out.splitlines()} & _OUR_TABLES
+
+
+class NetworkManager:
+    """Creates and removes the network of each sandbox (see the module docstring)."""
+
+    def __init__(
+        self, *, state_dir: Path, subnet: str = "10.200.0.0/16", uplink: str | None = None
+    ) -> None:
+        try:
+            network = ipaddress.IPv4Network(subnet)
+        except ValueError as exc:
+            raise errors.ConfigError(f"invalid subnet {subnet!r}: {exc}") from None
+        if network.prefixlen > 30:
+            raise errors.ConfigError(f"subnet {subnet} is too small: it needs at least a /30")
+        if uplink is not None and (uplink.startswith(HOST_PREFIX) or len(uplink) > _IFNAMSIZ):
+            raise errors.ConfigError(f"invalid uplink interface {uplink!r}")
+        self.subnet = network
+        self.uplink = uplink
+        self._store = _Store(state_dir / "network", str(network))
+        self._mutex = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"NetworkManager(state_dir={str(self._store.directory.parent)!r}, subnet={str(self.subnet)!r})"
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[dict[str, Any]]:
+        """The state, under the in-process lock and the flock; saved when the block succeeds."""
+        async with self._mutex:
+            fd = await anyio.to_thread.run_sync(self._store.acquire)
+            try:
+                state = await anyio.to_thread.run_sync(self._store.load)
+                before = json.dumps(state, sort_keys=True)
+                yield state
+                if json.dumps(state, sort_keys=True) != before:
+                    await anyio.to_thread.run_sync(self._store.save, state)
+            finally:
+                os.close(fd)
+
+    # -- setup ------------------------------------------------------------
+
+    async def setup(self, sandbox_id: str, mode: NetworkMode) -> NetworkAttachment:
+        """Make the sandbox's netns, veth pair and addresses, and admit it to ``mode``.
+
+        Call before the runtime's ``create``; the container joins
+        ``netns_path``. On failure everything made so far is removed.
+        """
+        if mode not in ("isolated", "egress"):
+            raise errors.ConfigError(f"unknown network mode {mode!r}: isolated or egress")
+        if not sandbox_id:
+            raise errors.ConfigError("empty sandbox id")
+        if os.geteuid() != 0:
+            raise errors.ConfigError("sandbox networks need root")
+        uplink = None
+        if mode == "egress":
+            uplink = self.uplink or await _default_uplink()
+            if uplink is None:
+                raise errors.ConfigError(
+                    "network mode 'egress' needs an uplink: this host has no default route;"
+                    " configure the uplink interface explicitly"
+                )
+            if uplink.startswith(HOST_PREFIX):
+                raise errors.ConfigError(f"uplink {uplink!r} is a sandbox interface")
+            if not await anyio.Path(SYS_NET / uplink).exists():
+                raise errors.ConfigError(f"uplink interface {uplink!r} does not exist")
+        netns, host_if = names(sandbox_id)
+        # Shared: a reset elsewhere cannot remove the rules until our veth exists.
+        async with _host_lock(shared=True):
+            taken = await _host_slots(self.subnet)
+            async with self._locked() as state:
+                attachment = self._allocate(state, sandbox_id, mode, netns, host_if, taken)
+                await self._admit(state, host_if if uplink is not None else None, uplink)
+            await self._make_links(sandbox_id, attachment)
+        logger.debug("network %s for %s: %s", mode, sandbox_id, attachment)
+        return attachment
+
+    async def _make_links(self, sandbox_id: str, attachment: NetworkAttachment) -> None:
+        netns, host_if = names(sandbox_id)
+        try:
+            if (
+                await anyio.Path(NETNS_DIR / netns).exists()
+                or await anyio.Path(SYS_NET / host_if).exists()
+            ):
+                # Left by a crash that also lost the state: the names are this sandbox's.
+                await self._remove_links(netns, host_if)
+            await _run("ip", "-batch", "-", stdin=_host_batch(netns, host_if, attachment.host_ip))
+            await _run(
+                "ip", "-n", netns, "-batch", "-",
+                stdin=_inside_batch(attachment.sandbox_ip, attachment.host_ip),
+            )  # fmt: skip
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.teardown(sandbox_id)
+            raise
+
+    def _allocate(
+        self,
+        state: dict[str, Any],
+        sandbox_id: str,
+        mode: str,
+        netns: str,
+        host_if: str,
+        taken: set[int],
+    ) -> NetworkAttachment:
+        attachments: dict[str, dict[str, Any]] = state["attachments"]
+        if sandbox_id in attachments:
+            raise errors.ConfigError(f"sandbox {sandbox_id} already has a network")
+        if state["subnet"] != str(self.subnet):
+            if attachments:
+                raise errors.ConfigError(
+                    f"{self._store.path} holds networks in {state['subnet']}, not {self.subnet}"
+                )
+            state["subnet"] = str(self.subnet)
+        for other, entry in attachments.items():
+            if entry["netns"] == netns:
+                raise errors.ProviderError(f"sandbox ids {other} and {sandbox_id} hash alike")
+        index = _lowest_free([*taken, *(entry["index"] for entry in attachments.values())])
+        host_ip, sandbox_ip = slot(self.subnet, index)
+        attachments[sandbox_id] = {
+            "index": index, "mode": mode, "netns": netns, "host_interface": host_if,
+        }  # fmt: skip
+        return NetworkAttachment(
+            netns_path=str(NETNS_DIR / netns),
+            sandbox_ip=sandbox_ip,
+            host_ip=host_ip,
+            host_interface=host_if,
+        )
+
+    async def _admit(
+        self, state: dict[str, Any], egress_if: str | None, uplink: str | None
+    ) -> None:
+        """Load the ruleset if it is missing; for egress, add the sandbox and the uplink to it
+        and switch on forwarding, in that order. Runs under the lock."""
+        uplinks: list[str] = state["uplinks"]
+        if uplink is not None and uplink not in uplinks:
+            uplinks.append(uplink)
+        # A freshly loaded ruleset already holds this sandbox and its uplink.
+        loaded = await self._ensure_rules(state)
+        if loaded and egress_if is not None and uplink is not None:
+            await _run(
+                "nft", "-f", "-",
+                stdin=(
+                    f"add element inet {TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
+                    f"add element ip {NAT_TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
+                    f"add element inet {TABLE} egress_ifs {{ {json.dumps(egress_if)} }}\n"
+                ),
+            )  # fmt: skip
+        if egress_if is not None:
+            ip_forward = anyio.Path(IP_FORWARD)
+            current = (await ip_forward.read_text()).strip()
+            if current != "1":
+                await anyio.to_thread.run_sync(_record_ip_forward, current)
+                await ip_forward.write_text("1\n")
+
+    async def _ensure_rules(self, state: dict[str, Any]) -> bool:
+        """Load the ruleset, with the sets as the state says, unless both tables are there.
+        True if they were. Runs under the lock."""
+        if await _our_tables() == _OUR_TABLES:
+            return True
+        egress = [
+            entry["host_interface"]
+            for entry in state["attachments"].values()
+            if entry["mode"] == "egress"
+        ]
+        await _run("nft", "-f", "-", stdin=ruleset(egress_ifs=egress, uplinks=state["uplinks"]))
+        return False
+
+    async def ensure(self) -> bool:
+        """Reload the ruleset if something removed it (e.g. ``nft flush ruleset``) while
+        networks exist; for the reconciler. True if it was intact (or not needed)."""
+        async with self._locked() as state:
+            if not state["attachments"]:
+                return True
+            intact = await self._ensure_rules(state)
+        if not intact:
+            logger.warning("the sandman nftables tables were missing: reloaded")
+        return intact
+
+    # -- teardown -----------------------------------------------------------
+
+    async def teardown(self, sandbox_id: str) -> None:
+        """Remove the sandbox's netns and veth pair, its set element and its /30. Idempotent.
+
+        Call after the runtime's ``delete``."""
+        netns, host_if = names(sandbox_id)
+        async with self._locked() as state:
+            entry = state["attachments"].get(sandbox_id)
+        removals: builtins.list[Coroutine[Any, Any, object]] = [self._remove_links(netns, host_if)]
+        if entry is not None and entry["mode"] == "egress":
+            element = f"{{ {host_if} }}"
+            removals.append(
+                _run("nft", "delete", "element", "inet", TABLE, "egress_ifs", element, check=False)
+            )
+        await asyncio.gather(*removals)
+        async with self._locked() as state:
+            state["attachments"].pop(sandbox_id, None)
+        logger.debug("network of %s removed", sandbox_id)
+
+    async def _remove_links(self, netns: str, host_if: str) -> None:
+        """Delete the netns and with it the veth pair; fine if either is gone.
+
+        The kernel removes the veth once the namespace's last user has gone,
+        which takes milliseconds; ``ip link del`` would wait far longer. A veth
+        still there after ``VETH_WAIT`` (a process still in the namespace) is
+        deleted explicitly."""
+        if await anyio.Path(NETNS_DIR / netns).exists():
+            await _run("ip", "netns", "del", netns, check=False)
+        link = anyio.Path(SYS_NET / host_if)
+        deadline = time.monotonic() + VETH_WAIT
+        while await link.exists():
+            if time.monotonic() > deadline:
+                await _run("ip", "link", "del", host_if, check=False)
+                break
+            await asyncio.sleep(0.002)
+        left = [
+            str(path)
+            for path in (NETNS_DIR / netns, SYS_NET / host_if)
+            if await anyio.Path(path).exists()
+        ]
+        if left:
+            raise errors.ProviderError(f"could not remove {', '.join(left)}")
+
+    # -- list / reset -------------------------------------------------------
+
+    async def list(self) -> builtins.list[str]:
+        """The ids of the sandboxes that have network state (for the reconciler)."""
+        async with self._locked() as state:
+            return sorted(state["attachments"])
+
+    async def get(self, sandbox_id: str) -> NetworkAttachment | None:
+        """The recorded attachment of a sandbox, or None."""
+        async with self._locked() as state:
+            entry = state["attachments"].get(sandbox_id)
+        if entry is None:
+            return None
+        host_ip, sandbox_ip = slot(ipaddress.IPv4Network(state["subnet"]), entry["index"])
+        return NetworkAttachment(
+            netns_path=str(NETNS_DIR / entry["netns"]),
+            sandbox_ip=sandbox_ip,
+            host_ip=host_ip,
+            host_interface=entry["host_interface"],
+        )
+
+    async def reset(self) -> None:
+        """Tear down every network of this manager; then, if no sandbox interface is left on
+        the host (another manager's included), remove the tables and restore ``ip_forward``
+        if a manager changed it."""
+        for sandbox_id in await self.list():
+            await self.teardown(sandbox_id)
+        async with _host_lock(shared=False):
+            async with self._locked() as state:
+                if state["attachments"]:
+                    return  # another process of ours added one meanwhile
+                state["uplinks"] = []
+            others = await _sandbox_links()
+            if others:
+                logger.debug("keeping the sandman tables: %d sandbox interfaces left", len(others))
+                return
+            for table in sorted(await _our_tables()):
+                await _run("nft", "delete", *table.split())
+            original = await anyio.to_thread.run_sync(_take_ip_forward)
+            if original is not None:
+                await anyio.Path(IP_FORWARD).write_text(f"{original}\n")
+
+
+def _record_ip_forward(value: str) -> None:
+    """Remember ip_forward's value from before the first change (the first record wins)."""
+    HOST_STATE.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(
+            HOST_STATE / "ip_forward.original", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+        )
+        with os.fdopen(fd, "w") as handle:
+            handle.write(value)
+
+
+def _take_ip_forward() -> str | None:
+    path = HOST_STATE / "ip_forward.original"
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    path.unlink()
+    return value
