@@ -19,6 +19,7 @@ SandboxError
 │   ├── NotADirectory           (NotADirectoryError)
 │   ├── DirectoryNotEmpty       (OSError)
 │   ├── PermissionDenied        (PermissionError)
+│   ├── NoSpace                 (OSError)  the sandbox's disk is full
 │   ├── UnsafeArchive           (ValueError)  tar entry escapes its target
 │   ├── SessionBusy             a run is already in progress in that shell session
 │   ├── SessionClosed           the session's shell has exited
@@ -50,6 +51,7 @@ __all__ = [
     "ImageNotFound",
     "InvalidRequest",
     "IsADirectory",
+    "NoSpace",
     "NotADirectory",
     "PathExists",
     "PathNotFound",
@@ -178,6 +180,12 @@ class PermissionDenied(DaemonError, PermissionError):
     """The operating system inside the sandbox refused the operation."""
 
     default_code = "permission_denied"
+
+
+class NoSpace(DaemonError, OSError):
+    """The sandbox's disk (or its quota) is full; the write did not happen."""
+
+    default_code = "no_space"
 
 
 class UnsafeArchive(DaemonError, ValueError):

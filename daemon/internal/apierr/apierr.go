@@ -67,6 +67,8 @@ func FromOS(err error) *Error {
 		return New(http.StatusForbidden, "permission_denied", "%s", msg)
 	case syscall.EEXIST:
 		return New(http.StatusConflict, "already_exists", "%s", msg)
+	case syscall.ENOSPC, syscall.EDQUOT:
+		return New(http.StatusInsufficientStorage, "no_space", "%s", msg)
 	case syscall.ENOTEMPTY:
 		return New(http.StatusConflict, "directory_not_empty", "%s", msg)
 	case syscall.EISDIR:

@@ -68,6 +68,11 @@ func Write(path string, body io.Reader, mode *uint32, parents bool) (*Stat, erro
 		}
 	}()
 	if _, err := io.Copy(tmp, body); err != nil {
+		// A write error (disk full, quota) names the file; anything else is the body's.
+		var pe *fs.PathError
+		if errors.As(err, &pe) && pe.Path == tmp.Name() {
+			return nil, apierr.FromOS(err)
+		}
 		return nil, apierr.InvalidRequest("reading body: %v", err)
 	}
 	// Chmod, not the create mode, so the umask does not interfere.

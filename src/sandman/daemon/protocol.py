@@ -37,6 +37,7 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     "method_not_allowed": errors.ProtocolVersionError,
     "unauthorized": errors.Unauthorized,
     "permission_denied": errors.PermissionDenied,
+    "no_space": errors.NoSpace,
     "not_found": errors.PathNotFound,
     "already_exists": errors.PathExists,
     "directory_not_empty": errors.DirectoryNotEmpty,

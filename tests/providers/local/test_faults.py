@@ -1,0 +1,61 @@
+"""Faults around a sandbox: a full disk."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandman
+from sandman.models import SandboxSpec
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.leaks import assert_nothing_left
+
+pytestmark = [pytest.mark.anyio, needs_root_and_crun]
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 24 MiB filesystem to keep a whole state directory on."""
+    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_full_disk_is_a_clear_error_and_the_sandbox_lives_on(
+    small_disk: Path, busybox_tar: Path
+) -> None:
+    config = LocalConfig(
+        state_dir=small_disk, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}"
+    )
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    info = await provider.create(SandboxSpec(image="busybox"))
+    assert info.endpoint is not None
+    try:
+        async with info.endpoint.client() as sb:
+            await sb.wait_ready(timeout=10)
+            with pytest.raises(sandman.NoSpace) as full:
+                await sb.write_file("/root/big", b"x" * (40 * 2**20))
+            assert full.value.status == 507
+            assert not await sb.exists("/root/big")  # atomic: no half-written file
+            dd = await sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=64")
+            assert dd.exit_code != 0 and "No space left" in dd.stderr
+            await sb.remove("/root/fill")
+            assert (
+                await sb.exec("echo still fine > /root/ok && cat /root/ok")
+            ).stdout == "still fine\n"
+    finally:
+        await provider.delete(info.id)
+    await assert_nothing_left(provider)
