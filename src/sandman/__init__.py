@@ -5,6 +5,7 @@ internal and may move.
 """
 
 from sandman._version import __version__
+from sandman.client import AsyncClient, AsyncSandbox, Client, Sandbox, local, local_sync
 from sandman.daemon import DaemonClient, daemon_path
 from sandman.errors import (
     CapacityError,
@@ -33,6 +34,7 @@ from sandman.errors import (
     SessionBusy,
     SessionClosed,
     StdinClosed,
+    ThrottledError,
     Unauthorized,
     UnsafeArchive,
 )
@@ -44,13 +46,17 @@ from sandman.models import (
     Health,
     ProcessInfo,
     ProcessOutput,
+    SandboxSpec,
     SessionInfo,
     SessionRunResult,
 )
 
 __all__ = [
     "ArchiveResult",
+    "AsyncClient",
+    "AsyncSandbox",
     "CapacityError",
+    "Client",
     "CommandFailed",
     "ConfigError",
     "CreateTimeout",
@@ -77,16 +83,21 @@ __all__ = [
     "ProcessOutput",
     "ProtocolVersionError",
     "ProviderError",
+    "Sandbox",
     "SandboxError",
     "SandboxNotFound",
+    "SandboxSpec",
     "SandboxTimeout",
     "SessionBusy",
     "SessionClosed",
     "SessionInfo",
     "SessionRunResult",
     "StdinClosed",
+    "ThrottledError",
     "Unauthorized",
     "UnsafeArchive",
     "__version__",
     "daemon_path",
+    "local",
+    "local_sync",
 ]

@@ -5,6 +5,7 @@ SandboxError
 ├── ConfigError                 (ValueError)  bad settings or arguments
 ├── ProviderError                             the backend refused
 │   ├── CapacityError           retryable: quota, unschedulable
+│   ├── ThrottledError          retryable: rate-limited (429); `retry_after` says when
 │   └── ImageError              permanent: pull or import failed
 │       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
@@ -65,6 +66,7 @@ __all__ = [
     "SessionBusy",
     "SessionClosed",
     "StdinClosed",
+    "ThrottledError",
     "Unauthorized",
     "UnsafeArchive",
 ]
@@ -88,6 +90,20 @@ class CapacityError(ProviderError):
     """The backend has no room now (quota, unschedulable); retry later."""
 
     retryable = True
+
+
+class ThrottledError(ProviderError):
+    """The backend is rate-limiting us (HTTP 429, API priority and fairness); retry later.
+
+    ``retry_after`` is the pause in seconds the backend asked for, or None
+    when it did not say.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str = "throttled", *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ImageError(ProviderError):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,17 +32,21 @@ async def client(
 
 
 def _daemon_processes() -> set[int]:
-    """Live (non-zombie) sandmand processes on this machine."""
+    """Live (non-zombie) sandmand processes this test process started (its children).
+
+    Only our own children: sandboxes of other tests, other sessions or the
+    local provider run sandmand too, and come and go on their own."""
     found = set()
+    me = str(os.getpid())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if b"sandmand" in cmdline.split(b"\0", 1)[0] and state != "Z":
+        if b"sandmand" in cmdline.split(b"\0", 1)[0] and state != "Z" and ppid == me:
             found.add(int(entry.name))
     return found
 

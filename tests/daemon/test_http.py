@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sandman import errors
+from sandman.daemon import DaemonClient
 from sandman.daemon._http import ConnectionLost, HTTPTransport
 
 pytestmark = pytest.mark.anyio
@@ -17,8 +19,13 @@ Reply = Callable[[bytes], bytes | None]
 
 
 @asynccontextmanager
-async def scripted_server(path: Path, reply: Reply) -> AsyncIterator[list[int]]:
-    """Answers each request head with reply(head); None closes the connection."""
+async def scripted_server(
+    path: Path, reply: Reply, *, dribble: bool = False
+) -> AsyncIterator[list[int]]:
+    """Answers each request head with reply(head); None closes the connection.
+
+    ``dribble`` sends the answer a byte at a time, each in its own read.
+    """
     connections: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -35,8 +42,13 @@ async def scripted_server(path: Path, reply: Reply) -> AsyncIterator[list[int]]:
                 answer = reply(head)
                 if answer is None:
                     break
-                writer.write(answer)
-                await writer.drain()
+                for piece in (
+                    [answer[i : i + 1] for i in range(len(answer))] if dribble else [answer]
+                ):
+                    writer.write(piece)
+                    await writer.drain()
+                    if dribble:
+                        await asyncio.sleep(0)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -82,6 +94,120 @@ async def test_chunked_and_no_content(tmp_path: Path) -> None:
             assert [line async for line in response.iter_lines()] == [b"abcde"]
         await transport.aclose()
     assert len(conns) == 1
+
+
+async def test_response_split_across_reads(tmp_path: Path) -> None:
+    # Every boundary (status line, headers, chunk sizes, chunk CRLFs) falls
+    # between two reads at some point; the incremental parser must not care.
+    sock = tmp_path / "s"
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    )
+    plain = b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\nX-Thing: Yes\r\n\r\nhello"
+
+    def reply(head: bytes) -> bytes:
+        return chunked if head.startswith(b"GET") else plain
+
+    async with scripted_server(sock, reply, dribble=True) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        assert (await transport.request("GET", "/")).body == b"abcde"
+        response = await transport.request("POST", "/", body=b"x")
+        assert (response.status, response.headers["x-thing"], response.body) == (
+            201,
+            "Yes",
+            b"hello",
+        )
+        async with transport.stream("GET", "/") as streamed:
+            pieces = [piece async for piece in streamed.iter_bytes()]
+        assert b"".join(pieces) == b"abcde"
+        assert len(pieces) > 1  # yielded as they came, not at the end
+        await transport.aclose()
+    assert len(conns) == 1
+
+
+async def test_body_until_close(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+        served += 1
+
+    server = await asyncio.start_unix_server(handle, path=str(sock))
+    transport = HTTPTransport(uds=str(sock))
+    try:
+        assert (await transport.request("GET", "/")).body == b"all of it"
+        assert (await transport.request("GET", "/")).body == b"all of it"
+        assert served == 2  # the body ended with its connection: none to reuse
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_abandoned_exchange_closes_its_connection(tmp_path: Path) -> None:
+    sock = tmp_path / "s"
+    slow = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if b"/slow" in head:
+                    await slow.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_unix_server(handle, path=str(sock))
+    transport = HTTPTransport(uds=str(sock))
+    try:
+        # Cancelled while waiting for the answer: that answer must never be
+        # read as the answer to the next request.
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await transport.request("GET", "/slow")
+        slow.set()
+        assert (await transport.request("GET", "/fast")).body == b"ok"
+        # Left before the body was read: the same.
+        async with transport.stream("GET", "/fast") as response:
+            assert response.status == 200
+        assert (await transport.request("GET", "/fast")).body == b"ok"
+        assert len(transport._idle) == 1
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_client_deadline_is_a_timeout_not_unavailable(tmp_path: Path) -> None:
+    # SandboxTimeout is a TimeoutError, hence an OSError: it must not be
+    # mistaken for a transport failure (DaemonUnavailable, retryable).
+    sock = tmp_path / "s"
+    finished = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers; returns once the client hangs up
+        writer.close()
+        finished.set()
+
+    server = await asyncio.start_unix_server(handle, path=str(sock))
+    client = DaemonClient(uds=str(sock), request_timeout=0.05)
+    try:
+        with pytest.raises(errors.SandboxTimeout, match="did not answer"):
+            await client.health()
+        await asyncio.wait_for(finished.wait(), 5)  # the timed-out connection was closed
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_connection_close_is_honoured(tmp_path: Path) -> None:

@@ -34,6 +34,11 @@ func (l *listFlag) Set(v string) error { *l = append(*l, v); return nil }
 
 func main() {
 	logger := log.New(os.Stderr, "sandmand: ", 0)
+	if len(os.Args) > 1 && os.Args[1] == "overlay-exec" {
+		err := overlayExec(os.Args[2:])
+		logger.Print(err) // only reached when the exec did not happen
+		os.Exit(125)
+	}
 	// Taken before anything else so no child (or crash dump) sees it.
 	envToken := os.Getenv("SANDMAND_TOKEN")
 	for _, kv := range os.Environ() {

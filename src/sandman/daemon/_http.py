@@ -6,6 +6,11 @@ cost of the command itself per call. This one does only what sandmand needs:
 one request at a time per connection, Content-Length or chunked bodies, and a
 pool of idle connections.
 
+Each connection is an `asyncio.Protocol` that parses the response as bytes
+arrive, inside ``data_received``: a small answer (head and body in one read)
+costs the caller a single wake-up, where StreamReader's readuntil/read pair
+costs a wake-up or buffer copy per step.
+
 It raises only `ConnectionLost` (and `OSError` from connecting); the daemon
 client maps those to the package's errors.
 """
@@ -13,40 +18,301 @@ client maps those to the package's errors.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 __all__ = ["ConnectionLost", "HTTPResponse", "HTTPTransport", "StreamingResponse"]
 
 _MAX_HEAD = 64 * 1024
-_READ_CHUNK = 64 * 1024
+# Unread body bytes a connection buffers before it stops reading the socket
+# (back-pressure for large downloads read slowly).
+_HIGH_WATER = 256 * 1024
+
+# Parser states of a connection.
+_IDLE = 0  # no exchange in flight; any byte is a protocol error
+_HEAD = 1  # waiting for the status line and headers
+_LENGTH = 2  # Content-Length body, ``_remaining`` bytes to go
+_CHUNK_SIZE = 3  # chunked body: the next chunk-size line
+_CHUNK_DATA = 4  # chunked body: ``_remaining`` bytes of chunk data
+_CHUNK_END = 5  # chunked body: the CRLF closing a chunk
+_TRAILER = 6  # chunked body: trailer lines up to an empty line
+_UNTIL_CLOSE = 7  # body delimited by the server closing the connection
+_DONE = 8  # the whole response arrived
 
 
 class ConnectionLost(Exception):
     """The connection closed or broke before a whole response arrived."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HTTPResponse:
     status: int
     headers: dict[str, str]
     body: bytes
 
 
-class _Connection:
-    __slots__ = ("reader", "reused", "writer")
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the incremental parser of its responses.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    The protocol callbacks fill ``_pieces`` (body bytes, de-chunked) and move
+    ``_state``; the one task using the connection waits on ``_waiter``, which
+    is woken only when something it can use arrived: the head, body bytes,
+    the end of the body, or a failure.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._state = _IDLE
+        self._rest = b""  # unparsed bytes: a partial head, chunk-size line or CRLF
+        self._remaining = 0
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self._no_body = False
+        self._got_bytes = False
+        self._error: str | None = None
+        self._lost = False
+        self._reading_paused = False
+        self._writing_paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
         self.reused = False
 
+    # -- asyncio.Protocol callbacks ------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        if self._state in (_IDLE, _DONE):
+            # Bytes nobody asked for: the connection can't be trusted again.
+            self.close()
+            return
+        if self._rest:
+            data, self._rest = self._rest + data, b""
+        try:
+            progressed = self._parse(data)
+        except ValueError as exc:
+            self._fail(f"malformed response: {exc}")
+            return
+        if progressed:
+            self._wake()
+        if (
+            self._buffered > _HIGH_WATER
+            and not self._reading_paused
+            and self._transport is not None
+        ):
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our end too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+        elif self._state == _HEAD:
+            self._error = "connection closed before a response"
+        elif self._state not in (_IDLE, _DONE):
+            self._error = "connection closed mid-body"
+        self._wake()
+        drain, self._drain_waiter = self._drain_waiter, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        drain, self._drain_waiter = self._drain_waiter, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # -- the parser ------------------------------------------------------------
+
+    def _parse(self, data: bytes) -> bool:
+        """Consume ``data``; true if the waiting task has something new."""
+        progressed = False
+        pos = 0
+        end = len(data)
+        while True:
+            state = self._state
+            if state in (_LENGTH, _CHUNK_DATA):
+                if pos == end:
+                    return progressed
+                take = min(self._remaining, end - pos)
+                self._push(data if take == end and pos == 0 else data[pos : pos + take])
+                progressed = True
+                pos += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._state = _DONE if state == _LENGTH else _CHUNK_END
+            elif state == _HEAD:
+                stop = data.find(b"\r\n\r\n", pos)
+                if stop < 0:
+                    if end - pos > _MAX_HEAD:
+                        raise ValueError("response head too large")
+                    self._rest = data[pos:]
+                    return progressed
+                self._parse_head(data[pos:stop])
+                progressed = True
+                pos = stop + 4
+            elif state in (_CHUNK_SIZE, _TRAILER):
+                stop = data.find(b"\r\n", pos)
+                if stop < 0:
+                    if end - pos > _MAX_HEAD:
+                        raise ValueError("chunk line too long")
+                    self._rest = data[pos:]
+                    return progressed
+                line = data[pos:stop]
+                pos = stop + 2
+                if state == _TRAILER:
+                    if not line:  # sandmand sends no trailers; others are skipped
+                        self._state = _DONE
+                        progressed = True
+                    continue
+                size = int(line.split(b";", 1)[0], 16)
+                if size < 0:
+                    raise ValueError("negative chunk size")
+                self._remaining = size
+                self._state = _CHUNK_DATA if size else _TRAILER
+            elif state == _CHUNK_END:
+                if end - pos < 2:
+                    self._rest = data[pos:]
+                    return progressed
+                if data[pos : pos + 2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                pos += 2
+                self._state = _CHUNK_SIZE
+            elif state == _UNTIL_CLOSE:
+                if pos < end:
+                    self._push(data[pos:] if pos else data)
+                    progressed = True
+                return progressed
+            else:  # _DONE
+                if pos < end:
+                    # Bytes past the response: it stands, the connection does not.
+                    self.close()
+                return progressed
+
+    def _parse_head(self, raw: bytes) -> None:
+        lines = raw.decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError):
+            raise ValueError(f"malformed status line {lines[0]!r}") from None
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        self.status = status
+        self.headers = headers
+        if self._no_body or status in (204, 304):
+            self._state = _DONE
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif "content-length" in headers:
+            self._remaining = int(headers["content-length"])
+            if self._remaining < 0:
+                raise ValueError("negative Content-Length")
+            self._state = _LENGTH if self._remaining else _DONE
+        else:
+            self._state = _UNTIL_CLOSE
+
+    def _push(self, piece: bytes) -> None:
+        self._pieces.append(piece)
+        self._buffered += len(piece)
+
+    def _fail(self, message: str) -> None:
+        if self._error is None:
+            self._error = message
+        self._wake()
+        self.close()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- used by the transport's task ------------------------------------------
+
     def usable(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing()
+        return (
+            not self._lost
+            and self._error is None
+            and self._state == _DONE
+            and self._transport is not None
+            and not self._transport.is_closing()
+        )
 
     def close(self) -> None:
-        self.writer.close()
+        if self._transport is not None:
+            self._transport.close()
+
+    def send(self, data: bytes, *, no_body: bool) -> None:
+        """Start an exchange: reset the parser, then write ``data`` (head and maybe body)."""
+        assert self._transport is not None
+        if self._lost or self._error is not None:
+            raise ConnectionLost(self._error or "connection closed")
+        self._state = _HEAD
+        self._no_body = no_body
+        self._got_bytes = False
+        self._transport.write(data)
+
+    def write(self, data: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the socket's send buffer is full (for streamed request bodies)."""
+        if self._writing_paused and not self._lost:
+            self._drain_waiter = self._loop.create_future()
+            await self._drain_waiter
+        if self._lost:
+            raise ConnectionLost(self._error or "connection closed while sending")
+
+    # The readers below are plain methods that say whether to `wait` rather
+    # than coroutines that wait themselves: when the answer is already here,
+    # as it mostly is, no coroutine is created at all.
+
+    def head_arrived(self) -> bool:
+        """True once ``status`` and ``headers`` are set; raises if the connection broke."""
+        if self._state != _HEAD:
+            return True
+        if self._error is not None:
+            raise ConnectionLost(self._error)
+        return False
+
+    def take(self) -> bytes | None:
+        """The next piece of body; ``b""`` if none arrived yet, None at the end of the body."""
+        if self._pieces:
+            piece = self._pieces.popleft()
+            self._buffered -= len(piece)
+            if self._reading_paused and self._buffered <= _HIGH_WATER // 4:
+                self._reading_paused = False
+                if self._transport is not None:
+                    self._transport.resume_reading()
+            return piece
+        if self._error is not None:
+            raise ConnectionLost(self._error)
+        return None if self._state == _DONE else b""
+
+    async def wait(self) -> None:
+        """Wait until the protocol callbacks bring something new (or a failure)."""
+        self._waiter = self._loop.create_future()
+        await self._waiter
+
+    def got_bytes(self) -> bool:
+        return self._got_bytes
 
 
 class StreamingResponse:
@@ -60,9 +326,12 @@ class StreamingResponse:
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """Yield the body in pieces as they arrive."""
-        if self.status not in (204, 304):
-            async for piece in _iter_body(self._conn.reader, self.headers):
+        conn = self._conn
+        while (piece := conn.take()) is not None:
+            if piece:
                 yield piece
+            else:
+                await conn.wait()
         self._done = True
 
     async def iter_lines(self) -> AsyncIterator[bytes]:
@@ -77,7 +346,11 @@ class StreamingResponse:
             yield pending
 
     async def read(self) -> bytes:
-        return b"".join([piece async for piece in self.iter_bytes()])
+        # Through iter_bytes, so that a wrapper replacing it sees every byte.
+        pieces = []
+        async for piece in self.iter_bytes():
+            pieces.append(piece)  # noqa: PERF401 - an async comprehension costs a coroutine more
+        return b"".join(pieces)
 
 
 class HTTPTransport:
@@ -95,8 +368,7 @@ class HTTPTransport:
         if (uds is None) == (host is None or port is None):
             raise ValueError("give either uds, or host and port")
         self._uds = uds
-        self._host = host
-        self._port = port
+        self._tcp = (host, port) if host is not None and port is not None else None
         self._max_idle = max_idle
         self._idle: list[_Connection] = []
         self._closed = False
@@ -117,32 +389,21 @@ class HTTPTransport:
             data = await response.read()
             return HTTPResponse(response.status, response.headers, data)
 
-    @asynccontextmanager
-    async def stream(
+    def stream(
         self,
         method: str,
         target: str,
         *,
         body: bytes | AsyncIterable[bytes] | None = None,
         content_type: str | None = None,
-    ) -> AsyncIterator[StreamingResponse]:
+    ) -> AbstractAsyncContextManager[StreamingResponse]:
         """Send one request; the response body is read from the yielded object.
 
         The connection goes back to the pool only if the body was read to its
         end; a cancelled or abandoned exchange closes it, so no half-read
         response is ever seen by the next request.
         """
-        conn, status, headers = await self._exchange(method, target, body, content_type)
-        response = StreamingResponse(conn, status, headers)
-        try:
-            yield response
-        except BaseException:
-            conn.close()
-            raise
-        if response._done and headers.get("connection", "").lower() != "close":
-            self._release(conn)
-        else:
-            conn.close()
+        return _Exchange(self, method, target, body, content_type)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -156,21 +417,32 @@ class HTTPTransport:
         target: str,
         body: bytes | AsyncIterable[bytes] | None,
         content_type: str | None,
-    ) -> tuple[_Connection, int, dict[str, str]]:
+    ) -> _Connection:
         head = self._head(method, target, body, content_type)
+        no_body = method == "HEAD"
         while True:
-            conn = await self._acquire()
+            conn = self._idle_connection() or await self._connect()
             try:
-                await _send(conn.writer, head, body)
-                status, headers = await _read_head(conn.reader)
+                if body is None or isinstance(body, bytes):
+                    # One write of one buffer: one send() syscall, one packet.
+                    conn.send(head + body if body else head, no_body=no_body)
+                else:
+                    conn.send(head, no_body=no_body)
+                    async for piece in body:
+                        if piece:
+                            conn.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                            await conn.drain()
+                    conn.write(b"0\r\n\r\n")
+                while not conn.head_arrived():
+                    await conn.wait()
             except BaseException as exc:
                 conn.close()
                 # A kept-alive connection the daemon closed while idle fails
                 # before any byte of an answer: safe to send once more, fresh.
-                if conn.reused and isinstance(exc, ConnectionLost | ConnectionError):
+                if conn.reused and isinstance(exc, ConnectionLost) and not conn.got_bytes():
                     continue
                 raise
-            return conn, status, headers
+            return conn
 
     def _head(
         self,
@@ -192,7 +464,7 @@ class HTTPTransport:
         parts.append(b"\r\n")
         return b"".join(parts)
 
-    async def _acquire(self) -> _Connection:
+    def _idle_connection(self) -> _Connection | None:
         if self._closed:
             raise ConnectionLost("transport is closed")
         while self._idle:
@@ -201,11 +473,16 @@ class HTTPTransport:
                 conn.reused = True
                 return conn
             conn.close()
-        if self._uds is not None:
-            reader, writer = await asyncio.open_unix_connection(self._uds, limit=_MAX_HEAD)
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        # asyncio sets TCP_NODELAY on TCP sockets itself.
+        if self._tcp is not None:
+            _, conn = await loop.create_connection(lambda: _Connection(loop), *self._tcp)
         else:
-            reader, writer = await asyncio.open_connection(self._host, self._port, limit=_MAX_HEAD)
-        return _Connection(reader, writer)
+            _, conn = await loop.create_unix_connection(lambda: _Connection(loop), self._uds)
+        return conn
 
     def _release(self, conn: _Connection) -> None:
         if self._closed or len(self._idle) >= self._max_idle or not conn.usable():
@@ -214,62 +491,37 @@ class HTTPTransport:
             self._idle.append(conn)
 
 
-async def _send(
-    writer: asyncio.StreamWriter, head: bytes, body: bytes | AsyncIterable[bytes] | None
-) -> None:
-    if body is None or isinstance(body, bytes):
-        writer.write(head + body if body else head)
-    else:
-        writer.write(head)
-        async for piece in body:
-            if piece:
-                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                await writer.drain()
-        writer.write(b"0\r\n\r\n")
-    await writer.drain()
+class _Exchange(AbstractAsyncContextManager[StreamingResponse]):
+    """`HTTPTransport.stream` as a plain class: cheaper than @asynccontextmanager."""
 
+    __slots__ = ("_args", "_conn", "_response", "_transport")
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        raise ConnectionLost("connection closed before a response") from exc
-    except asyncio.LimitOverrunError as exc:
-        raise ConnectionLost("response head too large") from exc
-    lines = raw.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split(" ", 2)[1])
-    except (IndexError, ValueError) as exc:
-        raise ConnectionLost(f"malformed status line {lines[0]!r}") from exc
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    return status, headers
+    def __init__(
+        self,
+        transport: HTTPTransport,
+        method: str,
+        target: str,
+        body: bytes | AsyncIterable[bytes] | None,
+        content_type: str | None,
+    ) -> None:
+        self._transport = transport
+        self._args = (method, target, body, content_type)
+        self._response: StreamingResponse | None = None
 
+    async def __aenter__(self) -> StreamingResponse:
+        conn = await self._transport._exchange(*self._args)
+        self._response = StreamingResponse(conn, conn.status, conn.headers)
+        return self._response
 
-async def _iter_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
-    try:
-        if "content-length" in headers:
-            remaining = int(headers["content-length"])
-            while remaining > 0:
-                piece = await reader.read(min(remaining, _READ_CHUNK))
-                if not piece:
-                    raise ConnectionLost("connection closed mid-body")
-                remaining -= len(piece)
-                yield piece
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            while True:
-                size_line = await reader.readuntil(b"\r\n")
-                size = int(size_line.split(b";", 1)[0], 16)
-                if size == 0:
-                    await reader.readuntil(b"\r\n")  # no trailers from sandmand
-                    return
-                piece = await reader.readexactly(size + 2)
-                yield piece[:-2]
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        response = self._response
+        assert response is not None
+        conn = response._conn
+        if (
+            exc_type is None
+            and response._done
+            and response.headers.get("connection", "").lower() != "close"
+        ):
+            self._transport._release(conn)
         else:
-            while piece := await reader.read(_READ_CHUNK):
-                yield piece
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-        raise ConnectionLost("malformed or truncated response body") from exc
+            conn.close()

@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from sandman import errors
 from sandman.daemon import protocol
@@ -109,7 +110,8 @@ class DaemonClient:
         timeout_error: type[errors.SandboxTimeout] = errors.SandboxTimeout,
     ) -> HTTPResponse:
         if payload is not None:
-            body, content_type = json.dumps(payload).encode(), _JSON
+            # pydantic-core's encoder: straight to UTF-8 bytes, ~8x json.dumps.
+            body, content_type = to_json(payload), _JSON
         seconds = self._request_timeout if deadline == "default" else deadline
         scope: asyncio.Timeout | None = None
         try:
@@ -278,7 +280,7 @@ class DaemonClient:
             command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
             max_output=max_output, shell=shell, encoding=encoding,
         )  # fmt: skip
-        body = json.dumps(payload).encode()
+        body = to_json(payload)
         with _map_transport_errors(self._address):
             async with self._transport.stream(
                 "POST", "/v1/exec/stream", body=body, content_type=_JSON

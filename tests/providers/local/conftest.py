@@ -11,18 +11,12 @@ import pytest
 
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
-from tests.images.builders import busybox_rootfs_tar
 from tests.providers.local.leaks import assert_nothing_left
 
 needs_root_and_crun = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("crun") is None,
     reason="the local provider needs root and crun (scripts/setup installs crun)",
 )
-
-
-@pytest.fixture(scope="session")
-def busybox_tar(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return busybox_rootfs_tar(tmp_path_factory.mktemp("images") / "busybox-rootfs.tar")
 
 
 @pytest.fixture

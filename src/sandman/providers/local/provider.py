@@ -33,7 +33,6 @@ from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
 from sandman.providers.local import oci
 from sandman.providers.local.host import prepare_cgroups
-from sandman.providers.local.mounts import overlay_in_private_namespace
 from sandman.providers.local.network import NetworkManager
 from sandman.providers.local.runtime import OCIRuntime
 from sandman.settings import LocalConfig
@@ -44,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
+_IMAGE_TTL = 2.0
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
 _STATES: dict[str, SandboxState] = {
     "created": "creating",
     "running": "running",
@@ -83,6 +84,8 @@ class LocalProvider:
         )
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
+        self._images: dict[str, tuple[float, Image]] = {}
+        self._users: dict[tuple[str, str], tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"LocalProvider(state_dir={str(self.config.state_dir)!r}, runtime={self.config.runtime!r})"
@@ -99,6 +102,24 @@ class LocalProvider:
                 await anyio.to_thread.run_sync(prepare_cgroups)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
             self._prepared = True
+
+    async def _image(self, ref: str) -> Image:
+        # A burst resolves the same name thousands of times; a name may be
+        # re-pointed by another process, so the answer is kept only briefly.
+        now = time.monotonic()
+        cached = self._images.get(ref)
+        if cached is not None and now - cached[0] < _IMAGE_TTL:
+            return cached[1]
+        image = await self.images.get(ref)
+        self._images[ref] = (now, image)
+        return image
+
+    def _user(self, image: Image, user: str) -> tuple[int, int]:
+        # An image's content never changes under its id: resolve once.
+        key = (image.id, user)
+        if key not in self._users:
+            self._users[key] = resolve_user(image.rootfs, user)
+        return self._users[key]
 
     def _dir(self, sandbox_id: str) -> Path:
         if not _ID.match(sandbox_id):
@@ -121,7 +142,7 @@ class LocalProvider:
     ) -> SandboxInfo:
         """Start a sandbox from ``spec``; its daemon is starting when this returns."""
         await self._prepare()
-        image = await self.images.get(spec.image)
+        image = await self._image(spec.image)
         sid = sandbox_id or new_sandbox_id()
         directory = self._dir(sid)
         socket = self._socket(directory)
@@ -130,7 +151,7 @@ class LocalProvider:
                 f"socket path {socket} is longer than {_MAX_SOCKET_PATH} bytes: use a shorter state_dir"
             )
         all_labels = {**spec.labels, **(labels or {})}
-        uid, gid = resolve_user(image.rootfs, spec.user or image.config.user)
+        uid, gid = self._user(image, spec.user or image.config.user)
         created_at = time.time()
         try:
             directory.mkdir(mode=0o700)
@@ -188,10 +209,10 @@ class LocalProvider:
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
         )  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
-        preexec = overlay_in_private_namespace(
-            image.rootfs, directory / "upper", directory / "work", directory / "rootfs"
+        overlay = (image.rootfs, directory / "upper", directory / "work", directory / "rootfs")
+        await self._runtime.create(
+            sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
         )
-        await self._runtime.create(sid, directory, log=directory / "log", preexec=preexec)
         await self._runtime.start(sid)
 
     # -- delete -------------------------------------------------------------
@@ -202,7 +223,17 @@ class LocalProvider:
         await self._runtime.delete(sandbox_id)
         # After the container: its processes are gone, so the netns goes at once.
         await self.network.teardown(sandbox_id)
+        await self._remove_cgroups(sandbox_id)
         await anyio.to_thread.run_sync(_remove_tree, directory)
+
+    async def _remove_cgroups(self, sandbox_id: str) -> None:
+        """Remove cgroup dirs the runtime left: it gives up on one still busy
+        with exiting tasks (seen with hugetlb under load)."""
+        left = await anyio.to_thread.run_sync(
+            _remove_cgroup_dirs, self.config.cgroup_parent.strip("/"), sandbox_id
+        )
+        if left:
+            raise errors.ProviderError(f"cgroups of {sandbox_id} still busy: {left}")
 
     # -- list / inspect -------------------------------------------------------
 
@@ -263,6 +294,24 @@ def _write(path: Path, text: str, mode: int = 0o600) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
+
+
+def _remove_cgroup_dirs(parent: str, sandbox_id: str, patience: float = 5.0) -> list[Path]:
+    """rmdir the sandbox's cgroup in every hierarchy; returns what is still there."""
+    left = [p for p in _CGROUP_ROOT.glob(f"*/{parent}/{sandbox_id}") if p.is_dir()]
+    deadline = time.monotonic() + patience
+    while left and time.monotonic() < deadline:
+        for path in list(left):
+            try:
+                path.rmdir()
+                left.remove(path)
+            except FileNotFoundError:
+                left.remove(path)
+            except OSError:
+                pass  # EBUSY: its last tasks are still exiting
+        if left:
+            time.sleep(0.01)
+    return left
 
 
 def _remove_tree(directory: Path) -> None:

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import anyio
 
 from sandman import errors
+from sandman.providers.local import spawn
 
 __all__ = ["OCIRuntime"]
 
@@ -34,50 +32,53 @@ class OCIRuntime:
         self.kind = kind
         self.timeout = timeout
 
-    async def _run(
-        self,
-        *args: str,
-        log: Path | None = None,
-        preexec: Callable[[], None] | None = None,
-    ) -> tuple[int, str]:
-        """Run the runtime; returns (exit code, stdout). Errors go to ``log`` when given."""
+    async def _run(self, *args: str, log: Path | None = None) -> tuple[int, str]:
+        """Run the runtime; returns (exit code, stdout, or stderr on failure).
+
+        With ``log`` both streams go there (for ``create``, the container's
+        PID 1 inherits them as its stdio).
+        """
         argv = [self.binary, "--root", str(self.root), *args]
-        with open(log, "ab") if log is not None else open("/dev/null", "wb") as err:  # noqa: ASYNC230
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=subprocess.DEVNULL,
-                # create: the container's PID 1 inherits these as its stdio.
-                stdout=err if log is not None else subprocess.PIPE,
-                stderr=err if log is not None else subprocess.PIPE,
-                preexec_fn=preexec,
-            )
         try:
-            async with asyncio.timeout(self.timeout):
-                out, stderr = await process.communicate()
+            done = await spawn.run(argv, log=log, timeout=self.timeout)
         except TimeoutError:
-            process.kill()
-            await process.wait()
             raise errors.ProviderError(
                 f"{self.kind} {args[0]} did not finish within {self.timeout} s"
             ) from None
-        if process.returncode != 0 and log is None:
-            logger.debug(
-                "%s %s failed: %s", self.kind, " ".join(args), stderr.decode(errors="replace")
-            )
-            return process.returncode or 1, stderr.decode(errors="replace")
-        return process.returncode or 0, (out or b"").decode(errors="replace")
+        if done.returncode != 0:
+            message = done.stderr.decode(errors="replace")
+            logger.debug("%s %s failed: %s", self.kind, " ".join(args), message)
+            return done.returncode, message
+        return 0, done.stdout.decode(errors="replace")
 
     async def create(
-        self, sandbox_id: str, bundle: Path, *, log: Path, preexec: Callable[[], None]
+        self,
+        sandbox_id: str,
+        bundle: Path,
+        *,
+        log: Path,
+        overlay: tuple[Path, Path, Path, Path],
+        helper: Path,
     ) -> None:
+        """``create`` run through ``helper overlay-exec``, which mounts the overlay
+        (lower, upper, work, target) in a private mount namespace first."""
         pid_file = bundle / "pid"
-        code, _ = await self._run(
+        argv = [
+            str(helper), "overlay-exec", *(str(p) for p in overlay), "--",
+            self.binary, "--root", str(self.root),
             "create", "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
-            log=log, preexec=preexec,
-        )  # fmt: skip
-        if code != 0:
+        ]  # fmt: skip
+        try:
+            done = await spawn.run(argv, log=log, timeout=self.timeout)
+        except TimeoutError:
+            raise errors.ProviderError(
+                f"{self.kind} create did not finish within {self.timeout} s"
+            ) from None
+        if done.returncode != 0:
             tail = (await anyio.Path(log).read_text(errors="replace"))[-2000:].strip()
-            raise errors.ProviderError(f"{self.kind} create {sandbox_id} failed ({code}): {tail}")
+            raise errors.ProviderError(
+                f"{self.kind} create {sandbox_id} failed ({done.returncode}): {tail}"
+            )
 
     async def start(self, sandbox_id: str) -> None:
         code, message = await self._run("start", sandbox_id)

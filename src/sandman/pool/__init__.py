@@ -1,0 +1,8 @@
+"""The pool: pacing, readiness, leases, ownership, reconciliation and warm spares."""
+
+from sandman.pool.events import EventHook, PoolEvent
+from sandman.pool.pacing import Pacer, PacingConfig
+from sandman.pool.pool import Pool, PoolConfig
+from sandman.pool.records import Record
+
+__all__ = ["EventHook", "Pacer", "PacingConfig", "Pool", "PoolConfig", "PoolEvent", "Record"]

@@ -1,0 +1,43 @@
+"""Lifecycle events: one helper logs each at DEBUG and hands it to an optional hook."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EventHook", "PoolEvent", "emit"]
+
+logger = logging.getLogger("sandman.pool")
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
+    ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
+    ``delete.failed``, ``session.expired``, ``reconcile.orphan``."""
+
+    name: str
+    pool: str
+    sandbox_id: str | None = None
+    session: str | None = None
+    at: float = field(default_factory=time.time)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+EventHook = Callable[[PoolEvent], None]
+
+
+def emit(hook: EventHook | None, event: PoolEvent) -> None:
+    """Log the event and call the hook; a failing hook is logged, never raised."""
+    logger.debug(
+        "%s pool=%s sandbox=%s session=%s %s",
+        event.name, event.pool, event.sandbox_id, event.session, event.detail,
+    )  # fmt: skip
+    if hook is not None:
+        try:
+            hook(event)
+        except Exception:
+            logger.exception("pool event hook failed on %s", event.name)

@@ -1,0 +1,571 @@
+"""The pool: between callers and a provider, it paces creation, waits for readiness,
+hands sandboxes out under leases, and keeps cleanup responsibility whatever callers do.
+
+Lifecycle of a sandbox (see `records.State`)::
+
+    queued -> creating -> starting -> ready -> leased -> releasing -> gone
+                  \\           \\                            ^
+                   `-----------`-> failed ----------------'   (deleted until the backend says gone)
+
+Invariants kept here:
+- the intent (id, labels, expiry) is recorded before the provider is called, so
+  a crash in between leaks nothing the reconciler cannot find by label;
+- a sandbox whose caller gave up is handed to the next waiter for the same
+  spec, kept as a warm spare, or deleted: never leaked;
+- a released, expired, failed or orphaned sandbox is deleted with retries
+  until the provider confirms it is gone;
+- a session that stops heartbeating loses its sandboxes when its lease ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+from sandman import errors
+from sandman.models import SandboxSpec
+from sandman.pool.events import EventHook, PoolEvent, emit
+from sandman.pool.pacing import Pacer, PacingConfig
+from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
+from sandman.providers.base import Provider
+
+__all__ = ["Pool", "PoolConfig"]
+
+logger = logging.getLogger(__name__)
+
+_WARM_CLIENT = "__warm__"
+FailureKind = Literal["throttled", "server_error", "timeout", "capacity", "other"]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How the pool behaves. Times are seconds."""
+
+    name: str = "default"
+    """Every sandbox carries the label ``sandman.io/pool=<name>``; the reconciler owns those."""
+    lease: float = 30.0
+    """A session that has not heartbeated for this long loses its sandboxes."""
+    lifetime: float = 6 * 3600.0
+    """Hard lifetime of every sandbox (``sandman.io/expires-at``), enforced even across restarts."""
+    ready_timeout: float = 120.0
+    """How long a created sandbox may take until its daemon answers health."""
+    reconcile_interval: float = 15.0
+    delete_backoff: float = 0.2
+    delete_backoff_max: float = 10.0
+    retry_limit: int = 5
+    """How often one request is re-queued after retryable failures (throttling, capacity)."""
+    adopt_orphans: bool = False
+    """At start, keep running sandboxes a previous life of this pool left (as leased to their
+    session label) instead of deleting them."""
+    pacing: PacingConfig = field(default_factory=PacingConfig)
+
+
+def _key(spec: SandboxSpec) -> str:
+    return spec.model_dump_json()
+
+
+@dataclass(eq=False)
+class _Request:
+    spec: SandboxSpec
+    session: str
+    future: asyncio.Future[Record]
+    queued_at: float
+    warm: bool = False
+    attempts: int = 0
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = _key(self.spec)
+
+
+@dataclass
+class _Session:
+    id: str
+    lease: float
+    last_seen: float
+    sandboxes: set[str] = field(default_factory=set)
+
+
+class Pool:
+    """Sandboxes from one provider for many callers, paced, leased and always cleaned up.
+
+    Use as ``async with Pool(provider) as pool``; `aclose` releases everything
+    (or, with ``release=False``, leaves running sandboxes for the next pool of
+    the same name to adopt).
+    """
+
+    def __init__(
+        self,
+        provider: Provider,
+        config: PoolConfig | None = None,
+        *,
+        hook: EventHook | None = None,
+    ) -> None:
+        self.provider = provider
+        self.config = config or PoolConfig()
+        self._hook = hook
+        self._pacer: Pacer[_Request] = Pacer(self.config.pacing, time.monotonic())
+        self._records: dict[str, Record] = {}
+        self._sessions: dict[str, _Session] = {}
+        # Keyed by the spec's JSON: specs hold dicts, so they are not hashable.
+        self._waiting: dict[str, deque[_Request]] = {}
+        self._idle: dict[str, deque[str]] = {}
+        self._warm: dict[str, tuple[SandboxSpec, int]] = {}
+        self._warm_pending: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._creates: set[asyncio.Task[None]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._started = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Pool({self.config.name!r}, provider={self.provider.name!r}, sandboxes={len(self._records)})"
+
+    # -- lifecycle of the pool ------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Reconcile with the provider once, then start the background loops."""
+        if self._started:
+            return
+        self._started = True
+        await self.reconcile(adopt=self.config.adopt_orphans)
+        self._loops = [
+            asyncio.create_task(self._schedule(), name="sandman-pool-scheduler"),
+            asyncio.create_task(self._maintain(), name="sandman-pool-maintenance"),
+        ]
+
+    async def aclose(self, *, release: bool = True, timeout: float = 60.0) -> None:
+        """Stop handing out sandboxes; release them all (default) and wait until they are gone."""
+        if self._closed:
+            return
+        self._closed = True
+        for loop in self._loops:
+            loop.cancel()
+        for queue in self._waiting.values():
+            for request in queue:
+                if not request.future.done():
+                    request.future.set_exception(errors.PoolClosed("the pool is closed"))
+        self._waiting.clear()
+        # Creations in flight are abandoned: each deletes what it made.
+        for create in self._creates:
+            create.cancel()
+        await asyncio.gather(*self._creates, return_exceptions=True)
+        if release:
+            for record in list(self._records.values()):
+                self._release(record, reason="pool closed")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self._tasks:
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for loop in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.PoolClosed("the pool is closed")
+        if not self._started:
+            raise errors.ConfigError("the pool is not started: use `async with Pool(...)`")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _emit(self, name: str, record: Record | None = None, **detail: object) -> None:
+        emit(
+            self._hook,
+            PoolEvent(
+                name, self.config.name,
+                sandbox_id=record.id if record else None,
+                session=record.session if record else None, detail=dict(detail),
+            ),
+        )  # fmt: skip
+
+    # -- sessions -------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None = None, *, lease: float | None = None) -> str:
+        """A client session; keep it alive with `heartbeat` or lose its sandboxes after the lease."""
+        self._check_open()
+        sid = session_id or f"s-{secrets.token_hex(6)}"
+        self._sessions.setdefault(
+            sid, _Session(sid, lease or self.config.lease, time.monotonic())
+        ).last_seen = time.monotonic()
+        return sid
+
+    def heartbeat(self, session_id: str) -> None:
+        """Extend the session's lease; SandboxNotFound if it already expired."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise errors.SandboxNotFound(f"session {session_id} is unknown or expired")
+        session.last_seen = time.monotonic()
+
+    def close_session(self, session_id: str) -> None:
+        """End the session: everything it holds is released."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        for queue in self._waiting.values():
+            for request in queue:
+                if request.session == session_id and not request.future.done():
+                    request.future.cancel()
+        for sandbox_id in list(session.sandboxes):
+            record = self._records.get(sandbox_id)
+            if record is not None:
+                self._release(record, reason="session closed")
+
+    # -- acquire / release ----------------------------------------------------------
+
+    async def acquire(
+        self, spec: SandboxSpec, *, session: str, timeout: float | None = None
+    ) -> Record:
+        """A ready sandbox for ``spec``, leased to ``session``.
+
+        Waits at most ``timeout`` seconds (CreateTimeout). If the caller gives up
+        (timeout or cancellation), a sandbox being made for it goes to the next
+        waiter for the same spec, to the warm spares, or is deleted.
+        """
+        self._check_open()
+        if session not in self._sessions:
+            raise errors.SandboxNotFound(f"session {session} is unknown or expired")
+        idle = self._take_idle(spec)
+        if idle is not None:
+            self._lease(idle, session)
+            return idle
+        request = _Request(spec, session, asyncio.get_running_loop().create_future(), time.time())
+        self._queue(request)
+        try:
+            async with asyncio.timeout(timeout):
+                return await request.future
+        except TimeoutError:
+            raise errors.CreateTimeout(
+                f"no sandbox of {spec.image!r} within {timeout} s (pool {self.config.name!r})"
+            ) from None
+        finally:
+            if not request.future.done():
+                request.future.cancel()
+            # Dropped before any create if it was still queued.
+            if self._pacer.cancel(request):
+                self._wake.set()
+
+    def release(self, sandbox_id: str) -> None:
+        """Give a sandbox back; it is deleted in the background. Idempotent."""
+        record = self._records.get(sandbox_id)
+        if record is not None:
+            self._release(record, reason="released")
+
+    def get(self, sandbox_id: str) -> Record:
+        record = self._records.get(sandbox_id)
+        if record is None:
+            raise errors.SandboxNotFound(
+                f"sandbox {sandbox_id} is not in pool {self.config.name!r}"
+            )
+        return record
+
+    def list(self, *, session: str | None = None) -> list[Record]:
+        return [r for r in self._records.values() if session is None or r.session == session]
+
+    def stats(self) -> dict[str, float]:
+        """Counts per state plus the pacer's numbers, for metrics and dashboards."""
+        counts: dict[str, float] = {}
+        for record in self._records.values():
+            counts[record.state] = counts.get(record.state, 0) + 1
+        counts["sessions"] = len(self._sessions)
+        counts.update({f"pacing_{k}": v for k, v in self._pacer.stats().items()})
+        return counts
+
+    def warm(self, spec: SandboxSpec, count: int) -> None:
+        """Keep ``count`` ready spares of ``spec``; an acquire they serve costs only the hand-over."""
+        self._check_open()
+        if count < 0:
+            raise errors.ConfigError("warm count must be >= 0")
+        self._warm[_key(spec)] = (spec, count)
+        self._wake.set()
+
+    # -- internals: queueing and creation ------------------------------------------
+
+    def _queue(self, request: _Request) -> None:
+        self._waiting.setdefault(request.key, deque()).append(request)
+        self._pacer.enqueue(_WARM_CLIENT if request.warm else request.session, request)
+        self._wake.set()
+
+    def _take_idle(self, spec: SandboxSpec) -> Record | None:
+        spares = self._idle.get(_key(spec))
+        while spares:
+            record = self._records.get(spares.popleft())
+            if record is not None and record.state == "ready":
+                return record
+        return None
+
+    def _lease(self, record: Record, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            self._release(record, reason="session gone before hand-over")
+            return
+        record.session = session_id
+        record.state = "leased"
+        record.stamp("handed_out")
+        session.sandboxes.add(record.id)
+        self._emit("sandbox.leased", record)
+
+    async def _schedule(self) -> None:
+        """Start creations as the pacer allows, oldest-first per client, clients round robin."""
+        while True:
+            now = time.monotonic()
+            request = self._pacer.next(now)
+            if request is None:
+                wait = self._pacer.wait_time(now)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                continue
+            if request.future.done() and not request.warm:
+                self._pacer.on_abandoned(now)  # its caller left between queue and turn
+                continue
+            task = asyncio.create_task(self._create(request), name="sandman-create")
+            self._creates.add(task)
+            task.add_done_callback(self._creates.discard)
+
+    async def _create(self, request: _Request) -> None:
+        now = time.time()
+        expires = now + self.config.lifetime
+        record = Record(
+            id=f"sb-{secrets.token_hex(6)}", spec=request.spec, state="creating",
+            labels={LABEL_POOL: self.config.name, LABEL_SESSION: request.session,
+                    LABEL_EXPIRES: f"{expires:.0f}"},
+            expires_at=expires, session=None if request.warm else request.session,
+        )  # fmt: skip
+        record.stamp("queued", request.queued_at)
+        record.stamp("create_called")
+        # The intent is recorded before the backend is called.
+        self._records[record.id] = record
+        self._emit("create.started", record)
+        started = time.monotonic()
+        try:
+            info = await self.provider.create(
+                request.spec, sandbox_id=record.id, labels=record.labels
+            )
+            record.info = info
+            record.state = "starting"
+            record.stamp("accepted")
+            record.stamp("running")
+            if info.endpoint is not None:
+                async with info.endpoint.client() as daemon:
+                    await daemon.wait_ready(self.config.ready_timeout)
+        except asyncio.CancelledError:
+            self._pacer.on_abandoned(time.monotonic())
+            self._release(record, reason="cancelled during create", state="failed", force=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a provider raises fails this create
+            self._failed(request, record, exc)
+            return
+        record.state = "ready"
+        record.stamp("daemon_ready")
+        self._pacer.on_ready(time.monotonic(), time.monotonic() - started)
+        self._wake.set()
+        self._emit("create.complete", record, seconds=round(time.monotonic() - started, 4))
+        if record.release_requested:
+            self._drop_waiting(request)
+            self._release(record, reason="released while creating")
+            return
+        self._deliver(record, request)
+
+    def _failed(self, request: _Request, record: Record, exc: Exception) -> None:
+        kind, retry_after = _classify(exc)
+        self._pacer.on_failed(time.monotonic(), kind, retry_after)
+        self._wake.set()
+        record.error = exc
+        self._emit("create.failed", record, error=repr(exc), kind=kind)
+        # The backend may hold something even after an error: delete it too.
+        self._release(record, reason="create failed", state="failed", force=True)
+        retryable = getattr(exc, "retryable", False) or kind in ("throttled", "capacity")
+        request.attempts += 1
+        if request.future.done() and not request.warm:
+            return
+        if retryable and request.attempts <= self.config.retry_limit and not self._closed:
+            self._pacer.enqueue(_WARM_CLIENT if request.warm else request.session, request)
+            self._wake.set()
+        elif request.warm:
+            self._warm_pending[request.key] = self._warm_pending.get(request.key, 1) - 1
+        else:
+            self._drop_waiting(request)
+            request.future.set_exception(exc)
+
+    def _drop_waiting(self, request: _Request) -> None:
+        queue = self._waiting.get(request.key)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(request)
+
+    def _deliver(self, record: Record, request: _Request) -> None:
+        """Hand a ready sandbox to its requester, else the next waiter, else the spares, else delete."""
+        self._drop_waiting(request)
+        if request.warm:
+            self._warm_pending[request.key] = self._warm_pending.get(request.key, 1) - 1
+        if self._closed:
+            self._release(record, reason="pool closed")
+            return
+        if not request.warm and not request.future.done() and request.session in self._sessions:
+            self._lease(record, request.session)
+            request.future.set_result(record)
+            return
+        queue = self._waiting.get(request.key, deque())
+        while queue:
+            other = queue.popleft()
+            # Only a waiter still queued (not being created for) takes it over.
+            if (
+                not other.future.done()
+                and other.session in self._sessions
+                and self._pacer.cancel(other)
+            ):
+                self._lease(record, other.session)
+                other.future.set_result(record)
+                self._emit("sandbox.handed_over", record, from_session=request.session)
+                return
+            if not other.future.done():
+                queue.appendleft(other)
+                break
+        _, target = self._warm.get(request.key, (record.spec, 0))
+        if len(self._idle.get(request.key, ())) < target:
+            record.session = None
+            self._idle.setdefault(request.key, deque()).append(record.id)
+            return
+        self._release(record, reason="caller gave up")
+
+    # -- internals: release and delete ---------------------------------------------
+
+    def _release(
+        self,
+        record: Record,
+        *,
+        reason: str,
+        state: Literal["releasing", "failed"] = "releasing",
+        force: bool = False,
+    ) -> None:
+        if record.state in ("releasing", "gone") or (
+            record.state == "failed" and state == "failed"
+        ):
+            return
+        if record.state in ("creating", "starting") and not force:
+            # Deleting while the create is still running could race it: the
+            # create path releases the sandbox as soon as it has one.
+            record.release_requested = True
+            return
+        if record.session is not None and (session := self._sessions.get(record.session)):
+            session.sandboxes.discard(record.id)
+        record.state = state
+        record.stamp("released")
+        self._emit("sandbox.released", record, reason=reason)
+        self._spawn(self._delete(record), f"sandman-delete-{record.id}")
+
+    async def _delete(self, record: Record) -> None:
+        backoff = self.config.delete_backoff
+        record.state = "releasing"
+        while True:
+            try:
+                await self.provider.delete(record.id)
+                break
+            except errors.ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any backend failure: retry until gone
+                self._emit("delete.failed", record, error=repr(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.delete_backoff_max)
+        record.state = "gone"
+        record.stamp("gone")
+        self._records.pop(record.id, None)
+        self._emit("delete.complete", record)
+
+    # -- internals: maintenance -----------------------------------------------------
+
+    async def _maintain(self) -> None:
+        """Expire sessions and sandboxes, top up warm spares, reconcile now and then."""
+        last_reconcile = time.monotonic()
+        while True:
+            await asyncio.sleep(min(1.0, self.config.lease / 4))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                if now - session.last_seen > session.lease:
+                    self._emit("session.expired", None, session=session.id)
+                    self.close_session(session.id)
+            wall = time.time()
+            for record in list(self._records.values()):
+                if record.expires_at < wall and record.state not in ("releasing", "gone"):
+                    self._release(record, reason="expired")
+            self._top_up()
+            if now - last_reconcile > self.config.reconcile_interval:
+                last_reconcile = now
+                try:
+                    await self.reconcile()
+                except errors.SandboxError as exc:
+                    self._emit("reconcile.failed", None, error=repr(exc))
+
+    def _top_up(self) -> None:
+        for key, (spec, target) in self._warm.items():
+            have = len(self._idle.get(key, ())) + self._warm_pending.get(key, 0)
+            for _ in range(target - have):
+                self._warm_pending[key] = self._warm_pending.get(key, 0) + 1
+                request = _Request(
+                    spec, _WARM_CLIENT, asyncio.get_running_loop().create_future(), time.time(),
+                    warm=True,
+                )  # fmt: skip
+                self._pacer.enqueue(_WARM_CLIENT, request)
+                self._wake.set()
+
+    async def reconcile(self, *, adopt: bool = False) -> None:
+        """Delete what the provider holds for this pool that the pool does not know, or expired.
+
+        With ``adopt``, running unexpired orphans are kept as leased to their
+        session label (a session that then never heartbeats loses them).
+        """
+        infos = await self.provider.list(labels={LABEL_POOL: self.config.name})
+        wall = time.time()
+        for info in infos:
+            if info.id in self._records:
+                continue
+            try:
+                expires = float(info.labels.get(LABEL_EXPIRES, "0"))
+            except ValueError:
+                expires = 0.0
+            session = info.labels.get(LABEL_SESSION)
+            record = Record(
+                id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
+                labels=dict(info.labels), expires_at=expires, info=info,
+            )  # fmt: skip
+            self._records[info.id] = record
+            if adopt and info.state == "running" and expires > wall and session:
+                self.open_session(session)
+                self._lease(record, session)
+                self._emit("reconcile.adopted", record)
+            else:
+                self._emit("reconcile.orphan", record, state=info.state)
+                self._release(record, reason="orphan")
+
+
+def _classify(exc: BaseException) -> tuple[FailureKind, float | None]:
+    retry_after = getattr(exc, "retry_after", None)
+    if isinstance(exc, errors.ThrottledError):
+        return "throttled", retry_after
+    if isinstance(exc, errors.CapacityError):
+        return "capacity", retry_after
+    if isinstance(exc, TimeoutError):
+        return "timeout", None
+    if isinstance(exc, errors.ProviderError | errors.DaemonUnavailable):
+        return "server_error", None
+    return "other", None

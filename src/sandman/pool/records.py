@@ -1,0 +1,43 @@
+"""What the pool knows of each sandbox: its state, owner, expiry and timeline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sandman.models import SandboxSpec
+from sandman.providers.base import SandboxInfo
+
+__all__ = ["LABEL_EXPIRES", "LABEL_POOL", "LABEL_SESSION", "Record", "State", "TimelineEvent"]
+
+LABEL_POOL = "sandman.io/pool"
+LABEL_SESSION = "sandman.io/session"
+LABEL_EXPIRES = "sandman.io/expires-at"
+
+State = Literal["queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone"]
+
+TimelineEvent = Literal[
+    "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
+    "released", "gone",
+]  # fmt: skip
+"""Where a sandbox's time went, in order; each is stamped once, in wall-clock seconds."""
+
+
+@dataclass
+class Record:
+    """One sandbox, from the recorded intent to gone. Mutated only by the pool."""
+
+    id: str
+    spec: SandboxSpec
+    state: State
+    labels: dict[str, str]
+    expires_at: float
+    session: str | None = None
+    info: SandboxInfo | None = None
+    error: BaseException | None = None
+    release_requested: bool = False
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    def stamp(self, event: TimelineEvent, at: float | None = None) -> None:
+        self.timeline.setdefault(event, time.time() if at is None else at)

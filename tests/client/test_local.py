@@ -1,0 +1,159 @@
+"""The SDK on the embedded pool and the real local provider."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+import sandman
+from sandman.providers.local import LocalProvider
+from tests.providers.local.conftest import needs_root_and_crun
+
+pytestmark = needs_root_and_crun
+
+
+@pytest.mark.anyio
+async def test_async_client_end_to_end(
+    imported: LocalProvider, local_state: Path, tmp_path: Path
+) -> None:
+    async with (
+        sandman.local(state_dir=local_state) as client,
+        client.sandbox("busybox", cpu=0.5, memory="128Mi") as sb,
+    ):
+        result = await sb.exec("echo hi from $(hostname)")
+        assert result.stdout == f"hi from {sb.id}\n"
+        assert (await sb.run(["true"])).ok
+        await sb.write_file("/root/a.txt", "persisted")
+        assert await sb.read_file("/root/a.txt") == b"persisted"
+
+        proc = await sb.spawn("echo started; sleep 1000")
+        assert (await sb.poll(proc.id)).running
+        out = await sb.read_output(proc.id, wait=5)
+        assert "started" in out.stdout
+
+        shell = await sb.shell()
+        await sb.shell_run(shell.id, "cd /tmp && export X=1", check=True)
+        assert (await sb.shell_run(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
+
+        local_dir = tmp_path / "up"
+        (local_dir / "sub").mkdir(parents=True)
+        (local_dir / "sub" / "f.txt").write_text("tree")
+        await sb.upload(local_dir, "/work")
+        assert await sb.read_file("/work/sub/f.txt") == b"tree"
+        await sb.download("/work", tmp_path / "down")
+        assert (tmp_path / "down" / "sub" / "f.txt").read_text() == "tree"
+
+        async with sb.exec_stream("echo a; echo b") as events:
+            kinds = [event.event async for event in events]
+        assert kinds[-1] == "exit"
+
+        timeline = await sb.timeline()
+        assert list(timeline) == [
+            "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
+        ]  # fmt: skip
+    assert await imported.list() == []
+
+
+@pytest.mark.anyio
+async def test_command_failure_is_data_and_a_lost_sandbox_is_an_exception(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    async with sandman.local(state_dir=local_state) as client:
+        sb = await client.acquire("busybox")
+        assert (await sb.exec("exit 3")).exit_code == 3
+        with pytest.raises(sandman.CommandFailed):
+            await sb.exec("exit 3", check=True)
+        await imported.delete(sb.id)  # evicted from outside
+        with pytest.raises(sandman.SandboxNotFound):
+            await sb.exec(["true"])
+        await sb.release()
+        with pytest.raises(sandman.CreateTimeout):
+            await client.acquire("busybox", timeout=0.001)
+        with pytest.raises(sandman.ImageError):
+            await client.acquire("no-such-image")
+
+
+def test_sync_client(imported: LocalProvider, local_state: Path) -> None:
+    with sandman.local_sync(state_dir=local_state) as client, client.sandbox("busybox") as sb:
+        assert sb.exec(["echo", "sync"]).stdout == "sync\n"
+        sb.write_file("/root/s", "x")
+        assert sb.read_file("/root/s") == b"x"
+        with sb.exec_stream("echo streamed") as events:
+            assert [e.data for e in events if e.event == "stdout"] == ["streamed\n"]
+
+
+def _public(cls: type) -> dict[str, inspect.Signature]:
+    members = {}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or isinstance(member, property):
+            continue
+        members[name] = inspect.signature(member)
+    return members
+
+
+@pytest.mark.parametrize(
+    ("async_cls", "sync_cls"),
+    [(sandman.AsyncSandbox, sandman.Sandbox), (sandman.AsyncClient, sandman.Client)],
+)
+def test_both_faces_have_the_same_signatures(async_cls: type, sync_cls: type) -> None:
+    rename = {"aclose": "close"}
+    async_members = {rename.get(k, k): v for k, v in _public(async_cls).items()}
+    sync_members = _public(sync_cls)
+    assert async_members.keys() == sync_members.keys()
+    for name, signature in async_members.items():
+        assert list(signature.parameters) == list(sync_members[name].parameters), name
+        for param, spec in signature.parameters.items():
+            assert spec.default == sync_members[name].parameters[param].default, (name, param)
+
+
+KILLED = textwrap.dedent(
+    """
+    import asyncio, sys
+    import sandman
+
+    async def main() -> None:
+        client = sandman.local(state_dir=sys.argv[1])
+        held = [await client.acquire("busybox") for _ in range(2)]
+        # More being created while we die:
+        pending = [asyncio.ensure_future(client.acquire("busybox")) for _ in range(4)]
+        print("holding", *(sb.id for sb in held), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_sigkill_of_the_client_process_leaves_nothing(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(local_state)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("holding"), line
+        assert len(await imported.list()) >= 2
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+    started = time.monotonic()
+    with anyio.fail_after(30):
+        while await imported.list():
+            await anyio.sleep(0.1)
+    assert time.monotonic() - started < 30

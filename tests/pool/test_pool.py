@@ -1,0 +1,226 @@
+"""The pool against the fault-injecting fake provider: ownership, leases, pacing, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+import sandman
+from sandman.models import SandboxSpec
+from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
+from sandman.testing import FakeProvider
+
+pytestmark = pytest.mark.anyio
+
+SPEC = SandboxSpec(image="task")
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeProvider]:
+    provider = FakeProvider(daemon=False, seed=7)
+    yield provider
+    await provider.aclose()
+
+
+def pool_of(provider: FakeProvider, **config: object) -> Pool:
+    return Pool(provider, PoolConfig(name="t", **config))  # type: ignore[arg-type]
+
+
+async def test_acquire_release_and_timeline(fake: FakeProvider) -> None:
+    events: list[PoolEvent] = []
+    async with Pool(fake, PoolConfig(name="t"), hook=events.append) as pool:
+        session = pool.open_session()
+        record = await pool.acquire(SPEC, session=session)
+        assert record.state == "leased" and record.session == session
+        assert fake.live == 1
+        assert record.labels["sandman.io/pool"] == "t"
+        assert float(record.labels["sandman.io/expires-at"]) > 0
+        pool.release(record.id)
+        await eventually(lambda: fake.live == 0)
+        assert list(record.timeline) == [
+            "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
+            "released", "gone",
+        ]  # fmt: skip
+    names = [e.name for e in events]
+    assert (
+        names.index("create.started")
+        < names.index("create.complete")
+        < names.index("delete.complete")
+    )
+
+
+async def test_a_caller_who_gives_up_leaks_nothing(fake: FakeProvider) -> None:
+    fake.faults.create_latency = 0.2
+    async with pool_of(fake) as pool:
+        session = pool.open_session()
+        with pytest.raises(sandman.CreateTimeout):
+            await pool.acquire(SPEC, session=session, timeout=0.05)
+        await eventually(lambda: fake.created_total == 1 and fake.live == 0)
+
+
+async def test_a_sandbox_nobody_waits_for_goes_to_the_next_waiter(fake: FakeProvider) -> None:
+    fake.faults.create_latency = 0.2
+    config = PacingConfig(window=4, min_window=1, rate=100.0)
+    async with Pool(fake, PoolConfig(name="t", pacing=config)) as pool:
+        session = pool.open_session()
+        impatient = asyncio.ensure_future(pool.acquire(SPEC, session=session))
+        await eventually(lambda: fake.creating == 1)
+        impatient.cancel()
+        # A second waiter, queued behind a window of... it is served by the
+        # first create rather than starting another one from scratch.
+        patient = await pool.acquire(SPEC, session=session, timeout=5)
+        assert patient.state == "leased"
+        assert fake.created_total <= 2
+
+
+async def test_queued_requests_of_a_gone_caller_are_never_created(fake: FakeProvider) -> None:
+    fake.faults.create_latency = 0.1
+    config = PacingConfig(window=4, min_window=1)
+    async with Pool(fake, PoolConfig(name="t", pacing=config)) as pool:
+        session = pool.open_session()
+        tasks = [asyncio.ensure_future(pool.acquire(SPEC, session=session)) for _ in range(20)]
+        await eventually(lambda: fake.creating >= 1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await eventually(lambda: fake.creating == 0 and fake.live == 0)
+        assert fake.created_total <= 4  # only what was already in the window
+
+
+async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(fake: FakeProvider) -> None:
+    async with pool_of(fake, lease=0.3) as pool:
+        quiet, alive = pool.open_session(), pool.open_session()
+        await pool.acquire(SPEC, session=quiet)
+        kept = await pool.acquire(SPEC, session=alive)
+        for _ in range(10):
+            pool.heartbeat(alive)
+            await asyncio.sleep(0.1)
+        assert fake.live == 1 and pool.get(kept.id).state == "leased"
+        with pytest.raises(sandman.SandboxNotFound):
+            pool.heartbeat(quiet)
+
+
+async def test_hard_lifetime_is_enforced(fake: FakeProvider) -> None:
+    async with pool_of(fake, lifetime=0.3) as pool:
+        session = pool.open_session()
+        await pool.acquire(SPEC, session=session)
+        await eventually(lambda: fake.live == 0, timeout=5)
+
+
+async def test_throttling_is_retried_and_slows_the_pacer(fake: FakeProvider) -> None:
+    fake.faults.throttle = 0.5
+    fake.faults.throttle_retry_after = 0.01
+    async with pool_of(fake, retry_limit=50) as pool:
+        session = pool.open_session()
+        records = await asyncio.gather(*(pool.acquire(SPEC, session=session) for _ in range(20)))
+        assert len({r.id for r in records}) == 20
+        assert pool.stats()["pacing_rate"] < PacingConfig().rate
+
+
+async def test_permanent_failures_reach_the_caller(fake: FakeProvider) -> None:
+    fake.faults.image_errors = frozenset({"broken"})
+    async with pool_of(fake) as pool:
+        session = pool.open_session()
+        with pytest.raises(sandman.ImageError):
+            await pool.acquire(SandboxSpec(image="broken"), session=session)
+        fake.faults.fail_create = 1.0
+        with pytest.raises(sandman.ProviderError):
+            await pool.acquire(SPEC, session=session)
+    assert fake.live == 0
+
+
+async def test_a_backend_that_leaks_on_failure_is_reconciled(fake: FakeProvider) -> None:
+    fake.faults.fail_create = 1.0
+    fake.faults.leak_on_fail = 1.0
+    async with pool_of(fake) as pool:
+        session = pool.open_session()
+        with pytest.raises(sandman.ProviderError):
+            await pool.acquire(SPEC, session=session)
+        # The failed create was deleted by id, the recorded intent.
+        await eventually(lambda: fake.live == 0)
+
+
+async def test_deletes_are_retried_until_gone(fake: FakeProvider) -> None:
+    fake.faults.fail_delete = 0.7
+    async with pool_of(fake, delete_backoff=0.01, delete_backoff_max=0.05) as pool:
+        session = pool.open_session()
+        for _ in range(5):
+            pool.release((await pool.acquire(SPEC, session=session)).id)
+        await eventually(lambda: fake.live == 0)
+
+
+async def test_a_restarted_pool_cleans_up_its_previous_life(fake: FakeProvider) -> None:
+    first = pool_of(fake)
+    await first.start()
+    session = first.open_session()
+    for _ in range(3):
+        await first.acquire(SPEC, session=session)
+    # first "crashes": never closed. A new pool of the same name starts:
+    async with pool_of(fake) as second:
+        await eventually(lambda: fake.live == 0)
+        assert second.list() == []
+    for loop in first._loops:  # stop the crashed pool's loops without any cleanup
+        loop.cancel()
+
+
+async def test_adopting_orphans_keeps_them_for_their_session(fake: FakeProvider) -> None:
+    first = pool_of(fake)
+    await first.start()
+    session = first.open_session()
+    held = await first.acquire(SPEC, session=session)
+    for loop in first._loops:
+        loop.cancel()
+    async with pool_of(fake, adopt_orphans=True) as second:
+        assert second.get(held.id).state == "leased"
+        second.heartbeat(session)
+    assert fake.live == 0
+
+
+async def test_warm_spares_serve_acquires_at_once(fake: FakeProvider) -> None:
+    fake.faults.create_latency = 0.05
+    async with pool_of(fake) as pool:
+        pool.warm(SPEC, 3)
+        await eventually(lambda: pool.stats().get("ready", 0) == 3)
+        created = fake.created_total
+        session = pool.open_session()
+        record = await pool.acquire(SPEC, session=session, timeout=0.01)
+        assert record.state == "leased" and fake.created_total == created
+        await eventually(lambda: pool.stats().get("ready", 0) == 3)  # topped up again
+
+
+async def test_one_clients_burst_does_not_starve_another(fake: FakeProvider) -> None:
+    fake.faults.create_latency = 0.01
+    config = PacingConfig(rate=200.0, burst=5, window=4, min_window=1)
+    async with Pool(fake, PoolConfig(name="t", pacing=config)) as pool:
+        big, small = pool.open_session(), pool.open_session()
+        order: list[str] = []
+
+        async def one(session: str) -> None:
+            await pool.acquire(SPEC, session=session)
+            order.append(session)
+
+        bulk = [asyncio.ensure_future(one(big)) for _ in range(200)]
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(one(small) for _ in range(5)))
+        # The small client's 5 are done long before the big client's 200.
+        assert order.count(big) < 100
+        await asyncio.gather(*bulk)
+
+
+async def test_closed_pool_refuses_and_releases_everything(fake: FakeProvider) -> None:
+    pool = pool_of(fake)
+    await pool.start()
+    session = pool.open_session()
+    await pool.acquire(SPEC, session=session)
+    await pool.aclose()
+    assert fake.live == 0
+    with pytest.raises(sandman.PoolClosed):
+        await pool.acquire(SPEC, session=session)
