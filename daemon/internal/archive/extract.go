@@ -8,6 +8,7 @@ import (
 	"compress/gzip"
 	"errors"
 	"io"
+	"io/fs"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -225,6 +226,11 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		}
 		return apierr.FromOSOrNil(os.Chmod(target, mode))
 	case tar.TypeReg, tar.TypeRegA:
+		if isSparse(hdr) {
+			// A sparse entry's holes are made up by the reader: a few bytes
+			// of archive could ask for terabytes of zeros.
+			return invalid("entry %q: sparse files are not supported", hdr.Name)
+		}
 		if err := clear(target, hdr.Name); err != nil {
 			return err
 		}
@@ -237,6 +243,11 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		x.res.Bytes += n
 		if err != nil {
 			f.Close()
+			// A write error (disk full) names the file; anything else is the archive's.
+			var pe *fs.PathError
+			if errors.As(err, &pe) && pe.Path == target {
+				return apierr.FromOS(err)
+			}
 			return invalid("entry %q: %v", hdr.Name, err)
 		}
 		if err := f.Chmod(mode); err != nil {
@@ -299,4 +310,17 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		// privileges and is never what an upload of source code means.
 		return nil
 	}
+}
+
+// isSparse tells GNU and PAX sparse entries apart from plain files.
+func isSparse(hdr *tar.Header) bool {
+	if hdr.Typeflag == tar.TypeGNUSparse {
+		return true
+	}
+	for key := range hdr.PAXRecords {
+		if strings.HasPrefix(key, "GNU.sparse.") {
+			return true
+		}
+	}
+	return false
 }
