@@ -32,19 +32,18 @@ class OCIRuntime:
         self.kind = kind
         self.timeout = timeout
 
-    async def _run(self, *args: str, log: Path | None = None) -> tuple[int, str]:
-        """Run the runtime; returns (exit code, stdout, or stderr on failure).
-
-        With ``log`` both streams go there (for ``create``, the container's
-        PID 1 inherits them as its stdio).
-        """
-        argv = [self.binary, "--root", str(self.root), *args]
+    async def _spawn(self, argv: list[str], what: str, log: Path | None = None) -> spawn.Completed:
         try:
-            done = await spawn.run(argv, log=log, timeout=self.timeout)
+            return await spawn.run(argv, log=log, timeout=self.timeout)
         except TimeoutError:
             raise errors.ProviderError(
-                f"{self.kind} {args[0]} did not finish within {self.timeout} s"
+                f"{self.kind} {what} did not finish within {self.timeout} s"
             ) from None
+
+    async def _run(self, *args: str) -> tuple[int, str]:
+        """Run the runtime; returns (exit code, stdout, or stderr on failure)."""
+        argv = [self.binary, "--root", str(self.root), *args]
+        done = await self._spawn(argv, args[0])
         if done.returncode != 0:
             message = done.stderr.decode(errors="replace")
             logger.debug("%s %s failed: %s", self.kind, " ".join(args), message)
@@ -68,12 +67,8 @@ class OCIRuntime:
             self.binary, "--root", str(self.root),
             "create", "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
         ]  # fmt: skip
-        try:
-            done = await spawn.run(argv, log=log, timeout=self.timeout)
-        except TimeoutError:
-            raise errors.ProviderError(
-                f"{self.kind} create did not finish within {self.timeout} s"
-            ) from None
+        # Both streams go to the log: the container's PID 1 inherits them as its stdio.
+        done = await self._spawn(argv, "create", log)
         if done.returncode != 0:
             tail = (await anyio.Path(log).read_text(errors="replace"))[-2000:].strip()
             raise errors.ProviderError(
