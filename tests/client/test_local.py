@@ -157,3 +157,20 @@ async def test_sigkill_of_the_client_process_leaves_nothing(
         while await imported.list():
             await anyio.sleep(0.1)
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.anyio
+async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(
+    imported: LocalProvider,
+) -> None:
+    from sandman.pool import Pool, PoolConfig
+
+    async with Pool(imported, PoolConfig(name="lease-test", lease=1.0)) as pool:
+        quiet = pool.open_session()
+        record = await pool.acquire(sandman.SandboxSpec(image="busybox"), session=quiet)
+        assert [info.id for info in await imported.list()] == [record.id]
+        started = time.monotonic()
+        with anyio.fail_after(15):
+            while await imported.list():
+                await anyio.sleep(0.05)
+        assert time.monotonic() - started >= 0.5  # not before the lease had passed
