@@ -5,7 +5,16 @@ internal and may move.
 """
 
 from sandman._version import __version__
-from sandman.client import AsyncClient, AsyncSandbox, Client, Sandbox, local, local_sync
+from sandman.client import (
+    AsyncClient,
+    AsyncSandbox,
+    Client,
+    Sandbox,
+    connect,
+    connect_sync,
+    local,
+    local_sync,
+)
 from sandman.daemon import DaemonClient, daemon_path
 from sandman.errors import (
     CapacityError,
@@ -97,6 +106,8 @@ __all__ = [
     "Unauthorized",
     "UnsafeArchive",
     "__version__",
+    "connect",
+    "connect_sync",
     "daemon_path",
     "local",
     "local_sync",

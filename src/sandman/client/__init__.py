@@ -1,9 +1,11 @@
-"""The SDK: one async implementation (`AsyncClient`, `AsyncSandbox`) and its blocking facade."""
+"""The SDK: one async implementation (`AsyncClient`, `AsyncSandbox`) and its blocking facade,
+over an in-process pool (`local`) or the HTTP service (`connect`)."""
 
 from sandman.client._async import AsyncClient, AsyncSandbox
 from sandman.client._sync import Client, Sandbox
 from sandman.client.backends import Backend, InProcessBackend, Lease
 from sandman.client.local import local, local_sync
+from sandman.client.remote import RemoteBackend, connect, connect_sync
 
 __all__ = [
     "AsyncClient",
@@ -12,7 +14,10 @@ __all__ = [
     "Client",
     "InProcessBackend",
     "Lease",
+    "RemoteBackend",
     "Sandbox",
+    "connect",
+    "connect_sync",
     "local",
     "local_sync",
 ]

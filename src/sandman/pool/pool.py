@@ -187,6 +187,22 @@ class Pool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def add_hook(self, hook: EventHook) -> None:
+        """Also call ``hook`` with every lifecycle event, after the hooks already set
+        (the service feeds its metrics this way). A failing hook is logged, never raised."""
+        previous = self._hook
+        if previous is None:
+            self._hook = hook
+            return
+
+        def both(event: PoolEvent) -> None:
+            try:
+                previous(event)
+            finally:
+                hook(event)
+
+        self._hook = both
+
     def _emit(self, name: str, record: Record | None = None, **detail: object) -> None:
         emit(
             self._hook,

@@ -1,0 +1,238 @@
+"""``sandman.connect(url, api_key=...)``: a client whose sandboxes come from the HTTP service.
+
+`RemoteBackend` implements the same `Backend` protocol as the in-process pool,
+over the service's JSON API. Only sessions, acquire and release go to the
+service; commands and files go straight to the daemon endpoint it returns.
+
+The service's stable error codes come back as the package's exceptions
+through one dict, `SERVICE_ERRORS`; no class path is ever read from the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import httpx
+
+from sandman import errors
+from sandman.client._async import AsyncClient
+from sandman.client._sync import Client
+from sandman.client.backends import Lease
+from sandman.models import SandboxSpec
+from sandman.providers.base import DaemonEndpoint
+
+__all__ = ["SERVICE_ERRORS", "RemoteBackend", "connect", "connect_sync"]
+
+SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
+    "unauthorized": errors.ConfigError,
+    "malformed_json": errors.ConfigError,
+    "invalid_request": errors.ConfigError,
+    "body_too_large": errors.ConfigError,
+    "not_found": errors.ConfigError,
+    "method_not_allowed": errors.ConfigError,
+    "sandbox_not_found": errors.SandboxNotFound,
+    "session_expired": errors.SandboxNotFound,
+    "image_not_found": errors.ImageNotFound,
+    "image_error": errors.ImageError,
+    "tenant_sandbox_limit": errors.CapacityError,
+    "tenant_pending_limit": errors.CapacityError,
+    "provider_error": errors.ProviderError,
+    "daemon_unavailable": errors.DaemonUnavailable,
+    "capacity": errors.CapacityError,
+    "throttled": errors.ThrottledError,
+    "pool_closed": errors.PoolClosed,
+    "shutting_down": errors.PoolClosed,
+    "create_timeout": errors.CreateTimeout,
+    "internal": errors.ProviderError,
+}
+"""The service's error codes and the exception each one raises here."""
+
+# Extra seconds the HTTP request of an acquire may take past the acquire's own deadline.
+_ACQUIRE_SLACK = 30.0
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after", "")
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _error(response: httpx.Response) -> errors.SandboxError:
+    """The package's exception for an error answer of the service."""
+    code, message = "", ""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        detail = response.json()["error"]
+        code, message = str(detail["code"]), str(detail["message"])
+    if not code:
+        code = "internal" if response.status_code >= 500 else "invalid_request"
+        message = f"the service answered {response.status_code}: {response.text[:200]}"
+    cls = SERVICE_ERRORS.get(code, errors.SandboxError)
+    text = f"{message} [{code}]"
+    if cls is errors.ThrottledError:
+        return errors.ThrottledError(text, retry_after=_retry_after(response))
+    if issubclass(cls, errors.DaemonError):
+        return cls(message, code=code, status=response.status_code)
+    return cls(text)
+
+
+class RemoteBackend:
+    """A `Backend` over the Sandman service at ``url`` (``sandman.connect``).
+
+    ``transport`` is an httpx transport to use instead of the network (e.g.
+    ``httpx.ASGITransport(app)`` in tests).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
+        self._transport = transport
+        self._http = self._client()
+        self._timelines: dict[str, dict[str, float]] = {}
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url, headers=self._headers, timeout=self._timeout,
+            transport=self._transport,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.url!r})"
+
+    @contextlib.contextmanager
+    def _map_errors(self) -> Iterator[None]:
+        """The one place where httpx's exceptions become the package's."""
+        try:
+            yield
+        except httpx.TimeoutException as exc:
+            raise errors.ProviderError(
+                f"the service at {self.url} did not answer: {exc!r}"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise errors.ProviderError(f"cannot reach the service at {self.url}: {exc!r}") from exc
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        with self._map_errors():
+            response = await self._http.request(
+                method, path, json=json, params=params,
+                timeout=timeout if timeout is not None else self._timeout,
+            )  # fmt: skip
+        if response.status_code >= 400:
+            raise _error(response)
+        return response
+
+    async def open_session(self) -> str:
+        try:
+            data = (await self._call("POST", "/v1/sessions", json={})).json()
+        except errors.SandboxError:
+            # ``async with connect(...)`` that fails here is never closed: leave no
+            # connection open (a later call gets a fresh client).
+            await self._http.aclose()
+            self._http = self._client()
+            raise
+        return str(data["id"])
+
+    async def heartbeat(self, session: str) -> None:
+        await self._call("POST", f"/v1/sessions/{session}/heartbeat")
+
+    async def close_session(self, session: str) -> None:
+        with contextlib.suppress(errors.SandboxNotFound):  # already over: nothing to end
+            await self._call("DELETE", f"/v1/sessions/{session}")
+
+    async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
+        # Cancelling this call closes the connection; the service then cancels the
+        # acquire and the pool hands the sandbox to the next waiter or deletes it.
+        read = None if timeout is None else timeout + _ACQUIRE_SLACK
+        body = {"spec": spec.model_dump(mode="json"), "session": session, "timeout": timeout}
+        response = await self._call(
+            "POST", "/v1/sandboxes", json=body, timeout=httpx.Timeout(self._timeout, read=read)
+        )
+        data = response.json()
+        where = data.get("endpoint") or {}
+        endpoint = DaemonEndpoint(
+            uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
+            token=where.get("token", ""),
+        )  # fmt: skip
+        if endpoint.uds is None and endpoint.host is None:
+            raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
+        self._timelines[str(data["id"])] = dict(data.get("timeline") or {})
+        return Lease(str(data["id"]), endpoint, float(data["expires_at"]))
+
+    async def release(self, sandbox_id: str) -> None:
+        with contextlib.suppress(errors.SandboxNotFound):  # idempotent
+            await self._call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    async def alive(self, sandbox_id: str) -> bool:
+        try:
+            response = await self._call(
+                "GET", f"/v1/sandboxes/{sandbox_id}", params={"probe": "true"}
+            )
+        except errors.SandboxNotFound:
+            return False
+        data = response.json()
+        return data.get("state") == "leased" and data.get("running") is True
+
+    async def timeline(self, sandbox_id: str) -> dict[str, float]:
+        try:
+            response = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
+        except errors.SandboxNotFound:
+            # The service forgot it (long gone): what was seen at the hand-over.
+            return dict(self._timelines.get(sandbox_id, {}))
+        timeline = {str(k): float(v) for k, v in (response.json().get("timeline") or {}).items()}
+        self._timelines[sandbox_id] = timeline
+        return dict(timeline)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def connect(
+    url: str,
+    *,
+    api_key: str | None = None,
+    heartbeat_interval: float = 5.0,
+    timeout: float = 30.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> AsyncClient:
+    """An `AsyncClient` whose sandboxes come from the Sandman service at ``url``.
+
+    ``async with sandman.connect(url, api_key=key) as client: async with
+    client.sandbox("img") as sb: ...`` works as with `sandman.local`; the
+    session is kept alive by heartbeats, and if this process dies its
+    sandboxes are released when the session's lease ends. ``timeout`` bounds
+    each call to the service (an acquire waits as long as its own timeout).
+    """
+    backend = RemoteBackend(url, api_key=api_key, timeout=timeout, transport=transport)
+    return AsyncClient(backend, heartbeat_interval=heartbeat_interval)
+
+
+def connect_sync(
+    url: str,
+    *,
+    api_key: str | None = None,
+    heartbeat_interval: float = 5.0,
+    timeout: float = 30.0,
+) -> Client:
+    """The blocking twin of `connect`: ``with sandman.connect_sync(url, api_key=k) as client: ...``."""
+    return Client(
+        connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout)
+    )

@@ -1,0 +1,170 @@
+"""Prometheus metrics of one pool, fed by its lifecycle events and ``Pool.stats()``.
+
+Names follow the Prometheus conventions: ``sandman_`` prefix, seconds as the
+unit, ``_total`` on counters. Each `Metrics` has its own registry, so several
+services (or tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sandman import errors
+from sandman.pool import Pool, PoolEvent
+from sandman.pool.records import State
+
+__all__ = ["CONTENT_TYPE", "STATES", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATES: tuple[State, ...] = (
+    "queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone",
+)  # fmt: skip
+
+# Sandbox creation spans milliseconds (warm, fake) to minutes (image pulls, busy clusters).
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _PoolCollector(Collector):
+    """Gauges read at scrape time: sandboxes per state, sessions, pacing, queue depth."""
+
+    def __init__(self, pool: Pool, queue_depths: Callable[[], Mapping[str, int]]) -> None:
+        self._pool = pool
+        self._queue_depths = queue_depths
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._pool.stats()
+        pool = self._pool.config.name
+        states = GaugeMetricFamily(
+            "sandman_sandboxes", "Sandboxes the pool knows, per state.", labels=["pool", "state"]
+        )
+        for state in STATES:
+            states.add_metric([pool, state], stats.get(state, 0.0))
+        yield states
+        yield _gauge("sandman_sessions", "Open client sessions.", pool, stats.get("sessions", 0))
+        yield _gauge(
+            "sandman_pacing_rate", "Create calls per second the pacer allows now.",
+            pool, stats.get("pacing_rate", math.nan),
+        )  # fmt: skip
+        yield _gauge(
+            "sandman_pacing_window", "Most sandboxes created but not yet ready, now.",
+            pool, stats.get("pacing_window", math.nan),
+        )  # fmt: skip
+        yield _gauge(
+            "sandman_pacing_in_flight", "Sandboxes created but not yet ready.",
+            pool, stats.get("pacing_in_flight", math.nan),
+        )  # fmt: skip
+        yield _gauge(
+            "sandman_pacing_queued", "Requests waiting for the pacer.",
+            pool, stats.get("pacing_queued", math.nan),
+        )  # fmt: skip
+        yield _gauge(
+            "sandman_pacing_latency_seconds", "The pacer's running average of readiness latency.",
+            pool, stats.get("pacing_latency", math.nan),
+        )  # fmt: skip
+        depth = GaugeMetricFamily(
+            "sandman_queue_depth", "Acquires waiting at the service, per tenant.",
+            labels=["pool", "tenant"],
+        )  # fmt: skip
+        for tenant, n in sorted(self._queue_depths().items()):
+            depth.add_metric([pool, tenant], n)
+        yield depth
+
+
+def _gauge(name: str, documentation: str, pool: str, value: float) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(name, documentation, labels=["pool"])
+    gauge.add_metric([pool], value)
+    return gauge
+
+
+class Metrics:
+    """Prometheus metrics of ``pool``; `hook` is given every pool event (``Pool.add_hook``).
+
+    Latencies, from the pool's own timeline of each sandbox:
+    ``sandman_create_seconds`` (create called -> the backend accepted),
+    ``sandman_ready_seconds`` (create called -> daemon ready),
+    ``sandman_delete_seconds`` (released -> the backend confirmed gone),
+    ``sandman_acquire_seconds`` (an acquire at the service, until answered).
+    """
+
+    def __init__(self, pool: Pool, queue_depths: Callable[[], Mapping[str, int]] = dict) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._pool = pool
+        labels = ["pool"]
+        self.create_seconds = Histogram(
+            "sandman_create_seconds", "From the create call until the backend accepted it.",
+            labels, registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip
+        self.ready_seconds = Histogram(
+            "sandman_ready_seconds", "From the create call until the sandbox's daemon was ready.",
+            labels, registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip
+        self.delete_seconds = Histogram(
+            "sandman_delete_seconds", "From release until the backend confirmed the sandbox gone.",
+            labels, registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip
+        self.acquire_seconds = Histogram(
+            "sandman_acquire_seconds", "Acquires at the service, until answered, by outcome.",
+            [*labels, "outcome"], registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip
+        self.backend_errors = Counter(
+            "sandman_backend_errors", "Failed backend calls, by operation and kind.",
+            [*labels, "operation", "kind"], registry=self.registry,
+        )  # fmt: skip
+        self.events = Counter(
+            "sandman_pool_events", "Pool lifecycle events, by name.",
+            [*labels, "event"], registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_PoolCollector(pool, queue_depths))
+        self._started: dict[str, float] = {}
+        self._released: dict[str, float] = {}
+
+    def hook(self, event: PoolEvent) -> None:
+        """Turn one pool event into metrics (cheap: called on the pool's loop)."""
+        pool = event.pool
+        self.events.labels(pool, event.name).inc()
+        sid = event.sandbox_id or ""
+        if event.name == "create.started":
+            self._started[sid] = event.at
+        elif event.name == "create.complete":
+            started = self._started.pop(sid, None)
+            if started is not None:
+                self.ready_seconds.labels(pool).observe(max(0.0, event.at - started))
+            self._observe_create(pool, sid)
+        elif event.name == "create.failed":
+            self._started.pop(sid, None)
+            self.backend_errors.labels(pool, "create", str(event.detail.get("kind", "other"))).inc()
+        elif event.name == "sandbox.released":
+            self._released[sid] = event.at
+        elif event.name == "delete.failed":
+            self.backend_errors.labels(pool, "delete", "other").inc()
+        elif event.name == "delete.complete":
+            released = self._released.pop(sid, None)
+            if released is not None:
+                self.delete_seconds.labels(pool).observe(max(0.0, event.at - released))
+        elif event.name == "reconcile.failed":
+            self.backend_errors.labels(pool, "list", "other").inc()
+
+    def _observe_create(self, pool: str, sandbox_id: str) -> None:
+        try:
+            timeline = self._pool.get(sandbox_id).timeline
+        except errors.SandboxNotFound:
+            return
+        called, accepted = timeline.get("create_called"), timeline.get("accepted")
+        if called is not None and accepted is not None:
+            self.create_seconds.labels(pool).observe(max(0.0, accepted - called))
+
+    def observe_acquire(self, started: float, outcome: str) -> None:
+        """An acquire at the service ended (``ok`` or an error code) after ``started`` (monotonic)."""
+        self.acquire_seconds.labels(self._pool.config.name, outcome).observe(
+            max(0.0, time.monotonic() - started)
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

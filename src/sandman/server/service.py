@@ -1,0 +1,306 @@
+"""The service's state over one `Pool`: tenants, their sessions and limits, acquires in
+flight, recently gone sandboxes, and shutdown. HTTP lives in `app`; this is plain asyncio.
+
+Ownership needs no table of its own: every sandbox acquired through the service
+carries its tenant as the label ``sandman.io/tenant`` (in its spec, so the
+backend keeps it), which survives a restart of the service and an adoption by
+the next instance. Sessions are mapped to tenants here; a session the pool
+adopted is mapped back through the labels of its sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from sandman import errors
+from sandman.pool import Pool, PoolEvent, Record
+from sandman.server.errors import ApiError, from_exception
+from sandman.server.schemas import AcquireRequest
+from sandman.server.settings import ServerSettings
+
+__all__ = ["LABEL_TENANT", "ClientGone", "Service", "tenant_of"]
+
+logger = logging.getLogger(__name__)
+
+LABEL_TENANT = "sandman.io/tenant"
+_HELD = ("queued", "creating", "starting", "ready", "leased")
+
+
+def tenant_of(record: Record) -> str | None:
+    """The tenant a sandbox was acquired for, None for one the service did not hand out."""
+    return record.spec.labels.get(LABEL_TENANT) or record.labels.get(LABEL_TENANT)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ClientGone(Exception):
+    """The HTTP client went away while its acquire waited; nobody is left to answer."""
+
+
+class Service:
+    """Everything the routes do, over the same `Pool` an embedded client would use."""
+
+    def __init__(self, pool: Pool, settings: ServerSettings) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.accepting = True
+        self._keys = {_digest(k.key.get_secret_value()): k.tenant for k in settings.api_keys}
+        self._sessions: dict[str, str] = {}
+        self._leases: dict[str, float] = {}
+        self._pending: Counter[str] = Counter()
+        self._acquires: set[asyncio.Task[Record]] = set()
+        self._recent: OrderedDict[str, Record] = OrderedDict()
+        self._shutdown: asyncio.Task[None] | None = None
+        pool.add_hook(self._on_event)
+
+    def _on_event(self, event: PoolEvent) -> None:
+        if event.name == "session.expired":
+            self._forget(str(event.detail.get("session")))
+
+    # -- auth and ownership ---------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> str:
+        """The tenant of ``Authorization: Bearer <key>``; `ApiError` ``unauthorized`` if none."""
+        if not authorization:
+            if self.settings.anonymous_tenant is not None:
+                return self.settings.anonymous_tenant
+            raise _unauthorized("an API key is required: Authorization: Bearer <key>")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise _unauthorized("use Authorization: Bearer <key>")
+        # A lookup by digest: no early exit on a matching prefix of the key.
+        tenant = self._keys.get(_digest(key.strip()))
+        if tenant is None:
+            raise _unauthorized("unknown API key")
+        return tenant
+
+    def _own_session(self, tenant: str, session: str) -> None:
+        owner = self._sessions.get(session)
+        if owner is None:
+            # Adopted by the pool at start (a previous instance's): its sandboxes say whose.
+            owners = {tenant_of(r) for r in self.pool.list(session=session)}
+            if len(owners) == 1 and None not in owners:
+                owner = owners.pop()
+                if owner is not None:
+                    self._sessions[session] = owner
+        if owner != tenant:
+            raise ApiError("session_expired", f"session {session} is unknown or expired")
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise ApiError(
+                "shutting_down", "the service is shutting down", headers={"Retry-After": "1"}
+            )
+
+    # -- sessions -------------------------------------------------------------------
+
+    def open_session(self, tenant: str, lease: float | None) -> tuple[str, float]:
+        """A new session of ``tenant``: its id and lease in seconds."""
+        self._check_accepting()
+        lease = min(lease or self.pool.config.lease, self.settings.max_lease)
+        try:
+            session = self.pool.open_session(lease=lease)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+        self._sessions[session] = tenant
+        self._leases[session] = lease
+        return session, lease
+
+    def heartbeat(self, tenant: str, session: str) -> float:
+        """Extend the session's lease; its length in seconds."""
+        self._own_session(tenant, session)
+        try:
+            self.pool.heartbeat(session)
+        except errors.SandboxNotFound as exc:
+            self._forget(session)
+            raise ApiError("session_expired", f"session {session} is unknown or expired") from exc
+        return self._leases.get(session, self.pool.config.lease)
+
+    def close_session(self, tenant: str, session: str) -> None:
+        """End the session; everything it holds is released, its waiting acquires end."""
+        self._own_session(tenant, session)
+        self._forget(session)
+        self.pool.close_session(session)
+
+    def _forget(self, session: str) -> None:
+        self._sessions.pop(session, None)
+        self._leases.pop(session, None)
+
+    # -- sandboxes --------------------------------------------------------------------
+
+    def queue_depths(self) -> dict[str, int]:
+        """Acquires waiting now, per tenant."""
+        return {tenant: n for tenant, n in self._pending.items() if n}
+
+    def _held(self, tenant: str) -> int:
+        return sum(1 for r in self.pool.list() if r.state in _HELD and tenant_of(r) == tenant)
+
+    async def acquire(
+        self,
+        tenant: str,
+        request: AcquireRequest,
+        disconnected: Callable[[], Coroutine[Any, Any, None]],
+    ) -> Record:
+        """A ready sandbox for the tenant's session, or `ApiError`.
+
+        Waits until the deadline, the session's end, or ``disconnected()``
+        returns (the HTTP client went away: `ClientGone`). Whenever this
+        gives up, the pool hands what it was making to the next waiter or
+        deletes it.
+        """
+        self._check_accepting()
+        self._own_session(tenant, request.session)
+        limits = self.settings.limits(tenant)
+        pending = self._pending[tenant]
+        if limits.max_pending is not None and pending >= limits.max_pending:
+            raise ApiError(
+                "tenant_pending_limit",
+                f"tenant {tenant} already waits for {pending} sandboxes "
+                f"(limit {limits.max_pending})",
+                headers={"Retry-After": "1"},
+            )
+        if limits.max_sandboxes is not None:
+            held = self._held(tenant) + pending
+            if held >= limits.max_sandboxes:
+                raise ApiError(
+                    "tenant_sandbox_limit",
+                    f"tenant {tenant} holds or waits for {held} sandboxes "
+                    f"(limit {limits.max_sandboxes})",
+                    headers={"Retry-After": "1"},
+                )
+        spec = request.spec.model_copy(
+            update={"labels": {**request.spec.labels, LABEL_TENANT: tenant}}
+        )
+        cap = self.settings.max_acquire_timeout
+        timeout = cap if request.timeout is None else min(request.timeout, cap)
+        task = asyncio.ensure_future(
+            self.pool.acquire(spec, session=request.session, timeout=timeout)
+        )
+        watcher = asyncio.ensure_future(disconnected())
+        self._acquires.add(task)
+        self._pending[tenant] += 1
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._pending[tenant] -= 1
+            self._acquires.discard(task)
+            watcher.cancel()
+            if not task.done():
+                # Cancelled in the pool's acquire: queued work is dropped, a
+                # sandbox in the making goes to the next waiter or is deleted.
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        gone = watcher.done() and not watcher.cancelled()
+        if task.cancelled():
+            if gone:
+                raise ClientGone(request.session)
+            self._check_accepting()
+            raise ApiError("session_expired", f"session {request.session} ended while waiting")
+        exc = task.exception()
+        if isinstance(exc, errors.SandboxNotFound):
+            raise ApiError("session_expired", str(exc)) from exc
+        if isinstance(exc, errors.SandboxError):
+            raise from_exception(exc) from exc
+        if exc is not None:
+            raise exc
+        record = task.result()
+        if gone:
+            self.pool.release(record.id)
+            raise ClientGone(request.session)
+        self._remember(record)
+        return record
+
+    def _remember(self, record: Record) -> None:
+        if self.settings.recent_sandboxes <= 0:
+            return
+        self._recent[record.id] = record
+        self._recent.move_to_end(record.id)
+        while len(self._recent) > self.settings.recent_sandboxes:
+            self._recent.popitem(last=False)
+
+    def sandbox(self, tenant: str, sandbox_id: str) -> Record:
+        """The tenant's sandbox (live, or recently gone); ``sandbox_not_found`` otherwise,
+        foreign ones included: another tenant's ids are not even confirmed to exist."""
+        try:
+            record = self.pool.get(sandbox_id)
+        except errors.SandboxNotFound:
+            found = self._recent.get(sandbox_id)
+            if found is None:
+                raise _not_found(sandbox_id) from None
+            record = found
+        if tenant_of(record) != tenant:
+            raise _not_found(sandbox_id)
+        return record
+
+    async def running(self, record: Record) -> bool:
+        """Whether the backend says the sandbox runs (asked now)."""
+        if record.state != "leased":
+            return False
+        try:
+            return (await self.pool.provider.inspect(record.id)).state == "running"
+        except errors.SandboxNotFound:
+            return False
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+
+    def release(self, tenant: str, sandbox_id: str) -> None:
+        """Give the tenant's sandbox back (deleted in the background). Idempotent."""
+        self.sandbox(tenant, sandbox_id)
+        self.pool.release(sandbox_id)
+
+    def list(
+        self,
+        tenant: str,
+        *,
+        session: str | None = None,
+        state: str | None = None,
+        image: str | None = None,
+    ) -> list[Record]:
+        """The tenant's sandboxes (the recently gone too), filtered."""
+        live = self.pool.list()
+        seen = {r.id for r in live}
+        records: Iterable[Record] = [*live, *(r for r in self._recent.values() if r.id not in seen)]
+        return [
+            r for r in records
+            if tenant_of(r) == tenant
+            and (session is None or r.session == session)
+            and (state is None or r.state == state)
+            and (image is None or r.spec.image == image)
+        ]  # fmt: skip
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let acquires in flight be answered (up to ``shutdown_grace``),
+        then close the pool: release everything, or leave it for the next instance
+        (``release_on_shutdown``). Idempotent; concurrent calls wait for the first."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._shut_down())
+        await asyncio.shield(self._shutdown)
+
+    async def _shut_down(self) -> None:
+        self.accepting = False
+        if self._acquires:
+            logger.info("shutdown: waiting for %d acquires in flight", len(self._acquires))
+            _, late = await asyncio.wait(set(self._acquires), timeout=self.settings.shutdown_grace)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        await self.pool.aclose(release=self.settings.release_on_shutdown)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError("unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _not_found(sandbox_id: str) -> ApiError:
+    return ApiError("sandbox_not_found", f"no sandbox {sandbox_id}")

@@ -1,0 +1,105 @@
+"""The service's settings: API keys and their tenants, per-tenant limits, limits on requests,
+and what happens at shutdown.
+
+A plain object: the library never reads the environment. The CLI (``sandman serve``)
+builds it from ``SANDMAN_*`` variables; ``api_keys`` also accepts the string form
+``"tenant-a:KEY1,tenant-b:KEY2"`` so that one variable can carry them all.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+
+__all__ = ["ApiKey", "ServerSettings", "TenantLimits"]
+
+TENANT_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
+"""Tenant names are label values (``sandman.io/tenant``): short, lowercase, no spaces."""
+
+
+class ApiKey(BaseModel):
+    """One API key, sent as ``Authorization: Bearer <key>``, and the tenant it acts for."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    key: SecretStr = Field(min_length=16)
+    """At least 16 characters; compare ``secrets.token_urlsafe(32)``."""
+
+
+class TenantLimits(BaseModel):
+    """What one tenant may hold at once; None is no limit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_sandboxes: int | None = Field(default=None, ge=0)
+    """Sandboxes held (leased) plus acquires waiting; one more is refused with 429."""
+    max_pending: int | None = Field(default=None, ge=0)
+    """Acquires waiting at once; one more is refused with 429."""
+
+
+def _parse_keys(value: object) -> object:
+    """``"tenant:key,tenant:key"`` (whitespace and empty items ignored) -> a list of ApiKey data."""
+    if not isinstance(value, str):
+        return value
+    keys: list[dict[str, str]] = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tenant, sep, key = item.partition(":")
+        if not sep:
+            raise ValueError("API keys are written tenant:key, separated by commas")
+        keys.append({"tenant": tenant.strip(), "key": key.strip()})
+    return keys
+
+
+class ServerSettings(BaseModel):
+    """How the HTTP service behaves. Times are seconds, sizes bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_keys: Annotated[list[ApiKey], BeforeValidator(_parse_keys)] = Field(default_factory=list)
+    """Every key the service accepts. With none (and no ``anonymous_tenant``) every
+    request but health and metrics is refused: the service fails closed."""
+    anonymous_tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
+    """Requests without a key act as this tenant; for a single-user service on
+    localhost only. None (the default) requires a key."""
+    default_limits: TenantLimits = Field(default_factory=TenantLimits)
+    """Limits of every tenant not named in ``tenant_limits``."""
+    tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    max_body_bytes: int = Field(default=1 << 20, gt=0)
+    """Largest request body of the JSON API (413 beyond). The daemon proxy route
+    streams bodies and is bounded by ``max_proxy_body_bytes`` instead."""
+    max_proxy_body_bytes: int = Field(default=1 << 30, gt=0)
+    max_acquire_timeout: float = Field(default=600.0, gt=0)
+    """An acquire waits at most this long, whatever the caller asks (and this long
+    when it asks for no limit)."""
+    max_lease: float = Field(default=600.0, gt=0)
+    """The longest session lease a client may ask for."""
+    proxy_connect_timeout: float = Field(default=10.0, gt=0)
+    recent_sandboxes: int = Field(default=1000, ge=0)
+    """Sandboxes kept visible (state ``gone``, with their timeline) after deletion."""
+    release_on_shutdown: bool = True
+    """At shutdown, release every sandbox (True), or leave them running for the next
+    instance of the same pool to adopt (False: ``PoolConfig.adopt_orphans``)."""
+    shutdown_grace: float = Field(default=10.0, ge=0)
+    """How long shutdown waits for acquires in flight to be answered before it cancels them."""
+    close_pool: bool = True
+    """Whether the app's lifespan starts the pool and closes it at shutdown. False when
+    the caller owns the pool's lifetime."""
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> ServerSettings:
+        seen: set[str] = set()
+        for api_key in self.api_keys:
+            secret = api_key.key.get_secret_value()
+            if secret in seen:
+                raise ValueError(f"an API key is listed twice (tenant {api_key.tenant})")
+            seen.add(secret)
+        return self
+
+    def limits(self, tenant: str) -> TenantLimits:
+        """The limits of ``tenant``."""
+        return self.tenant_limits.get(tenant, self.default_limits)
