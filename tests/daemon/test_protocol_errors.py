@@ -129,7 +129,10 @@ async def test_child_oom_score_adj_flag(tmp_path: Path) -> None:
     )
     try:
         async with running.client() as client:
-            result = await client.exec(["cat", "/proc/self/oom_score_adj"])
-            assert result.stdout == "500\n"
+            # Set by the daemon right after the fork: look at a process that lives on.
+            proc = await client.start_process(["sleep", "1000"])
+            adj = Path(f"/proc/{proc.pid}/oom_score_adj").read_text()
+            await client.kill_process(proc.id)
+            assert adj == "500\n"
     finally:
         assert running.stop() == 0

@@ -45,7 +45,9 @@ async def test_create_exec_delete(provider: LocalProvider) -> None:
         ]
         assert (await sb.exec(["cat", "/proc/1/cmdline"])).stdout.startswith("/.sandman/sandmand")
         # Under memory pressure the kernel kills commands, not PID 1 (the whole sandbox).
-        adj = await sb.exec("cat /proc/self/oom_score_adj /proc/1/oom_score_adj")
+        # (set right after each fork: look at a process that lives on)
+        sleeper = await sb.start_process(["sleep", "1000"])
+        adj = await sb.exec(f"cat /proc/{sleeper.pid}/oom_score_adj /proc/1/oom_score_adj")
         assert adj.stdout.split() == ["1000", "0"]
     await provider.delete(info.id)
     assert leftovers(provider) == []

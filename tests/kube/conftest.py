@@ -1,0 +1,121 @@
+"""A real single-machine Kubernetes cluster for tests marked ``kube``.
+
+The session fixture ``kube_cluster`` builds the components (cached: a no-op
+when ``hack/kube/.bin`` is current), starts the cluster with ``hack/kube/up``
+and tears it down with ``hack/kube/down``, then checks that nothing is left.
+
+Tests marked ``@pytest.mark.kube`` are skipped unless ``SANDMAN_KUBE=1``.
+Other variables:
+
+- ``SANDMAN_KUBE_DIR``: the cluster's state directory (default
+  ``/var/lib/sandman-kube``).
+- ``SANDMAN_KUBE_EXISTING=1``: use the cluster already started by
+  ``hack/kube/up`` in that directory, and leave it running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HACK = REPO / "hack" / "kube"
+DEFAULT_DIR = "/var/lib/sandman-kube"
+# A cold build of the Kubernetes components takes about ten minutes on two
+# cores; a cached one, and starting the cluster, well under one.
+SETUP_TIMEOUT = 1800
+
+
+@dataclass(frozen=True)
+class KubeCluster:
+    """What ``hack/kube/up`` wrote to ``$SANDMAN_KUBE_DIR/env``."""
+
+    state_dir: Path
+    server: str
+    ca: Path
+    token: str
+    """The ordinary, non-exempt identity ``sandman`` (Role in ``namespace``)."""
+    admin_token: str
+    """``system:masters``: for the harness's own set-up and clean-up only."""
+    kubeconfig: Path
+    admin_kubeconfig: Path
+    namespace: str
+    real_node: str
+    kwok_nodes: int
+    kubectl: Path
+
+    @classmethod
+    def from_env_file(cls, path: Path) -> KubeCluster:
+        env = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+        return cls(
+            state_dir=Path(env["SANDMAN_KUBE_DIR"]),
+            server=env["SANDMAN_KUBE_SERVER"],
+            ca=Path(env["SANDMAN_KUBE_CA"]),
+            token=env["SANDMAN_KUBE_TOKEN"],
+            admin_token=env["SANDMAN_KUBE_ADMIN_TOKEN"],
+            kubeconfig=Path(env["SANDMAN_KUBE_KUBECONFIG"]),
+            admin_kubeconfig=Path(env["SANDMAN_KUBE_ADMIN_KUBECONFIG"]),
+            namespace=env["SANDMAN_KUBE_NAMESPACE"],
+            real_node=env["SANDMAN_KUBE_REAL_NODE"],
+            kwok_nodes=int(env["SANDMAN_KUBE_KWOK_NODES"]),
+            kubectl=Path(env["SANDMAN_KUBE_KUBECTL"]),
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("SANDMAN_KUBE") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a Kubernetes cluster: set SANDMAN_KUBE=1")
+    for item in items:
+        if item.get_closest_marker("kube"):
+            item.add_marker(skip)
+
+
+def _run(*argv: str | Path, env: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [str(a) for a in argv], env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{argv[0]} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+
+
+def _leftovers(state_dir: Path) -> list[str]:
+    """What ``hack/kube/down`` promises to remove, if any of it is still there."""
+    found = []
+    if state_dir.exists():
+        found.append(f"state directory {state_dir}")
+    mounts = Path("/proc/self/mounts").read_text().split("\n")
+    found += [f"mount {m.split()[1]}" for m in mounts if f" {state_dir}/" in m]
+    found += [f"cgroup {d}" for d in Path("/sys/fs/cgroup").glob("*/sandman-kube") if d.is_dir()]
+    if Path("/sys/class/net/sandmank8s0").exists():
+        found.append("bridge sandmank8s0")
+    for name in ("etcd", "kube-apiserver", "kubelet", "containerd", "kwok"):
+        pids = subprocess.run(
+            ["pgrep", "-f", f"{name} .*{state_dir}"], check=False, capture_output=True, text=True
+        ).stdout.split()
+        found += [f"process {name} {pid}" for pid in pids]
+    return found
+
+
+@pytest.fixture(scope="session")
+def kube_cluster() -> Iterator[KubeCluster]:
+    state_dir = Path(os.environ.get("SANDMAN_KUBE_DIR", DEFAULT_DIR))
+    env = {**os.environ, "SANDMAN_KUBE_DIR": str(state_dir), "GOTOOLCHAIN": "local"}
+    if os.environ.get("SANDMAN_KUBE_EXISTING") == "1":
+        yield KubeCluster.from_env_file(state_dir / "env")
+        return
+    _run(HACK / "build", env=env)
+    try:
+        _run(HACK / "up", env=env)
+        yield KubeCluster.from_env_file(state_dir / "env")
+    finally:
+        _run(HACK / "down", env=env)
+        leftovers = _leftovers(state_dir)
+        assert not leftovers, f"hack/kube/down left: {leftovers}"
