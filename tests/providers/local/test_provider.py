@@ -173,7 +173,9 @@ async def test_runtime_failing_half_way_leaves_nothing(
 
 
 async def test_cancelled_create_leaves_nothing(provider: LocalProvider) -> None:
-    for delay in (0.001, 0.005, 0.01, 0.02):
+    # Cancelled at many points: before the record, during the runtime's
+    # create and start, while the daemon starts.
+    for delay in (0.001, 0.003, 0.005, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.08):
         with anyio.move_on_after(delay):
             await provider.create(SPEC)
         for info in await provider.list():

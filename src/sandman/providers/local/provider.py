@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -297,11 +298,20 @@ def _write(path: Path, text: str, mode: int = 0o600) -> None:
 
 
 def _remove_cgroup_dirs(parent: str, sandbox_id: str, patience: float = 5.0) -> list[Path]:
-    """rmdir the sandbox's cgroup in every hierarchy; returns what is still there."""
+    """Kill whatever still runs in the sandbox's cgroups, then rmdir them; returns what is left.
+
+    Normally the runtime's delete did all this. Not when its ``create`` died
+    half-way (killed, timed out): then the runtime does not know the
+    container, but its init may already sit in the cgroups.
+    """
     left = [p for p in _CGROUP_ROOT.glob(f"*/{parent}/{sandbox_id}") if p.is_dir()]
     deadline = time.monotonic() + patience
     while left and time.monotonic() < deadline:
         for path in list(left):
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
             try:
                 path.rmdir()
                 left.remove(path)

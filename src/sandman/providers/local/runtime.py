@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -68,7 +70,16 @@ class OCIRuntime:
             "create", "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
         ]  # fmt: skip
         # Both streams go to the log: the container's PID 1 inherits them as its stdio.
-        done = await self._spawn(argv, "create", log)
+        # Not interrupted by cancellation: a create killed half-way leaves a
+        # container the runtime does not know. It is short (and bounded by the
+        # timeout); on cancellation we let it finish, then the caller deletes.
+        running = asyncio.ensure_future(self._spawn(argv, "create", log))
+        try:
+            done = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await running
+            raise
         if done.returncode != 0:
             tail = (await anyio.Path(log).read_text(errors="replace"))[-2000:].strip()
             raise errors.ProviderError(
