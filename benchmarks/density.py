@@ -111,7 +111,12 @@ async def run(n: int, concurrency: int, state: Path) -> str:
 
     mem_before = _mem_available()
     started = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(n)))
+    try:
+        await asyncio.gather(*(one() for _ in range(n)))
+    except BaseException:
+        # Never leave a burst behind, whatever went wrong.
+        await asyncio.gather(*(provider.delete(i.id) for i in await provider.list()))
+        raise
     all_ready = time.perf_counter() - started
     await asyncio.sleep(2)  # let page cache and slab settle before reading memory
     mem_per = (mem_before - _mem_available()) / max(1, len(infos)) / 2**20

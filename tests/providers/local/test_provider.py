@@ -208,3 +208,22 @@ async def test_refuses_state_dirs_too_long_for_a_socket(
     )
     with pytest.raises(sandman.ConfigError, match="shorter state_dir"):
         await long.create(SPEC)
+
+
+async def test_a_runtime_that_cannot_be_started_is_a_provider_error(
+    provider: LocalProvider, tmp_path: Path
+) -> None:
+    vanishing = tmp_path / "crun-copy"
+    vanishing.write_bytes(Path(provider._runtime.binary).read_bytes())
+    vanishing.chmod(0o755)
+    broken = LocalProvider(
+        provider.config.model_copy(update={"runtime_path": str(vanishing)}), images=provider.images
+    )
+    vanishing.unlink()  # gone between configuration and use
+    with pytest.raises(sandman.ProviderError, match="crun-copy"):
+        await broken.create(SPEC)
+    # Its record stays (the runtime could not confirm anything is gone) until a
+    # delete with a working runtime, as the pool's retries or reconciler do.
+    [half] = await provider.list()
+    await provider.delete(half.id)
+    assert leftovers(provider) == []

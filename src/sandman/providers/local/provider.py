@@ -170,7 +170,12 @@ class LocalProvider:
             await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.delete(sid)
+                try:
+                    await self.delete(sid)
+                except errors.SandboxError:
+                    # The record stays: a later delete (the pool retries) or the
+                    # reconciler removes it. The caller hears the first failure.
+                    logger.warning("cleanup of half-created %s failed", sid, exc_info=True)
             raise
         return SandboxInfo(
             id=sid, provider=self.name, state="running", labels=all_labels,

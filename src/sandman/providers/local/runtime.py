@@ -41,6 +41,13 @@ class OCIRuntime:
             raise errors.ProviderError(
                 f"{self.kind} {what} did not finish within {self.timeout} s"
             ) from None
+        except BlockingIOError as exc:
+            # EAGAIN from fork: the host is out of processes (pid_max, threads-max).
+            raise errors.CapacityError(
+                f"cannot start {self.kind} {what}: the host is out of processes ({exc.strerror})"
+            ) from exc
+        except OSError as exc:
+            raise errors.ProviderError(f"cannot start {self.kind} {what}: {exc}") from exc
 
     async def _run(self, *args: str) -> tuple[int, str]:
         """Run the runtime; returns (exit code, stdout, or stderr on failure)."""
