@@ -86,6 +86,9 @@ def _run(*argv: str | Path, env: dict[str, str]) -> None:
         )
 
 
+IP_FORWARD_BEFORE = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+
+
 def _leftovers(state_dir: Path) -> list[str]:
     """What ``hack/kube/down`` promises to remove, if any of it is still there."""
     found = []
@@ -96,6 +99,8 @@ def _leftovers(state_dir: Path) -> list[str]:
     found += [f"cgroup {d}" for d in Path("/sys/fs/cgroup").glob("*/sandman-kube") if d.is_dir()]
     if Path("/sys/class/net/sandmank8s0").exists():
         found.append("bridge sandmank8s0")
+    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != IP_FORWARD_BEFORE:
+        found.append("ip_forward changed")
     for name in ("etcd", "kube-apiserver", "kubelet", "containerd", "kwok"):
         pids = subprocess.run(
             ["pgrep", "-f", f"{name} .*{state_dir}"], check=False, capture_output=True, text=True
