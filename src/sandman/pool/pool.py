@@ -32,7 +32,7 @@ from typing import Any, Literal, Self
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.pool.events import EventHook, PoolEvent, emit
-from sandman.pool.pacing import Pacer, PacingConfig
+from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
 from sandman.providers.base import Provider
 
@@ -41,7 +41,6 @@ __all__ = ["Pool", "PoolConfig"]
 logger = logging.getLogger(__name__)
 
 _WARM_CLIENT = "__warm__"
-FailureKind = Literal["throttled", "server_error", "timeout", "capacity", "other"]
 
 
 @dataclass(frozen=True)
