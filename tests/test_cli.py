@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 import sandman
-from sandman.cli import _build
+from sandman.cli import build as _build
 from tests.providers.local.conftest import needs_root_and_crun
 
 

@@ -1,0 +1,82 @@
+"""What every command shares: error reporting, running a coroutine, the client options."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import click
+
+from sandman import errors
+from sandman.settings import LocalConfig
+
+if TYPE_CHECKING:
+    from sandman.client import AsyncClient
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_HINTS: dict[type[errors.SandboxError], str] = {
+    errors.ImageNotFound: "import it first: sandman images import ARCHIVE --name NAME",
+    errors.ImageError: "check the archive or reference; `sandman images ls` lists what is here",
+    errors.ConfigError: "`sandman doctor` checks this machine",
+    errors.CapacityError: "the machine is full: release sandboxes or try again later",
+    errors.CreateTimeout: "raise --timeout, or check `sandman doctor`",
+    errors.SandboxNotFound: "`sandman ls` lists the sandboxes",
+    errors.DaemonUnavailable: "the sandbox's daemon is not answering; it may have died",
+}
+
+
+def hint(exc: errors.SandboxError) -> str:
+    """The one-line suggestion shown under an error."""
+    for cls in type(exc).__mro__:
+        if cls in _HINTS:
+            return _HINTS[cls]
+    return "run with --debug for the details"
+
+
+def fail(exc: BaseException, debug: bool) -> NoReturn:
+    """Report ``exc`` as one line and a hint (or re-raise it with --debug) and exit 1."""
+    if debug:
+        raise exc
+    click.echo(f"error: {exc}", err=True)
+    if isinstance(exc, errors.SandboxError):
+        click.echo(f"hint: {hint(exc)}", err=True)
+    sys.exit(1)
+
+
+def run_async(ctx: click.Context, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion; errors become one line and a hint."""
+    debug: bool = ctx.obj["debug"]
+    try:
+        return asyncio.run(coro)
+    except (errors.SandboxError, OSError) as exc:
+        fail(exc, debug)
+
+
+def local_config(ctx: click.Context) -> LocalConfig:
+    """The local provider's settings, with the root's --state-dir applied."""
+    state = ctx.obj["state_dir"]
+    return LocalConfig(state_dir=Path(state)) if state else LocalConfig()
+
+
+def client_options(command: F) -> F:
+    """Add --url and --api-key: talk to a service instead of the local pool."""
+    command = click.option(
+        "--api-key", envvar="SANDMAN_API_KEY", help="The service's API key (SANDMAN_API_KEY)."
+    )(command)
+    return click.option(
+        "--url", envvar="SANDMAN_URL", help="A Sandman service instead of the local pool."
+    )(command)
+
+
+def open_client(ctx: click.Context, url: str | None, api_key: str | None) -> AsyncClient:
+    """A client for the service at ``url``, or for an embedded local pool."""
+    from sandman.client import connect, local
+
+    if url:
+        return connect(url, api_key=api_key or "")
+    return local(state_dir=local_config(ctx).state_dir)

@@ -1,0 +1,28 @@
+"""``sandman doctor``: what this machine lacks for the local provider."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from sandman.providers.local.host import check_host
+
+
+@click.command()
+@click.option("--runtime", type=click.Choice(["crun", "runc"]), default="crun", show_default=True)
+def doctor(runtime: str) -> None:
+    """Tell what this machine lacks for the local provider, and how to fix it."""
+    findings = check_host(runtime)
+    for finding in findings:
+        mark = "ok " if finding.ok else "FAIL"
+        line = f"[{mark}] {finding.what}"
+        if not finding.ok:
+            line += f"\n       fix: {finding.fix}"
+        click.echo(line)
+    failed = sum(not f.ok for f in findings)
+    click.echo("ready for the local provider" if not failed else f"{failed} problem(s) to fix")
+    sys.exit(1 if failed else 0)
+
+
+COMMANDS: list[click.Command] = [doctor]
