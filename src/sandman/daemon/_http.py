@@ -18,6 +18,7 @@ client maps those to the package's errors.
 from __future__ import annotations
 
 import asyncio
+import ssl as _ssl
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
@@ -354,7 +355,11 @@ class StreamingResponse:
 
 
 class HTTPTransport:
-    """Keep-alive HTTP/1.1 to one address: ``uds`` path, or ``host`` and ``port``."""
+    """Keep-alive HTTP/1.1 to one address: ``uds`` path, or ``host`` and ``port``.
+
+    ``prefix`` is put before every request target (a daemon reached through a
+    gateway such as the service's proxy route); ``ssl`` speaks TLS over TCP.
+    """
 
     def __init__(
         self,
@@ -364,11 +369,15 @@ class HTTPTransport:
         port: int | None = None,
         default_headers: dict[str, str] | None = None,
         max_idle: int = 32,
+        prefix: str = "",
+        ssl: _ssl.SSLContext | None = None,
     ) -> None:
         if (uds is None) == (host is None or port is None):
             raise ValueError("give either uds, or host and port")
         self._uds = uds
         self._tcp = (host, port) if host is not None and port is not None else None
+        self._prefix = prefix.rstrip("/")
+        self._ssl = ssl
         self._max_idle = max_idle
         self._idle: list[_Connection] = []
         self._closed = False
@@ -451,7 +460,8 @@ class HTTPTransport:
         body: bytes | AsyncIterable[bytes] | None,
         content_type: str | None,
     ) -> bytes:
-        parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._fixed_head]
+        line = f"{method} {self._prefix}{target} HTTP/1.1\r\n"
+        parts = [line.encode("latin-1"), self._fixed_head]
         if body is None:
             if method in ("POST", "PUT", "PATCH"):
                 parts.append(b"Content-Length: 0\r\n")
@@ -479,7 +489,9 @@ class HTTPTransport:
         loop = asyncio.get_running_loop()
         # asyncio sets TCP_NODELAY on TCP sockets itself.
         if self._tcp is not None:
-            _, conn = await loop.create_connection(lambda: _Connection(loop), *self._tcp)
+            _, conn = await loop.create_connection(
+                lambda: _Connection(loop), *self._tcp, ssl=self._ssl
+            )
         else:
             _, conn = await loop.create_unix_connection(lambda: _Connection(loop), self._uds)
         return conn

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from ssl import SSLContext
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
@@ -37,6 +38,8 @@ _DEADLINE_SLACK = 10.0
 _DEFAULT_KILL_GRACE = 2.0
 
 _M = TypeVar("_M", bound=BaseModel)
+# What a gateway in front of the daemon answers when the sandbox is out of reach.
+_GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found"})
 
 
 def _unavailable(address: str, exc: Exception) -> errors.DaemonUnavailable:
@@ -70,13 +73,29 @@ class DaemonClient:
         port: int | None = None,
         token: str | None = None,
         request_timeout: float = 60.0,
+        base_path: str = "",
+        headers: Mapping[str, str] | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         if (uds is None) == (host is None or port is None):
             raise errors.ConfigError("DaemonClient needs either uds=, or host= and port=")
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        self._transport = HTTPTransport(uds=uds, host=host, port=port, default_headers=headers)
+        fixed = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        fixed.update(headers or {})
+        self._transport = HTTPTransport(
+            uds=uds, host=host, port=port, default_headers=fixed, prefix=base_path, ssl=ssl
+        )
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
+        self._address += base_path.rstrip("/")
+        # Behind a gateway (``base_path``, e.g. the service's proxy route), the
+        # gateway's own "cannot reach it" answers mean what a failed connect means.
+        self._gateway = bool(base_path)
         self._request_timeout = request_timeout
+
+    def _error(self, status: int, body: bytes) -> errors.DaemonError:
+        exc = protocol.error_from_response(status, body)
+        if self._gateway and exc.code in _GATEWAY_CODES:
+            return errors.DaemonUnavailable(exc.message, code=exc.code, status=status)
+        return exc
 
     def __repr__(self) -> str:
         return f"DaemonClient({self._address!r})"
@@ -136,7 +155,7 @@ class DaemonClient:
                 ) from exc
             raise _unavailable(self._address, exc) from exc
         if response.status >= 400:
-            raise protocol.error_from_response(response.status, response.body)
+            raise self._error(response.status, response.body)
         return response
 
     async def _json(
@@ -286,7 +305,7 @@ class DaemonClient:
                 "POST", "/v1/exec/stream", body=body, content_type=_JSON
             ) as response:
                 if response.status >= 400:
-                    raise protocol.error_from_response(response.status, await response.read())
+                    raise self._error(response.status, await response.read())
 
                 async def events() -> AsyncIterator[ExecEvent]:
                     async for line in response.iter_lines():
@@ -501,7 +520,7 @@ class DaemonClient:
             ) as response:
                 body = await response.read()
         if response.status >= 400:
-            raise protocol.error_from_response(response.status, body)
+            raise self._error(response.status, body)
         return ArchiveResult.model_validate_json(body)
 
     async def download_archive(self, path: str, *, gzip: bool = False) -> bytes:
