@@ -39,6 +39,13 @@ func main() {
 		logger.Print(err) // only reached when the exec did not happen
 		os.Exit(125)
 	}
+	if len(os.Args) > 1 && os.Args[1] == "install" {
+		if err := install(os.Args[2:]); err != nil {
+			logger.Print(err)
+			os.Exit(1)
+		}
+		return
+	}
 	// Taken before anything else so no child (or crash dump) sees it.
 	envToken := os.Getenv("SANDMAND_TOKEN")
 	for _, kv := range os.Environ() {
