@@ -11,6 +11,8 @@ through one dict, `SERVICE_ERRORS`; no class path is ever read from the wire.
 from __future__ import annotations
 
 import contextlib
+import os
+import ssl
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,10 +22,11 @@ from sandman import errors
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
+from sandman.daemon import DaemonClient
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint
 
-__all__ = ["SERVICE_ERRORS", "RemoteBackend", "connect", "connect_sync"]
+__all__ = ["SERVICE_ERRORS", "ProxiedEndpoint", "RemoteBackend", "connect", "connect_sync"]
 
 SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "unauthorized": errors.ConfigError,
@@ -79,11 +82,40 @@ def _error(response: httpx.Response) -> errors.SandboxError:
     return cls(text)
 
 
+class ProxiedEndpoint(DaemonEndpoint):
+    """A daemon reached through the service's proxy route (``/v1/sandboxes/{id}/daemon/``).
+
+    ``host``/``port`` are the service's, ``token`` is the caller's API key (the
+    service adds the daemon's own token), ``base_path`` the route.
+    """
+
+    base_path: str
+    tls: bool = False
+
+    def client(self, *, request_timeout: float = 60.0) -> DaemonClient:
+        """A new client of the daemon, through the service; close it with ``aclose``."""
+        return DaemonClient(
+            host=self.host, port=self.port, token=self.token or None,
+            request_timeout=request_timeout, base_path=self.base_path,
+            ssl=ssl.create_default_context() if self.tls else None,
+        )  # fmt: skip
+
+
+def reachable(endpoint: DaemonEndpoint) -> bool:
+    """Whether this process can plausibly reach ``endpoint`` itself: a unix socket must
+    exist here; a TCP address is assumed routable (say ``via_proxy=True`` when not)."""
+    if endpoint.uds is not None:
+        return os.path.exists(endpoint.uds)
+    return True
+
+
 class RemoteBackend:
     """A `Backend` over the Sandman service at ``url`` (``sandman.connect``).
 
     ``transport`` is an httpx transport to use instead of the network (e.g.
-    ``httpx.ASGITransport(app)`` in tests).
+    ``httpx.ASGITransport(app)`` in tests). ``via_proxy``: reach daemons through
+    the service's proxy route always (True), never (False), or when their
+    endpoint is not reachable from here (None: a unix socket of another machine).
     """
 
     def __init__(
@@ -93,8 +125,14 @@ class RemoteBackend:
         api_key: str | None = None,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        via_proxy: bool | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        parsed = httpx.URL(self.url)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise errors.ConfigError(f"not a service URL: {url!r} (use http://HOST:PORT)")
+        self._api_key = api_key or ""
+        self._via_proxy = via_proxy
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._transport = transport
@@ -174,8 +212,40 @@ class RemoteBackend:
         )  # fmt: skip
         if endpoint.uds is None and endpoint.host is None:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
-        self._timelines[str(data["id"])] = dict(data.get("timeline") or {})
-        return Lease(str(data["id"]), endpoint, float(data["expires_at"]))
+        sandbox_id = str(data["id"])
+        self._timelines[sandbox_id] = dict(data.get("timeline") or {})
+        if self._via_proxy or (self._via_proxy is None and not reachable(endpoint)):
+            endpoint = self.proxied(sandbox_id)
+        return Lease(sandbox_id, endpoint, float(data["expires_at"]))
+
+    def proxied(self, sandbox_id: str) -> ProxiedEndpoint:
+        """The endpoint of a sandbox's daemon through the service's proxy route."""
+        url = httpx.URL(self.url)
+        tls = url.scheme == "https"
+        return ProxiedEndpoint(
+            host=url.host, port=url.port or (443 if tls else 80), token=self._api_key,
+            base_path=f"{url.path.rstrip('/')}/v1/sandboxes/{sandbox_id}/daemon", tls=tls,
+        )  # fmt: skip
+
+    async def sandboxes(self, *, state: str | None = None) -> list[dict[str, Any]]:
+        """The tenant's sandboxes as the service lists them (JSON objects)."""
+        params = {"state": state} if state else None
+        response = await self._call("GET", "/v1/sandboxes", params=params)
+        return list(response.json()["sandboxes"])
+
+    async def endpoint(self, sandbox_id: str) -> DaemonEndpoint:
+        """How to reach one of the tenant's sandboxes (directly, or through the proxy)."""
+        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}")).json()
+        if data.get("state") != "leased":
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is {data.get('state')}")
+        where = data.get("endpoint") or {}
+        direct = DaemonEndpoint(
+            uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
+            token=where.get("token", ""),
+        )  # fmt: skip
+        if self._via_proxy or (self._via_proxy is None and not reachable(direct)):
+            return self.proxied(sandbox_id)
+        return direct
 
     async def release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
@@ -212,6 +282,7 @@ def connect(
     heartbeat_interval: float = 5.0,
     timeout: float = 30.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    via_proxy: bool | None = None,
 ) -> AsyncClient:
     """An `AsyncClient` whose sandboxes come from the Sandman service at ``url``.
 
@@ -220,8 +291,14 @@ def connect(
     session is kept alive by heartbeats, and if this process dies its
     sandboxes are released when the session's lease ends. ``timeout`` bounds
     each call to the service (an acquire waits as long as its own timeout).
+
+    Commands and files go straight to each sandbox's daemon when this process
+    can reach it, else through the service's proxy route; ``via_proxy=True``
+    always takes the route (no route to pod IPs), ``False`` never does.
     """
-    backend = RemoteBackend(url, api_key=api_key, timeout=timeout, transport=transport)
+    backend = RemoteBackend(
+        url, api_key=api_key, timeout=timeout, transport=transport, via_proxy=via_proxy
+    )
     return AsyncClient(backend, heartbeat_interval=heartbeat_interval)
 
 
@@ -231,8 +308,10 @@ def connect_sync(
     api_key: str | None = None,
     heartbeat_interval: float = 5.0,
     timeout: float = 30.0,
+    via_proxy: bool | None = None,
 ) -> Client:
     """The blocking twin of `connect`: ``with sandman.connect_sync(url, api_key=k) as client: ...``."""
     return Client(
-        connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout)
-    )
+        connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
+                via_proxy=via_proxy)
+    )  # fmt: skip

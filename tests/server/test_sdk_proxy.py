@@ -1,0 +1,106 @@
+"""The SDK through the service's daemon proxy route: for clients that cannot reach daemons."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import sandman
+from sandman.client.remote import ProxiedEndpoint, RemoteBackend, reachable
+from sandman.providers.base import DaemonEndpoint
+from tests.server.conftest import KEY_A, KEY_B, eventually, serve
+
+pytestmark = pytest.mark.anyio
+
+
+def test_an_endpoint_is_reachable_only_if_its_socket_is_here(tmp_path: Path) -> None:
+    here = tmp_path / "sock"
+    here.touch()
+    assert reachable(DaemonEndpoint(uds=str(here), token="t"))
+    assert not reachable(DaemonEndpoint(uds=str(tmp_path / "elsewhere"), token="t"))
+    assert reachable(DaemonEndpoint(host="10.0.0.7", port=8080, token="t"))
+
+
+def test_the_proxied_endpoint_is_the_route_under_the_services_url() -> None:
+    backend = RemoteBackend("https://sandman.example/prefix/", api_key="k" * 16)
+    endpoint = backend.proxied("sb-1")
+    assert (endpoint.host, endpoint.port, endpoint.tls) == ("sandman.example", 443, True)
+    assert endpoint.base_path == "/prefix/v1/sandboxes/sb-1/daemon"
+    assert endpoint.token == "k" * 16  # the API key; the service adds the daemon's token
+    with pytest.raises(sandman.ConfigError, match="not a service URL"):
+        RemoteBackend("localhost:8000")
+
+
+async def test_exec_stream_files_and_archives_through_the_proxy(tmp_path: Path) -> None:
+    with serve() as served:
+        async with (
+            sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client,
+            client.sandbox("task", timeout=20) as sb,
+        ):
+            endpoint = sb._lease.endpoint
+            assert isinstance(endpoint, ProxiedEndpoint)
+            assert endpoint.base_path == f"/v1/sandboxes/{sb.id}/daemon"
+
+            result = await sb.exec("echo through $0; exit 4")
+            assert result.exit_code == 4 and result.stdout.startswith("through")
+
+            clock = asyncio.get_running_loop().time
+            seen: list[tuple[float, str]] = []
+            script = "for i in 1 2 3; do echo line$i; sleep 0.2; done"
+            async with sb.exec_stream(["sh", "-c", script]) as events:
+                seen.extend([(clock(), e.event + ":" + e.data) async for e in events])
+            assert seen[-1][1] == "exit:" and "line3" in "".join(s for _, s in seen)
+            assert seen[-1][0] - seen[0][0] > 0.25  # the output arrived as it happened
+
+            # The fake's daemons run on this host: paths under tmp_path.
+            box = str(tmp_path / "box")
+            await sb.write_file(f"{box}/a.bin", b"\x00\xffdata", mode=0o600)
+            assert await sb.read_file(f"{box}/a.bin") == b"\x00\xffdata"
+            assert (await sb.stat(f"{box}/a.bin")).size == 6
+            with pytest.raises(sandman.PathNotFound):
+                await sb.read_file(f"{box}/missing")
+
+            tree = tmp_path / "tree"
+            (tree / "sub").mkdir(parents=True)
+            (tree / "top.txt").write_text("top")
+            (tree / "sub" / "deep.txt").write_text("deep")
+            await sb.upload(tree, f"{box}/tree")
+            names = [s.name for s in await sb.list_dir(f"{box}/tree")]
+            assert names == ["sub", "top.txt"]
+            await sb.download(f"{box}/tree", tmp_path / "back")
+            assert (tmp_path / "back" / "sub" / "deep.txt").read_text() == "deep"
+        # Released: the route answers sandbox_not_found, which the SDK reports as such.
+        with pytest.raises(sandman.SandboxNotFound):
+            await sb.exec("true")
+        await eventually(lambda: served.provider.live == 0)
+
+
+async def test_a_vanished_sandbox_is_not_found_through_the_proxy() -> None:
+    with serve() as served:
+        async with sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client:
+            sb = await client.acquire("task", timeout=20)
+            served.provider.lose(sb.id)
+            with pytest.raises(sandman.SandboxNotFound):
+                await sb.exec("true")
+            await sb.release()
+        await eventually(lambda: served.provider.live == 0)
+
+
+async def test_another_tenants_key_cannot_use_the_route() -> None:
+    with serve() as served:
+        async with (
+            sandman.connect(served.url, api_key=KEY_A) as client,
+            client.sandbox("task", timeout=20) as sb,
+        ):
+            other = RemoteBackend(served.url, api_key=KEY_B)
+            foreign = other.proxied(sb.id).client()
+            try:
+                with pytest.raises(sandman.DaemonUnavailable) as refused:
+                    await foreign.exec("true")
+                assert refused.value.code == "sandbox_not_found"
+            finally:
+                await foreign.aclose()
+                await other.aclose()
+        await eventually(lambda: served.provider.live == 0)
