@@ -23,7 +23,7 @@ def build() -> click.Group:
     """The root ``sandman`` command group with every subcommand attached."""
     import click
 
-    from sandman.cli import host, images, sandboxes
+    from sandman.cli import host, images, sandboxes, serve
 
     @click.group()
     @click.version_option(package_name="sandman-rl")
@@ -36,7 +36,7 @@ def build() -> click.Group:
         """Sandboxes for agentic reinforcement learning."""
         ctx.obj = {"debug": debug, "state_dir": state_dir}
 
-    for module in (host, sandboxes, images):
+    for module in (host, sandboxes, images, serve):
         for command in module.COMMANDS:
             cli.add_command(command)
     return cli

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -58,9 +59,18 @@ def run_async(ctx: click.Context, coro: Coroutine[Any, Any, T]) -> T:
 
 
 def local_config(ctx: click.Context) -> LocalConfig:
-    """The local provider's settings, with the root's --state-dir applied."""
-    state = ctx.obj["state_dir"]
-    return LocalConfig(state_dir=Path(state)) if state else LocalConfig()
+    """The local provider's settings: the root's --state-dir, and ``SANDMAN_RUNTIME`` and
+    ``SANDMAN_CGROUP_PARENT`` from the environment."""
+    values: dict[str, object] = {}
+    if ctx.obj["state_dir"]:
+        values["state_dir"] = Path(ctx.obj["state_dir"])
+    for field in ("runtime", "cgroup_parent"):
+        if os.environ.get(f"SANDMAN_{field.upper()}"):
+            values[field] = os.environ[f"SANDMAN_{field.upper()}"]
+    try:
+        return LocalConfig.model_validate(values)
+    except ValueError as exc:
+        raise errors.ConfigError(f"invalid local provider settings: {exc}") from None
 
 
 def client_options(command: F) -> F:

@@ -11,6 +11,7 @@ through one dict, `SERVICE_ERRORS`; no class path is ever read from the wire.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import ssl
 from collections.abc import Iterator, Mapping
@@ -51,6 +52,8 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "internal": errors.ProviderError,
 }
 """The service's error codes and the exception each one raises here."""
+
+logger = logging.getLogger(__name__)
 
 # Extra seconds the HTTP request of an acquire may take past the acquire's own deadline.
 _ACQUIRE_SLACK = 30.0
@@ -193,8 +196,16 @@ class RemoteBackend:
         await self._call("POST", f"/v1/sessions/{session}/heartbeat")
 
     async def close_session(self, session: str) -> None:
-        with contextlib.suppress(errors.SandboxNotFound):  # already over: nothing to end
+        try:
             await self._call("DELETE", f"/v1/sessions/{session}")
+        except errors.SandboxNotFound:
+            pass  # already over: nothing to end
+        except errors.ProviderError as exc:
+            if exc.__cause__ is None:
+                raise  # the service answered with an error of its own
+            # The service cannot be reached: it ends the session itself once its
+            # lease passes, so closing here must not fail the caller's cleanup.
+            logger.warning("could not close session %s: %s", session, exc)
 
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
         # Cancelling this call closes the connection; the service then cancels the

@@ -2,15 +2,27 @@
 and what happens at shutdown.
 
 A plain object: the library never reads the environment. The CLI (``sandman serve``)
-builds it from ``SANDMAN_*`` variables; ``api_keys`` also accepts the string form
+builds it from ``SANDMAN_*`` variables (`ServerSettings.from_env`); ``api_keys`` also accepts the string form
 ``"tenant-a:KEY1,tenant-b:KEY2"`` so that one variable can carry them all.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+
+from sandman import errors
 
 __all__ = ["ApiKey", "ServerSettings", "TenantLimits"]
 
@@ -99,6 +111,33 @@ class ServerSettings(BaseModel):
                 raise ValueError(f"an API key is listed twice (tenant {api_key.tenant})")
             seen.add(secret)
         return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ServerSettings:
+        """Settings from ``SANDMAN_<FIELD>`` variables of ``environ`` (``SANDMAN_API_KEYS``,
+        ``SANDMAN_MAX_LEASE``...), then ``overrides``. Nested fields
+        (``default_limits``, ``tenant_limits``) are JSON; `ConfigError` on bad values."""
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = environ.get(f"SANDMAN_{name.upper()}")
+            if raw is None:
+                continue
+            if name in ("default_limits", "tenant_limits"):
+                try:
+                    values[name] = json.loads(raw)
+                except ValueError as exc:
+                    raise errors.ConfigError(f"SANDMAN_{name.upper()} is not JSON: {exc}") from exc
+            else:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in p['loc']) or 'settings'}: {p['msg']}"
+                for p in exc.errors()[:5]
+            )
+            raise errors.ConfigError(f"invalid service settings: {problems}") from None
 
     def limits(self, tenant: str) -> TenantLimits:
         """The limits of ``tenant``."""

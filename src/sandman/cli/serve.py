@@ -1,0 +1,173 @@
+"""``sandman serve``: the HTTP service over one pool, for many client processes.
+
+Settings come from ``SANDMAN_*`` variables (`ServerSettings.from_env`:
+``SANDMAN_API_KEYS="tenant:KEY,..."`` and the rest) and from the flags, which
+win. SIGTERM and SIGINT shut it down gracefully: it stops accepting, lets
+acquires in flight be answered, then releases every sandbox or leaves them
+for the next instance of the same pool to adopt (``--on-shutdown``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import click
+
+from sandman import errors
+from sandman.cli._common import fail, local_config
+
+if TYPE_CHECKING:
+    from sandman.pool.watchdog import Watchdog
+    from sandman.providers.base import Provider
+    from sandman.server import ServerSettings
+
+PROVIDERS = ("local", "kubernetes")
+
+
+def make_provider(ctx: click.Context, name: str) -> Provider:
+    """The provider the service's pool runs on: the seam for ``--provider``."""
+    if name == "local":
+        from sandman.providers.local import LocalProvider
+
+        return LocalProvider(local_config(ctx))
+    try:
+        from sandman.providers import kubernetes  # type: ignore[attr-defined,unused-ignore]
+    except ImportError as exc:
+        raise errors.ConfigError(
+            f"the {name} provider is not available in this installation ({exc})"
+        ) from exc
+    config = kubernetes.KubernetesConfig()
+    provider: Provider = kubernetes.KubernetesProvider(config)
+    return provider
+
+
+def default_pool_name() -> str:
+    """Stable across restarts on one machine, so the next instance finds what was left."""
+    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname().lower())
+    return f"serve-{host}"[:63].strip("-.")
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--pool-name", envvar="SANDMAN_POOL_NAME", help="Default: serve-<hostname>.")
+@click.option(
+    "--provider", type=click.Choice(PROVIDERS), default="local", show_default=True,
+    envvar="SANDMAN_PROVIDER",
+)  # fmt: skip
+@click.option(
+    "--on-shutdown", type=click.Choice(["release", "leave"]), default=None,
+    help="Release every sandbox at shutdown (default), or leave them for the next instance.",
+)  # fmt: skip
+@click.option(
+    "--adopt/--no-adopt", default=True, show_default=True,
+    help="At start, adopt running sandboxes a previous instance of this pool left.",
+)  # fmt: skip
+@click.option("--lease", type=float, default=30.0, show_default=True,
+              help="Seconds a silent client session keeps its sandboxes.")  # fmt: skip
+@click.option("--anonymous-tenant", help="Requests without an API key act as this tenant.")
+@click.option("--log-level", default="info", show_default=True)
+@click.pass_context
+def serve(
+    ctx: click.Context, host: str, port: int, pool_name: str | None, provider: str,
+    on_shutdown: str | None, adopt: bool, lease: float, anonymous_tenant: str | None,
+    log_level: str,
+) -> None:  # fmt: skip
+    """Serve the HTTP API (and /metrics) over one pool until SIGTERM or SIGINT."""
+    from sandman.server import ServerSettings
+
+    debug: bool = ctx.obj["debug"]
+    try:
+        release = None if on_shutdown is None else on_shutdown == "release"
+        settings = ServerSettings.from_env(
+            os.environ, release_on_shutdown=release, anonymous_tenant=anonymous_tenant
+        )
+        if not settings.api_keys and settings.anonymous_tenant is None:
+            raise errors.ConfigError(
+                "no API keys: set SANDMAN_API_KEYS=tenant:KEY[,tenant:KEY...] "
+                "(or --anonymous-tenant NAME, for a single user on localhost)"
+            )
+        backend = make_provider(ctx, provider)
+        asyncio.run(
+            _serve(ctx, backend, settings, host=host, port=port, lease=lease, adopt=adopt,
+                   pool_name=pool_name or default_pool_name(), log_level=log_level)
+        )  # fmt: skip
+    except (errors.SandboxError, OSError) as exc:
+        fail(exc, debug)
+
+
+async def _serve(
+    ctx: click.Context,
+    provider: Provider,
+    settings: ServerSettings,
+    *,
+    host: str,
+    port: int,
+    lease: float,
+    adopt: bool,
+    pool_name: str,
+    log_level: str,
+) -> None:
+    import uvicorn
+
+    from sandman.pool import Pool, PoolConfig
+    from sandman.server import create_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's own re-raises the signal after the graceful shutdown, which
+            # kills the process before the watchdog is told and the provider closed.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    pool = Pool(provider, PoolConfig(name=pool_name, lease=lease, adopt_orphans=adopt))
+    app = create_app(pool, settings)
+    watchdog = _watchdog(ctx, provider, pool_name) if settings.release_on_shutdown else None
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
+        # uvicorn waits this long for open requests (acquires) before the lifespan's
+        # shutdown, which then gives what is still in flight its own grace.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace)),
+    )  # fmt: skip
+    server = Server(config)
+    mode = "release" if settings.release_on_shutdown else "leave"
+    click.echo(
+        f"sandman: pool {pool_name} on the {provider.name} provider, "
+        f"http://{host}:{port} (on shutdown: {mode})",
+        err=True,
+    )
+    try:
+        await server.serve()
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        close = getattr(provider, "aclose", None)
+        if close is not None:
+            await close()
+    if not server.started:
+        raise errors.ConfigError(f"could not serve on {host}:{port} (see the log above)")
+
+
+def _watchdog(ctx: click.Context, provider: Provider, pool_name: str) -> Watchdog | None:
+    """A local pool's watchdog: if the service is SIGKILLed, its sandboxes go too."""
+    from sandman.pool.watchdog import Watchdog
+
+    if provider.name != "local":
+        return None
+    return Watchdog.start(local_config(ctx), pool_name)
+
+
+COMMANDS: list[click.Command] = [serve]

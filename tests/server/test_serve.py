@@ -1,0 +1,193 @@
+"""``sandman serve`` as a process of its own on the local provider: start, serve, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+import sandman
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.leaks import assert_nothing_left
+from tests.server.conftest import KEY_A, KEY_B
+
+pytestmark = [pytest.mark.anyio, needs_root_and_crun]
+
+KEYS = f"a:{KEY_A},b:{KEY_B}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Host:
+    """One machine's local provider (its own state dir and cgroup parent)."""
+
+    config: LocalConfig
+    provider: LocalProvider
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "SANDMAN_STATE_DIR": str(self.config.state_dir),
+            "SANDMAN_CGROUP_PARENT": self.config.cgroup_parent,
+            "SANDMAN_API_KEYS": KEYS,
+        }
+
+
+@pytest.fixture
+async def host(busybox_tar: Path) -> AsyncIterator[Host]:
+    state = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}")
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    try:
+        yield Host(config, provider)
+    finally:
+        for info in await provider.list():
+            await provider.delete(info.id)
+        await provider.aclose()
+        await assert_nothing_left(provider)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+class ServeProcess:
+    """``sandman serve`` in a process of its own; its log goes to a file."""
+
+    def __init__(self, host: Host, port: int, pool: str, *args: str) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.pool = pool
+        self.log = host.config.state_dir / f"serve-{port}-{time.monotonic_ns()}.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from sandman.cli import main; main()", "serve",
+                 "--port", str(port), "--pool-name", pool, "--log-level", "warning", *args],
+                env=host.env(), stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(base_url=self.url, timeout=2) as http:
+            while True:
+                if self.process.poll() is not None:
+                    raise AssertionError(f"serve exited {self.process.returncode}: {self.output()}")
+                try:
+                    if (await http.get("/v1/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"serve not healthy in {timeout} s: {self.output()}")
+                await asyncio.sleep(0.05)
+
+    async def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM; wait (with a deadline) for it to exit; its exit status."""
+        self.process.send_signal(signal.SIGTERM)
+        return await asyncio.to_thread(self.process.wait, timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+
+@contextlib.contextmanager
+def served(host: Host, port: int, pool: str, *args: str) -> Iterator[ServeProcess]:
+    process = ServeProcess(host, port, pool, *args)
+    try:
+        yield process
+    finally:
+        process.kill()
+
+
+async def watchdogs_of(pool: str) -> list[int]:
+    """Processes whose command line names the pool (its watchdog)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"sandman.pool.watchdog" in cmdline and pool.encode() in cmdline:
+                found.append(int(proc.name))
+    return found
+
+
+async def test_serve_then_sigterm_releases_everything(host: Host) -> None:
+    pool = f"serve-test-{uuid.uuid4().hex[:8]}"
+    with served(host, free_port(), pool) as server:
+        await server.wait_healthy()
+        assert await watchdogs_of(pool)  # bound to the service, should it be SIGKILLed
+        client = sandman.connect(server.url, api_key=KEY_A)
+        try:
+            sb = await client.acquire("busybox", memory="64Mi", pids=64, timeout=60)
+            result = await sb.exec(["sh", "-c", "echo served from $(hostname)"])
+            assert result.exit_code == 0 and result.stdout == f"served from {sb.id}\n"
+            assert [i.id for i in await host.provider.list()] == [sb.id]
+            # SIGTERM while the sandbox is held: the service releases it before it exits.
+            assert await server.terminate() == 0, server.output()
+            assert await host.provider.list() == []
+        finally:
+            await client.aclose()  # the service is gone: closing still returns
+    assert await watchdogs_of(pool) == []
+
+
+async def test_leave_on_shutdown_and_the_next_instance_adopts(host: Host) -> None:
+    pool = f"serve-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    client = sandman.connect(f"http://127.0.0.1:{port}", api_key=KEY_A, heartbeat_interval=0.5)
+    try:
+        with served(host, port, pool, "--on-shutdown", "leave") as first:
+            await first.wait_healthy()
+            sb = await client.acquire("busybox", memory="64Mi", pids=64, timeout=60)
+            await sb.write_file("/kept", "state")
+            assert await first.terminate() == 0, first.output()
+        # Left running, and still usable: commands go straight to its daemon.
+        infos = await host.provider.list()
+        assert [(i.id, i.state) for i in infos] == [(sb.id, "running")]
+        assert (await sb.exec(["cat", "/kept"])).stdout == "state"
+
+        with served(host, port, pool) as second:
+            await second.wait_healthy()
+            async with httpx.AsyncClient(
+                base_url=second.url, headers={"Authorization": f"Bearer {KEY_A}"}
+            ) as api:
+                listed = (await api.get("/v1/sandboxes")).json()["sandboxes"]
+                assert [(s["id"], s["state"]) for s in listed] == [(sb.id, "leased")]
+                other = await api.get("/v1/sandboxes", headers={"Authorization": f"Bearer {KEY_B}"})
+                assert other.json()["sandboxes"] == []  # still tenant a's alone
+            await asyncio.sleep(1.5)  # the client's heartbeats reach the new instance
+            assert (await sb.exec(["cat", "/kept"])).stdout == "state"
+            await sb.release()
+            deadline = time.monotonic() + 30
+            while await host.provider.list():
+                assert time.monotonic() < deadline, "the released sandbox is still there"
+                await asyncio.sleep(0.05)
+            await client.aclose()
+            assert await second.terminate() == 0, second.output()
+    finally:
+        await client.aclose()
