@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import click
+from pydantic import ValidationError
 
 from sandman import errors
 from sandman.cli._common import fail, local_config
@@ -31,20 +32,27 @@ PROVIDERS = ("local", "kubernetes")
 
 
 def make_provider(ctx: click.Context, name: str) -> Provider:
-    """The provider the service's pool runs on: the seam for ``--provider``."""
+    """The provider the service's pool runs on (``kubernetes`` takes its settings as JSON
+    from ``SANDMAN_KUBERNETES``)."""
     if name == "local":
         from sandman.providers.local import LocalProvider
 
         return LocalProvider(local_config(ctx))
     try:
-        from sandman.providers import kubernetes  # type: ignore[attr-defined,unused-ignore]
+        from sandman.providers.kubernetes import KubernetesProvider
+        from sandman.settings import KubernetesConfig
     except ImportError as exc:
         raise errors.ConfigError(
             f"the {name} provider is not available in this installation ({exc})"
         ) from exc
-    config = kubernetes.KubernetesConfig()
-    provider: Provider = kubernetes.KubernetesProvider(config)
-    return provider
+    # Its settings as JSON in one variable: kubeconfig, context, namespace...
+    raw = os.environ.get("SANDMAN_KUBERNETES", "{}")
+    try:
+        config = KubernetesConfig.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise errors.ConfigError(f"SANDMAN_KUBERNETES: {problems}") from None
+    return KubernetesProvider(config)
 
 
 def default_pool_name() -> str:
