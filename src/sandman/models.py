@@ -148,6 +148,8 @@ class ProcessInfo(_Value):
     started_at: float
     ended_at: float | None = None
     stdin_open: bool = False
+    tty: bool = False
+    """Runs on a pseudo-terminal: its output (echo included) is all stdout."""
 
 
 class ProcessOutput(_Value):

@@ -23,11 +23,12 @@ type Process struct {
 	Cmd     *string
 	Pid     int // 0 when it could not be launched
 	Started time.Time
+	TTY     bool // on a pseudo-terminal: stdout is the terminal, stderr stays empty
 
 	seq      int
 	child    *reaper.Child
 	stdout   *os.File
-	stderr   *os.File
+	stderr   *os.File   // nil on a terminal
 	stdinMu  sync.Mutex // serialises writers so bodies do not interleave
 	finished chan struct{}
 
@@ -35,6 +36,7 @@ type Process struct {
 	out     ring
 	errb    ring
 	stdin   *os.File      // nil when never opened or closed
+	ttyGone bool          // the terminal's master is closed (Resize checks it)
 	changed chan struct{} // closed and replaced on new output or exit
 	running bool
 	exit    Exit
@@ -52,6 +54,7 @@ type ProcessInfo struct {
 	StartedAt time.Time
 	EndedAt   *time.Time
 	StdinOpen bool
+	TTY       bool
 }
 
 // Info snapshots p.
@@ -59,7 +62,7 @@ func (p *Process) Info() ProcessInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	info := ProcessInfo{ID: p.ID, Pid: p.Pid, Argv: p.Argv, Cmd: p.Cmd,
-		Running: p.running, StartedAt: p.Started, StdinOpen: p.stdin != nil}
+		Running: p.running, StartedAt: p.Started, StdinOpen: p.stdin != nil, TTY: p.TTY}
 	if !p.running {
 		e, t := p.exit, p.ended
 		info.Exit, info.EndedAt = &e, &t
@@ -75,7 +78,15 @@ func (p *Process) notify() {
 
 func (p *Process) pump(f *os.File, r *ring, done chan<- struct{}) {
 	defer func() { done <- struct{}{} }()
-	defer f.Close()
+	defer func() {
+		// Under mu, so Resize never runs its ioctl on a closing master.
+		p.mu.Lock()
+		if p.TTY {
+			p.ttyGone = true
+		}
+		f.Close()
+		p.mu.Unlock()
+	}()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := f.Read(buf)
@@ -162,6 +173,25 @@ func (p *Process) Signal(sig syscall.Signal, group bool) error {
 	return nil
 }
 
+var errNotATTY = apierr.New(http.StatusConflict, "not_a_tty", "the process is not on a terminal")
+
+// Resize sets the size of the process's terminal. A finished process is
+// left alone, like Signal does.
+func (p *Process) Resize(size WinSize) error {
+	if !p.TTY {
+		return errNotATTY
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stdout == nil || p.ttyGone {
+		return nil // never launched, or the terminal is gone
+	}
+	if err := setSize(p.stdout, size); err != nil {
+		return apierr.Internal("%v", err)
+	}
+	return nil
+}
+
 var errStdinClosed = apierr.New(http.StatusConflict, "stdin_closed", "stdin is not open")
 
 // WriteStdin copies body to the process's stdin, then closes it if asked.
@@ -181,7 +211,8 @@ func (p *Process) WriteStdin(ctx context.Context, body io.Reader, closeAfter boo
 	stop()
 	_ = w.SetWriteDeadline(time.Time{})
 	if err != nil {
-		if errors.Is(err, syscall.EPIPE) {
+		// EIO: a terminal whose other side every process has closed.
+		if errors.Is(err, syscall.EPIPE) || (p.TTY && errors.Is(err, syscall.EIO)) {
 			p.closeStdin()
 			return apierr.New(http.StatusConflict, "stdin_closed", "the process closed its stdin")
 		}
@@ -218,6 +249,11 @@ func (p *Process) finish(done <-chan struct{}) {
 		break
 	}
 	t.Stop()
+	if p.TTY {
+		// Nobody is left to read the keyboard; do not hold the terminal open
+		// for a process that is over.
+		p.closeStdin()
+	}
 	p.mu.Lock()
 	p.exit = ExitOf(p.child.Status())
 	p.ended = p.child.Ended()
@@ -231,6 +267,9 @@ func (p *Process) finish(done <-chan struct{}) {
 type ProcessOptions struct {
 	Stdin     bool
 	MaxBuffer int
+	// TTY runs the process on a pseudo-terminal of Size (stdin always open).
+	TTY  bool
+	Size WinSize
 }
 
 // Manager holds the background processes by id.
@@ -250,11 +289,17 @@ func NewManager(r *Runner) *Manager {
 // still yields a Process, already finished with 126/127.
 func (m *Manager) Start(c *Command, o ProcessOptions) (*Process, error) {
 	p := &Process{
-		Argv: c.Argv, Cmd: c.Cmd, Started: time.Now(),
+		Argv: c.Argv, Cmd: c.Cmd, Started: time.Now(), TTY: o.TTY,
 		out: ring{max: o.MaxBuffer}, errb: ring{max: o.MaxBuffer},
 		changed: make(chan struct{}), finished: make(chan struct{}),
 	}
-	st, err := m.r.start(c, o.Stdin)
+	var st *started
+	var err error
+	if o.TTY {
+		st, err = m.r.startTTY(c, o.Size)
+	} else {
+		st, err = m.r.start(c, o.Stdin)
+	}
 	var le *LaunchError
 	switch {
 	case errors.As(err, &le):
@@ -269,7 +314,11 @@ func (m *Manager) Start(c *Command, o ProcessOptions) (*Process, error) {
 		p.running = true
 		done := make(chan struct{}, 2)
 		go p.pump(st.stdout, &p.out, done)
-		go p.pump(st.stderr, &p.errb, done)
+		if st.stderr != nil {
+			go p.pump(st.stderr, &p.errb, done)
+		} else {
+			done <- struct{}{} // a terminal has one output stream
+		}
 		go p.finish(done)
 	}
 	m.mu.Lock()
@@ -317,6 +366,8 @@ func (m *Manager) Delete(id string) error {
 	if p.stdout != nil {
 		// Unblock the pumps even if a grandchild still holds the pipes.
 		_ = p.stdout.SetReadDeadline(time.Unix(1, 0))
+	}
+	if p.stderr != nil {
 		_ = p.stderr.SetReadDeadline(time.Unix(1, 0))
 	}
 	return nil

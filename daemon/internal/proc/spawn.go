@@ -134,18 +134,27 @@ func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
 		if inW != nil {
 			inW.Close()
 		}
-		code := 126
-		if errors.Is(err, syscall.ENOENT) {
-			code = 127 // e.g. a script whose interpreter is missing
-		}
-		return nil, launchErr(code, argv[0], err.Error())
+		return nil, forkFailed(argv[0], err)
 	}
+	r.adjustOOM(child.Pid)
+	return &started{child: child, stdout: outR, stderr: errR, stdin: inW}, nil
+}
+
+// forkFailed reports a failed exec as the exit code a shell would give.
+func forkFailed(name string, err error) *LaunchError {
+	code := 126
+	if errors.Is(err, syscall.ENOENT) {
+		code = 127 // e.g. a script whose interpreter is missing
+	}
+	return launchErr(code, name, err.Error())
+}
+
+func (r *Runner) adjustOOM(pid int) {
 	if r.ChildOOMScoreAdj != 0 {
 		// Best effort: a child that already exited has no such file.
-		_ = os.WriteFile("/proc/"+strconv.Itoa(child.Pid)+"/oom_score_adj",
+		_ = os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj",
 			[]byte(strconv.Itoa(r.ChildOOMScoreAdj)), 0)
 	}
-	return &started{child: child, stdout: outR, stderr: errR, stdin: inW}, nil
 }
 
 func (r *Runner) nullStdin() (*os.File, error) {

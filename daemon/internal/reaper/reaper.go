@@ -75,12 +75,19 @@ func New() *Reaper {
 // so the wait loop can never see the exit of a pid not yet registered.
 // Every child gets its own process group (pgid = pid).
 func (r *Reaper) Start(path string, argv, env []string, dir string, files []uintptr) (*Child, error) {
-	attr := &syscall.ProcAttr{
-		Dir:   dir,
-		Env:   env,
-		Files: files,
-		Sys:   &syscall.SysProcAttr{Setpgid: true},
-	}
+	return r.start(path, argv, env, dir, files, &syscall.SysProcAttr{Setpgid: true})
+}
+
+// StartTTY is Start for a child on a terminal: files[0] must be the
+// terminal's slave side. The child leads a new session (so its pgid is
+// still its pid) with that terminal as its controlling terminal.
+func (r *Reaper) StartTTY(path string, argv, env []string, dir string, files []uintptr) (*Child, error) {
+	return r.start(path, argv, env, dir, files,
+		&syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0})
+}
+
+func (r *Reaper) start(path string, argv, env []string, dir string, files []uintptr, sys *syscall.SysProcAttr) (*Child, error) {
+	attr := &syscall.ProcAttr{Dir: dir, Env: env, Files: files, Sys: sys}
 	r.mu.Lock()
 	pid, err := syscall.ForkExec(path, argv, attr)
 	if err != nil {

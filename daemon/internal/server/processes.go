@@ -21,6 +21,9 @@ type ProcessStartRequest struct {
 	commandFields
 	Stdin     *bool  `json:"stdin"`
 	MaxBuffer *int64 `json:"max_buffer"`
+	TTY       *bool  `json:"tty"`
+	Rows      *int64 `json:"rows"`
+	Cols      *int64 `json:"cols"`
 }
 
 func parseProcessStart(data []byte) (*proc.Command, proc.ProcessOptions, error) {
@@ -37,6 +40,9 @@ func parseProcessStart(data []byte) (*proc.Command, proc.ProcessOptions, error) 
 	if o.MaxBuffer, err = nonNegative("max_buffer", req.MaxBuffer, defaultMaxBuffer); err != nil {
 		return nil, o, err
 	}
+	if o.TTY, o.Size, err = parseTTY(req.TTY, req.Rows, req.Cols); err != nil {
+		return nil, o, err
+	}
 	return c, o, nil
 }
 
@@ -51,12 +57,13 @@ type processInfo struct {
 	StartedAt float64  `json:"started_at"`
 	EndedAt   *float64 `json:"ended_at"`
 	StdinOpen bool     `json:"stdin_open"`
+	TTY       bool     `json:"tty"`
 }
 
 func infoOf(p *proc.Process) processInfo {
 	i := p.Info()
 	out := processInfo{ID: i.ID, Pid: i.Pid, Argv: i.Argv, Cmd: i.Cmd, Running: i.Running,
-		StartedAt: unixSeconds(i.StartedAt), StdinOpen: i.StdinOpen}
+		StartedAt: unixSeconds(i.StartedAt), StdinOpen: i.StdinOpen, TTY: i.TTY}
 	if i.Exit != nil {
 		code := i.Exit.Code
 		out.ExitCode, out.Signal = &code, signalPtr(*i.Exit)

@@ -91,6 +91,7 @@ func New(o Options) (*Server, error) {
 		{"POST", "/v1/processes/{id}/stdin", false, s.processStdin},
 		{"POST", "/v1/processes/{id}/signal", false, s.processSignal},
 		{"POST", "/v1/processes/{id}/wait", false, s.processWait},
+		{"POST", "/v1/processes/{id}/resize", false, s.processResize},
 		{"POST", "/v1/sessions", false, s.sessionCreate},
 		{"GET", "/v1/sessions", false, s.sessionList},
 		{"GET", "/v1/sessions/{id}", false, s.sessionGet},

@@ -325,17 +325,28 @@ class DaemonClient:
         stdin: bool = False,
         max_buffer: int | None = None,
         shell: str | None = None,
+        tty: bool = False,
+        rows: int | None = None,
+        cols: int | None = None,
     ) -> ProcessInfo:
         """Start a command in the background; it outlives this call.
 
-        ``stdin=True`` keeps a pipe open for `write_stdin`.
+        ``stdin=True`` keeps a pipe open for `write_stdin`. ``tty=True`` runs
+        it on a pseudo-terminal of ``rows`` x ``cols`` (default 24 x 80): its
+        output, echo included, is all stdout, and stdin is always open.
         """
         payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
         if stdin:
             payload["stdin"] = True
         if max_buffer is not None:
             payload["max_buffer"] = max_buffer
+        payload.update(protocol.tty_fields(tty=tty, rows=rows, cols=cols))
         return await self._model(ProcessInfo, "POST", "/v1/processes", payload)
+
+    async def resize_process(self, process_id: str, *, rows: int, cols: int) -> None:
+        """Set the size of a ``tty`` process's terminal (it gets SIGWINCH)."""
+        payload = {"rows": rows, "cols": cols}
+        await self._call("POST", _process(process_id, "resize"), payload)
 
     async def list_processes(self) -> list[ProcessInfo]:
         data = await self._json("GET", "/v1/processes")

@@ -22,6 +22,7 @@ __all__ = [
     "output_fields",
     "quote_segment",
     "target",
+    "tty_fields",
 ]
 
 PROTOCOL_VERSION = "v1"
@@ -47,6 +48,9 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     "session_busy": errors.SessionBusy,
     "session_closed": errors.SessionClosed,
     "stdin_closed": errors.StdinClosed,
+    # Resizing a process without a terminal is the caller's mistake.
+    "not_a_tty": errors.InvalidRequest,
+    "pty_unavailable": errors.DaemonError,
 }
 
 
@@ -102,6 +106,20 @@ def command_fields(
         fields["cwd"] = cwd
     if env:
         fields["env"] = dict(env)
+    return fields
+
+
+def tty_fields(*, tty: bool, rows: int | None, cols: int | None) -> dict[str, Any]:
+    """The fields of a process on a pseudo-terminal; a size without ``tty`` is a mistake."""
+    if not tty:
+        if rows is not None or cols is not None:
+            raise errors.ConfigError("rows and cols need tty=True")
+        return {}
+    fields: dict[str, Any] = {"tty": True}
+    if rows is not None:
+        fields["rows"] = rows
+    if cols is not None:
+        fields["cols"] = cols
     return fields
 
 
