@@ -148,7 +148,7 @@ def test_deploy_applies_with_least_privilege(
     assert sandboxes["policyTypes"] == ["Ingress", "Egress"]
     assert sandboxes.get("egress", []) == []  # egress denied unless opted in
     [rule] = sandboxes["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": "daemon"}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "sandmand"}]
     assert rule["from"] == [
         {"namespaceSelector": {}, "podSelector": {"matchLabels": {"sandman.io/client": "true"}}}
     ]
