@@ -139,10 +139,25 @@ class AsyncSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bool = False,
+        tty: bool = False,
+        rows: int | None = None,
+        cols: int | None = None,
     ) -> ProcessInfo:
-        """Start a background process; it outlives this call (see `poll`, `read_output`)."""
+        """Start a background process; it outlives this call (see `poll`, `read_output`).
+
+        ``tty=True`` runs it on a pseudo-terminal of ``rows`` x ``cols``
+        (default 24 x 80; see `resize`): all its output comes as stdout and
+        stdin is always open.
+        """
         async with self._guard():
-            return await self._daemon.start_process(command, cwd=cwd, env=env, stdin=stdin)
+            return await self._daemon.start_process(
+                command, cwd=cwd, env=env, stdin=stdin, tty=tty, rows=rows, cols=cols
+            )
+
+    async def resize(self, process_id: str, *, rows: int, cols: int) -> None:
+        """Set the size of a ``tty=True`` process's terminal (it gets SIGWINCH)."""
+        async with self._guard():
+            await self._daemon.resize_process(process_id, rows=rows, cols=cols)
 
     async def poll(self, process_id: str) -> ProcessInfo:
         """The process's state now (running, exit code)."""
@@ -156,12 +171,17 @@ class AsyncSandbox:
         stdout_offset: int = 0,
         stderr_offset: int = 0,
         wait: float | None = None,
+        encoding: Encoding = "utf-8",
     ) -> ProcessOutput:
-        """Its output from the given offsets; ``wait`` long-polls for new output."""
+        """Its output from the given offsets; ``wait`` long-polls for new output.
+
+        ``encoding="base64"`` keeps the bytes exact (`ProcessOutput.stdout_bytes`).
+        """
         async with self._guard():
             return await self._daemon.read_output(
-                process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait
-            )
+                process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait,
+                encoding=encoding,
+            )  # fmt: skip
 
     async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
         """Write to a process started with ``stdin=True``."""

@@ -116,9 +116,16 @@ class Sandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bool = False,
+        tty: bool = False,
+        rows: int | None = None,
+        cols: int | None = None,
     ) -> ProcessInfo:
-        """Start a background process; it outlives this call."""
-        return self._portal.call(partial(self._async.spawn, command, cwd=cwd, env=env, stdin=stdin))
+        """Start a background process; it outlives this call (``tty=True``: on a terminal)."""
+        return self._portal.call(partial(self._async.spawn, command, cwd=cwd, env=env, stdin=stdin, tty=tty, rows=rows, cols=cols))  # fmt: skip
+
+    def resize(self, process_id: str, *, rows: int, cols: int) -> None:
+        """Set the size of a ``tty=True`` process's terminal."""
+        return self._portal.call(partial(self._async.resize, process_id, rows=rows, cols=cols))
 
     def poll(self, process_id: str) -> ProcessInfo:
         """The process's state now."""
@@ -131,9 +138,10 @@ class Sandbox:
         stdout_offset: int = 0,
         stderr_offset: int = 0,
         wait: float | None = None,
+        encoding: Encoding = "utf-8",
     ) -> ProcessOutput:
         """Its output from the given offsets; ``wait`` long-polls for new output."""
-        return self._portal.call(partial(self._async.read_output, process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait))  # fmt: skip
+        return self._portal.call(partial(self._async.read_output, process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait, encoding=encoding))  # fmt: skip
 
     def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
         """Write to a process started with ``stdin=True``."""
