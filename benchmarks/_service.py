@@ -1,0 +1,115 @@
+"""A throwaway ``sandman serve`` on this machine for a benchmark run (``--serve``).
+
+Its own state directory (busybox imported as ``busybox``), cgroup parent, pool
+name, port and API key; at the end SIGTERM (the service releases everything),
+then the cgroup parent and state directory are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sandman.images.busybox import busybox_rootfs_tar
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+
+TENANT = "bench"
+
+
+@dataclass
+class LocalService:
+    url: str
+    api_key: str
+    provider: LocalProvider
+    """The service's provider, seen from here: to count what the backend really holds."""
+    process: asyncio.subprocess.Process
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _healthy(service: LocalService, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=service.url, timeout=2) as http:
+        while True:
+            if service.process.returncode is not None:
+                raise RuntimeError(f"sandman serve exited: {service.log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get("/v1/health")).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sandman serve not healthy in {timeout} s")
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def local_service(
+    *, lease: float = 30.0, extra: tuple[str, ...] = ()
+) -> AsyncIterator[LocalService]:
+    """Start ``sandman serve`` on 127.0.0.1 and yield it once healthy; stop and clean up after."""
+    state = Path(tempfile.mkdtemp(prefix="sms-", dir="/tmp"))
+    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-bench/{uuid.uuid4().hex[:8]}")
+    provider = LocalProvider(config)
+    key = secrets.token_urlsafe(24)
+    port = _free_port()
+    log = state / "serve.log"
+    process: asyncio.subprocess.Process | None = None
+    try:
+        await provider.images.import_archive(
+            busybox_rootfs_tar(state / "busybox.tar"), name="busybox"
+        )
+        env = {
+            **os.environ,
+            "SANDMAN_STATE_DIR": str(state),
+            "SANDMAN_CGROUP_PARENT": config.cgroup_parent,
+            "SANDMAN_API_KEYS": f"{TENANT}:{key}",
+        }
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", "from sandman.cli import main; main()", "serve",
+                 "--port", str(port), "--pool-name", f"bench-{uuid.uuid4().hex[:6]}",
+                 "--lease", str(lease), "--log-level", "warning", *extra,
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        service = LocalService(f"http://127.0.0.1:{port}", key, provider, process, log)
+        await _healthy(service, 60)
+        yield service
+    finally:
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(120):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        for info in await provider.list():  # only if the service failed to release them
+            await provider.delete(info.id)
+        await provider.aclose()
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            target = hierarchy / config.cgroup_parent.strip("/")
+            with contextlib.suppress(OSError):
+                if target.is_dir():
+                    target.rmdir()
+        shutil.rmtree(state, ignore_errors=True)
