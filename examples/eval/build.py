@@ -1,0 +1,189 @@
+"""Build the shipped evaluation instances: one Debian image holding three small repositories.
+
+Offline apart from the OS package mirror: ``debootstrap`` makes a Debian
+bookworm root with python3, pytest, git and patch (cached as a tarball under
+``$SANDMAN_TEST_CACHE``, default ``/var/cache/sandman/test-images``, so only
+the first build takes minutes); each repository under ``repos/`` becomes a git
+repository at ``/testbed/<name>`` with fixed dates, so its commits have the
+hashes ``instances.jsonl`` names; the image is imported into the local store
+as ``sandman-eval-demo:1``.
+
+Run as root: ``python examples/eval/build.py [--state-dir DIR]``. It prints one
+JSON line: the image name, its id, and the instance and prediction files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sandman.images import ImageStore
+
+HERE = Path(__file__).resolve().parent
+IMAGE = "sandman-eval-demo:1"
+SUITE = "bookworm"
+PACKAGES = ("python3", "python3-pytest", "git", "patch")
+# Bump when the recipe changes, so stale caches are not reused.
+RECIPE = 1
+# Every commit is made at this instant by this person, so its hash is the same on every machine.
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "Sandman Eval",
+    "GIT_AUTHOR_EMAIL": "eval@sandman.invalid",
+    "GIT_COMMITTER_NAME": "Sandman Eval",
+    "GIT_COMMITTER_EMAIL": "eval@sandman.invalid",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "HOME": "/nonexistent",
+    "LC_ALL": "C",
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SANDMAN_TEST_CACHE", "/var/cache/sandman/test-images"))
+
+
+def mirror() -> str:
+    """The Debian mirror apt already uses on this machine."""
+    for source in (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list")):
+        if source.exists():
+            match = re.search(r"(?:URIs:|deb)\s+(https?://\S+/debian)\b", source.read_text())
+            if match:
+                return match[1]
+    return "http://deb.debian.org/debian"
+
+
+def base_tar() -> Path:
+    """The cached Debian rootfs tarball, made by debootstrap first if missing."""
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"eval-debian-{SUITE}-r{RECIPE}.tar"
+    if target.exists():
+        return target
+    with (cache / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        work = Path(tempfile.mkdtemp(prefix="debootstrap-", dir=cache))
+        try:
+            root = work / "root"
+            subprocess.run(
+                ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
+                 SUITE, str(root), mirror()],
+                check=True, capture_output=True, timeout=1500,
+            )  # fmt: skip
+            for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
+                shutil.rmtree(root / junk, ignore_errors=True)
+            partial = work / "rootfs.tar"
+            _tar(root, ".", partial)
+            partial.rename(target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _tar(root: Path, member: str, out: Path, *, append: bool = False) -> None:
+    # Sorted, numeric owners and fixed times: the same tree makes the same bytes.
+    subprocess.run(
+        ["tar", "-rf" if append else "-cf", str(out), "--sort=name", "--numeric-owner",
+         "--owner=0", "--group=0", "--mtime=@0", "-C", str(root), member],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+
+
+def _git(repo: Path, *args: str, date: str = "2024-01-01T00:00:00Z") -> str:
+    env = {**os.environ, **_GIT_ENV, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
+    )
+    return done.stdout.strip()
+
+
+def make_repo(source: Path, target: Path) -> str:
+    """A git repository at ``target`` from ``source``; returns the last commit's hash.
+
+    ``source/commits/1``, ``2``... are the trees of successive commits (each
+    a whole tree), so a repository can have history for ``git apply --3way``.
+    """
+    target.mkdir(parents=True)
+    _git(target, "init", "-q", "-b", "main")
+    for number, tree in enumerate(sorted((source / "commits").iterdir()), start=1):
+        for old in target.iterdir():
+            if old.name != ".git":
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.copytree(tree, target, dirs_exist_ok=True)
+        for path in target.rglob("*"):
+            if ".git" not in path.parts:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+        _git(target, "add", "-A")
+        _git(target, "commit", "-q", "-m", f"commit {number}", date=f"2024-01-0{number}T00:00:00Z")
+    # Packed and garbage-free, so the image holds only what the commits need.
+    _git(target, "gc", "-q", "--aggressive", "--prune=now")
+    return _git(target, "rev-parse", "HEAD")
+
+
+def build_tar(out: Path) -> dict[str, str]:
+    """The image's rootfs tarball at ``out``; returns each repository's HEAD commit."""
+    heads: dict[str, str] = {}
+    stage = Path(tempfile.mkdtemp(prefix="eval-repos-"))
+    try:
+        for source in sorted((HERE / "repos").iterdir()):
+            heads[source.name] = make_repo(source, stage / "testbed" / source.name)
+        shutil.copyfile(base_tar(), out)
+        _tar(stage, "./testbed", out, append=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return heads
+
+
+def check_instances(heads: dict[str, str]) -> None:
+    """The shipped instances name the commits just made (else the recipe drifted)."""
+    for line in (HERE / "instances.jsonl").read_text().splitlines():
+        instance = json.loads(line)
+        repo = Path(instance["repo_path"]).name
+        if heads.get(repo) != instance["base_commit"]:
+            raise SystemExit(
+                f"{instance['instance_id']}: base_commit {instance['base_commit']} but the "
+                f"builder made {heads.get(repo)} for {repo}; update instances.jsonl"
+            )
+
+
+async def build(state_dir: Path) -> dict[str, str]:
+    """Build and import the image; what it made, as the JSON line prints it."""
+    work = Path(tempfile.mkdtemp(prefix="eval-image-"))
+    try:
+        heads = build_tar(work / "rootfs.tar")
+        check_instances(heads)
+        image = await ImageStore(state_dir / "images").import_archive(
+            work / "rootfs.tar", name=IMAGE
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "image": IMAGE,
+        "image_id": image.id,
+        "instances": str(HERE / "instances.jsonl"),
+        "predictions": str(HERE / "predictions.jsonl"),
+        **{f"head:{name}": head for name, head in heads.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state-dir", type=Path, default=Path("/var/lib/sandman"))
+    parser.add_argument("--base-only", action="store_true", help="only warm the Debian cache")
+    args = parser.parse_args()
+    if args.base_only:
+        print(base_tar())
+        return
+    print(json.dumps(asyncio.run(build(args.state_dir))))
+
+
+if __name__ == "__main__":
+    main()

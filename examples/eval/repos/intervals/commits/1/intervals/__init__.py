@@ -1,0 +1,5 @@
+"""Interval arithmetic."""
+
+from intervals.merge import merge
+
+__all__ = ["merge"]

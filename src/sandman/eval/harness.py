@@ -1,0 +1,376 @@
+"""`evaluate`: grade one patch on one instance in a fresh sandbox, by the SWE-bench harness's rules.
+
+The steps, each a command in the sandbox (never in the agent's):
+
+1. check out ``base_commit``;
+2. apply the patch with ``git apply``, else ``git apply --3way``, else
+   ``patch --fuzz``, setting the tree back between tries;
+3. set back the protected paths the patch changed (the test patch's files
+   and the directories holding them, ``conftest.py``, ``pytest.ini``,
+   ``tox.ini``, ``sitecustomize.py``, the instance's own globs), then check
+   out the test files at ``base_commit`` and apply the test patch;
+4. run the test command under the wall-clock limit, between start and end
+   markers that carry a random nonce, and parse what is between them.
+
+A run cut short is reported as what cut it short (``timeout``, ``oom``,
+``sandbox_died``), never as failed tests, and nothing is retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import posixpath
+import secrets
+import shlex
+import time
+from collections.abc import Sequence
+
+from sandman import errors
+from sandman.client import AsyncClient, AsyncSandbox
+from sandman.eval.conditions import Conditions
+from sandman.eval.instances import Instance
+from sandman.eval.parsers import TestStatus, parse_log
+from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_tests, inputs_hash
+from sandman.images import ImageStore
+from sandman.models import ExecResult, SandboxSpec
+
+__all__ = ["DEFAULT_PROTECTED", "evaluate", "evaluate_report", "pin_image"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROTECTED = ("conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py")
+"""File names a model patch may not add or change anywhere in the repository."""
+
+_WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
+_STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
+_MAX_OUTPUT = 32 * 2**20
+_GIT = ("git", "-c", "safe.directory=*", "-c", "core.quotepath=off")
+_APPLY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("git apply", (*_GIT, "apply", "--verbose")),
+    ("git apply --3way", (*_GIT, "apply", "--verbose", "--3way")),
+    ("patch --fuzz", ("patch", "--batch", "--fuzz=5", "-p1", "--no-backup-if-mismatch", "-i")),
+)
+_KILLED = 128 + 9  # what a shell reports for a child killed by SIGKILL
+
+
+async def pin_image(image: str, images: ImageStore | None) -> tuple[str, str | None]:
+    """The reference to run and the digest to record for ``image``.
+
+    With a local image store, the name is resolved to the image's id and the
+    sandbox is made from that id, so the recorded digest is what ran. Without
+    one, a reference that carries a digest (``name@sha256:...``, ``sha256:...``)
+    records it; a bare name records none.
+    """
+    if images is not None:
+        found = await images.get(image)
+        return found.id, found.id
+    if "@sha256:" in image:
+        return image, image.rsplit("@", 1)[1]
+    if image.startswith("sha256:"):
+        return image, image
+    return image, None
+
+
+class _Abort(Exception):
+    """Ends the grading early with this status and reason."""
+
+    def __init__(self, status: Status, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _Evaluation:
+    """One evaluation's state: what it tried, saw and decided."""
+
+    def __init__(self, instance: Instance, patch: str, conditions: Conditions, model: str) -> None:
+        self.instance = instance
+        self.patch = patch
+        self.conditions = conditions
+        self.model = model
+        self.ref = instance.image
+        self.digest: str | None = None
+        self.step = "start"
+        self.started_at = time.time()
+        self.durations: dict[str, float] = {}
+        self.attempts: list[ApplyAttempt] = []
+        self.applied_with: str | None = None
+        self.reverted: list[str] = []
+        self.sandbox_id: str | None = None
+        self.test_output = ""
+        self.test_exit_code: int | None = None
+
+    def report(
+        self,
+        status: Status,
+        reason: str,
+        f2p: dict[str, TestStatus] | None = None,
+        p2p: dict[str, TestStatus] | None = None,
+    ) -> Report:
+        verdict = Verdict(
+            instance_id=self.instance.instance_id,
+            model=self.model,
+            status=status,
+            reason=reason,
+            applied_with=self.applied_with,
+            reverted=self.reverted,
+            fail_to_pass=f2p or {},
+            pass_to_pass=p2p or {},
+            image=self.instance.image,
+            image_digest=self.digest,
+            conditions=self.conditions,
+            inputs_hash=inputs_hash(self.instance, self.patch, self.conditions, self.digest),
+        )
+        self.durations["total"] = round(time.time() - self.started_at, 3)
+        return Report(
+            verdict=verdict,
+            sandbox_id=self.sandbox_id,
+            started_at=self.started_at,
+            durations=self.durations,
+            apply_attempts=self.attempts,
+            test_exit_code=self.test_exit_code,
+            test_output=self.test_output,
+            patch=self.patch,
+        )
+
+    async def run(self, pool: AsyncClient, acquire_timeout: float) -> Report:
+        if not self.patch.strip():
+            return self.report("patch_failed", "the patch is empty")
+        spec = SandboxSpec(
+            image=self.ref,
+            cpu=self.conditions.cpu,
+            memory=self.conditions.memory,
+            pids=self.conditions.pids,
+            network=self.conditions.network,
+            env=dict(self.conditions.env),
+        )
+        self.step = "acquire"
+        begun = time.monotonic()
+        try:
+            sandbox = await pool.acquire(spec, timeout=acquire_timeout)
+        except errors.SandboxError as exc:
+            return self.report("error", f"no sandbox for the evaluation: {exc}")
+        self.durations["acquire"] = round(time.monotonic() - begun, 3)
+        self.sandbox_id = sandbox.id
+        try:
+            return await self._grade(sandbox)
+        except _Abort as stop:
+            return self.report(stop.status, stop.reason)
+        except (errors.SandboxNotFound, errors.DaemonUnavailable):
+            return self.report("sandbox_died", f"the sandbox went away during {self.step}")
+        except errors.SandboxError as exc:
+            return self.report("error", f"{type(exc).__name__} during {self.step}: {exc}")
+        finally:
+            with contextlib.suppress(errors.SandboxError):
+                await sandbox.release()
+
+    # -- the steps ------------------------------------------------------------------------
+
+    async def _grade(self, sb: AsyncSandbox) -> Report:
+        base = self.instance.base_commit
+        begun = time.monotonic()
+        self.step = "checkout"
+        await sb.write_file(f"{_WORK}/model.patch", self.patch)
+        await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
+        await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
+        before = await self._untracked(sb)
+
+        self.step = "apply"
+        for method, argv in _APPLY:
+            result = await self._exec(sb, [*argv, f"{_WORK}/model.patch"])
+            self.attempts.append(
+                ApplyAttempt(method=method, exit_code=result.exit_code, output=_both(result))
+            )
+            if result.exit_code == 0:
+                self.applied_with = method
+                break
+            await self._reset(sb, before)
+        else:
+            raise _Abort(
+                "patch_failed",
+                "the patch applies neither with git apply, git apply --3way nor patch --fuzz",
+            )
+
+        self.step = "protect"
+        tracked = await self._must(
+            sb, [*_GIT, "diff", "--name-only", "--no-renames", "-z", base], "list changes"
+        )
+        changed = sorted(set(_nul(tracked.stdout)) | (await self._untracked(sb) - before))
+        in_base = set(
+            _nul((await self._must(sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", base],
+                                   "list base files")).stdout)
+        )  # fmt: skip
+        self.reverted = [path for path in changed if self._protected(path)]
+        restore = [p for p in self.reverted if p in in_base]
+        remove = [p for p in self.reverted if p not in in_base]
+        if self.reverted:
+            logger.info("%s: setting back %s", self.instance.instance_id, self.reverted)
+        if remove:
+            await self._must(sb, ["rm", "-f", "--", *remove], "remove protected files")
+        tests_in_base = [p for p in self.instance.test_files if p in in_base]
+        if restore or tests_in_base:
+            await self._must(
+                sb, [*_GIT, "checkout", base, "--", *sorted({*restore, *tests_in_base})],
+                "check out the test files",
+            )  # fmt: skip
+        applied = await self._exec(sb, [*_GIT, "apply", "--verbose", f"{_WORK}/test.patch"])
+        if applied.exit_code != 0:
+            raise _Abort("error", f"the test patch does not apply: {_both(applied).strip()}")
+        self.durations["apply"] = round(time.monotonic() - begun, 3)
+
+        self.step = "tests"
+        begun = time.monotonic()
+        try:
+            return self._judge(await self._run_tests(sb))
+        finally:
+            self.durations["tests"] = round(time.monotonic() - begun, 3)
+
+    async def _run_tests(self, sb: AsyncSandbox) -> tuple[ExecResult, str, str]:
+        nonce = secrets.token_hex(8)
+        start, end = f">>>>> Start Test Output {nonce}", f">>>>> End Test Output {nonce}"
+        directives = " ".join(shlex.quote(d) for d in self.instance.directives)
+        command = (
+            f"echo '{start}'\n"
+            f"{{ {self.instance.test_cmd} {directives}\n}} 2>&1\n"
+            f'echo "{end} rc=$?"\n'
+        )
+        try:
+            result = await sb.exec(
+                command, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
+                max_output=_MAX_OUTPUT,
+            )  # fmt: skip
+        except errors.ExecTimeout as exc:
+            # The daemon did not even answer within the limit plus its grace.
+            raise _Abort("timeout", self._timeout_reason()) from exc
+        return result, start, end
+
+    def _judge(self, run: tuple[ExecResult, str, str]) -> Report:
+        result, start, end = run
+        lines = result.stdout.split("\n")
+        first = next((i for i, line in enumerate(lines) if line == start), None)
+        last = next(
+            (i for i, line in enumerate(lines) if first is not None and i > first
+             and line.startswith(end + " rc=")),
+            None,
+        )  # fmt: skip
+        if first is not None:
+            self.test_output = "\n".join(lines[first + 1 : last]) + "\n"
+        if last is not None:
+            self.test_exit_code = int(lines[last].rsplit("rc=", 1)[1])
+        if result.timed_out:
+            return self.report("timeout", self._timeout_reason())
+        # In a fresh sandbox nothing but the OOM killer sends SIGKILL (a timeout is caught above).
+        if self.test_exit_code == _KILLED or (last is None and result.signal == "KILL"):
+            return self.report(
+                "oom",
+                f"the test run was killed (SIGKILL) at the memory limit of "
+                f"{self.conditions.memory} bytes",
+            )
+        if first is None or last is None:
+            return self.report(
+                "error",
+                f"the test run ended (exit {result.exit_code}) without both output markers",
+            )
+        results = parse_log(self.instance.log_parser, self.test_output)
+        status, reason, f2p, p2p = grade_tests(self.instance, results)
+        return self.report(status, reason, f2p, p2p)
+
+    def _timeout_reason(self) -> str:
+        return (
+            f"the test run passed its wall-clock limit of {self.conditions.timeout:g} s "
+            "and was killed"
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _protected(self, path: str) -> bool:
+        name = posixpath.basename(path)
+        if path in self.instance.test_files or name in DEFAULT_PROTECTED:
+            return True
+        for test_file in self.instance.test_files:
+            folder = posixpath.dirname(test_file)
+            if folder and path.startswith(folder + "/"):
+                return True
+        return any(fnmatch.fnmatchcase(path, glob) for glob in self.instance.protected)
+
+    async def _exec(self, sb: AsyncSandbox, argv: Sequence[str]) -> ExecResult:
+        result = await sb.exec(
+            list(argv), cwd=self.instance.repo_path, timeout=_STEP_TIMEOUT, max_output=_MAX_OUTPUT
+        )
+        if result.timed_out:
+            raise _Abort("error", f"{argv[0]} ran past {_STEP_TIMEOUT:g} s during {self.step}")
+        return result
+
+    async def _must(self, sb: AsyncSandbox, argv: Sequence[str], what: str) -> ExecResult:
+        result = await self._exec(sb, argv)
+        if result.exit_code != 0:
+            raise _Abort("error", f"could not {what}: {_both(result).strip()}")
+        return result
+
+    async def _untracked(self, sb: AsyncSandbox) -> set[str]:
+        # Ignored files too: a patch may hide a new conftest.py behind a .gitignore.
+        listed = await self._must(sb, [*_GIT, "ls-files", "--others", "-z"], "list files")
+        return set(_nul(listed.stdout))
+
+    async def _reset(self, sb: AsyncSandbox, before: set[str]) -> None:
+        await self._must(
+            sb, [*_GIT, "reset", "-q", "--hard", self.instance.base_commit], "reset the tree"
+        )
+        new = sorted(await self._untracked(sb) - before)
+        if new:
+            await self._must(sb, ["rm", "-f", "--", *new], "remove the files a try left")
+
+
+def _nul(text: str) -> list[str]:
+    return [part for part in text.split("\0") if part]
+
+
+def _both(result: ExecResult) -> str:
+    return result.stdout + result.stderr
+
+
+async def evaluate_report(
+    instance: Instance,
+    patch: str,
+    *,
+    pool: AsyncClient,
+    conditions: Conditions | None = None,
+    images: ImageStore | None = None,
+    model: str = "model",
+    acquire_timeout: float = 600.0,
+) -> Report:
+    """Like `evaluate`, with the logs, timings and apply attempts around the verdict."""
+    evaluation = _Evaluation(instance, patch, conditions or Conditions(), model)
+    try:
+        evaluation.ref, evaluation.digest = await pin_image(instance.image, images)
+    except errors.ImageError as exc:
+        return evaluation.report("error", f"image {instance.image!r}: {exc}")
+    return await evaluation.run(pool, acquire_timeout)
+
+
+async def evaluate(
+    instance: Instance,
+    patch: str,
+    *,
+    pool: AsyncClient,
+    conditions: Conditions | None = None,
+    images: ImageStore | None = None,
+    model: str = "model",
+    acquire_timeout: float = 600.0,
+) -> Verdict:
+    """Grade ``patch`` on ``instance`` in a fresh sandbox from ``pool`` (an `AsyncClient`).
+
+    For an RL reward: ``(await evaluate(instance, patch, pool=client)).resolved``.
+    ``conditions`` fixes the sandbox's CPU, memory, network and environment
+    and the test run's wall-clock limit (`Conditions` defaults). With
+    ``images`` (the local image store) the image is pinned to its id. Never
+    raises for what the patch or the sandbox does: that is the verdict's
+    ``status``.
+    """
+    report = await evaluate_report(
+        instance, patch, pool=pool, conditions=conditions, images=images, model=model,
+        acquire_timeout=acquire_timeout,
+    )  # fmt: skip
+    return report.verdict

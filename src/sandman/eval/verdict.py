@@ -1,0 +1,159 @@
+"""What an evaluation decides (`Verdict`) and everything it saw on the way (`Report`).
+
+A verdict holds only what the inputs determine: the same instance, patch,
+conditions and image give byte-identical verdicts (`Verdict.canonical`).
+Timings, the sandbox's id and the logs go in the report around it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from sandman.eval.conditions import Conditions
+from sandman.eval.instances import Instance
+from sandman.eval.parsers import TestStatus
+
+__all__ = [
+    "HARNESS_VERSION",
+    "ApplyAttempt",
+    "Category",
+    "Report",
+    "Status",
+    "Verdict",
+    "category",
+    "grade_tests",
+    "inputs_hash",
+]
+
+HARNESS_VERSION = "1"
+"""Part of every inputs hash: a harness change that could change verdicts bumps it."""
+
+Status = Literal[
+    "resolved", "unresolved", "patch_failed", "timeout", "oom", "sandbox_died", "error"
+]
+"""``resolved``: every FAIL_TO_PASS and PASS_TO_PASS test passed. ``unresolved``:
+the tests ran and some did not pass. ``patch_failed``: no way of applying the
+patch worked (or it was empty). ``timeout``: the test run passed its wall-clock
+limit and was killed. ``oom``: the test run was killed by the OOM killer.
+``sandbox_died``: the sandbox went away mid-evaluation. ``error``: the harness
+could not grade (no sandbox, the test patch does not apply, no test output)."""
+
+Category = Literal["resolved", "unresolved", "error"]
+
+_CATEGORY: dict[Status, Category] = {
+    "resolved": "resolved", "unresolved": "unresolved", "patch_failed": "unresolved",
+    "timeout": "error", "oom": "error", "sandbox_died": "error", "error": "error",
+}  # fmt: skip
+_PASSING: frozenset[TestStatus] = frozenset({"PASSED", "XFAIL"})
+
+
+def category(status: Status) -> Category:
+    """How a summary counts a status: the patch's fault is ``unresolved``, a run cut short ``error``."""
+    return _CATEGORY[status]
+
+
+class Verdict(BaseModel):
+    """The grade of one patch on one instance, and the conditions it was graded under.
+
+    ``applied_with`` says which way of applying worked (``git apply``, ``git
+    apply --3way``, ``patch --fuzz``); ``reverted`` lists the protected paths
+    (test files, ``conftest.py``...) the patch changed and the harness set back
+    before the run. ``fail_to_pass`` and ``pass_to_pass`` map each graded
+    test to its status (empty when the tests did not run to the end).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    instance_id: str
+    model: str
+    status: Status
+    reason: str
+    applied_with: str | None = None
+    reverted: list[str] = []
+    fail_to_pass: dict[str, TestStatus] = {}
+    pass_to_pass: dict[str, TestStatus] = {}
+    image: str
+    image_digest: str | None
+    conditions: Conditions
+    inputs_hash: str
+
+    @property
+    def resolved(self) -> bool:
+        """True only when every FAIL_TO_PASS and PASS_TO_PASS test passed."""
+        return self.status == "resolved"
+
+    @property
+    def category(self) -> Category:
+        return category(self.status)
+
+    def canonical(self) -> bytes:
+        """The verdict as sorted, compact JSON: equal verdicts are equal bytes."""
+        return json.dumps(
+            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")
+        ).encode()
+
+
+class ApplyAttempt(BaseModel):
+    """One try at applying the patch: the command, its exit code and its output."""
+
+    model_config = ConfigDict(frozen=True)
+
+    method: str
+    exit_code: int
+    output: str
+
+
+class Report(BaseModel):
+    """A verdict with what led to it: written as ``report.json`` per evaluation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    verdict: Verdict
+    sandbox_id: str | None = None
+    started_at: float
+    durations: dict[str, float] = {}
+    """Seconds per step: ``acquire``, ``apply``, ``tests``, ``total``."""
+    apply_attempts: list[ApplyAttempt] = []
+    test_exit_code: int | None = None
+    test_output: str = ""
+    """The test run's output between the start and end markers."""
+    patch: str = ""
+
+
+def inputs_hash(instance: Instance, patch: str, conditions: Conditions, digest: str | None) -> str:
+    """sha256 over everything a verdict depends on; a batch skips work whose hash it has graded."""
+    payload = {
+        "harness": HARNESS_VERSION,
+        "instance": instance.model_dump(mode="json"),
+        "patch": patch,
+        "conditions": conditions.model_dump(mode="json"),
+        "image_digest": digest,
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def grade_tests(
+    instance: Instance, results: dict[str, TestStatus]
+) -> tuple[Status, str, dict[str, TestStatus], dict[str, TestStatus]]:
+    """Resolved only if every FAIL_TO_PASS and PASS_TO_PASS test passed (PASSED or XFAIL)."""
+    f2p: dict[str, TestStatus] = {t: results.get(t, "MISSING") for t in instance.FAIL_TO_PASS}
+    p2p: dict[str, TestStatus] = {t: results.get(t, "MISSING") for t in instance.PASS_TO_PASS}
+    problems = []
+    for label, tests in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
+        bad = [f"{name}: {status}" for name, status in tests.items() if status not in _PASSING]
+        if bad:
+            shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+            problems.append(f"{label} {len(bad)} of {len(tests)} not passing ({shown})")
+    if problems:
+        return "unresolved", ". ".join(problems), f2p, p2p
+    return (
+        "resolved",
+        f"all {len(f2p)} FAIL_TO_PASS and {len(p2p)} PASS_TO_PASS tests pass",
+        f2p,
+        p2p,
+    )
