@@ -1,8 +1,10 @@
 """``create_app(pool, settings)``: the HTTP service, an adapter over one `Pool`.
 
 JSON API under ``/v1/`` (its OpenAPI document at ``/v1/openapi.json``),
-Prometheus metrics at ``/metrics``. Every answer but health, metrics and the
-OpenAPI document needs ``Authorization: Bearer <API key>``; a key acts for
+Prometheus metrics at ``/metrics``, a live dashboard page at ``/``
+(`sandman.server.dashboard`). Every answer but health, metrics, the
+OpenAPI document and the dashboard page itself (not its data) needs
+``Authorization: Bearer <API key>``; a key acts for
 one tenant and sees only that tenant's sessions and sandboxes. Errors are
 ``{"error": {"code", "message"}}`` with a stable ``code``
 (`sandman.server.errors.STATUS`).
@@ -25,10 +27,12 @@ from sandman._version import __version__
 from sandman.pool import Pool
 from sandman.pool.records import State
 from sandman.server import proxy
+from sandman.server.dashboard import Sampler, install_page
 from sandman.server.errors import STATUS, ApiError
 from sandman.server.metrics import CONTENT_TYPE, Metrics
 from sandman.server.schemas import (
     AcquireRequest,
+    DashboardOut,
     ErrorBody,
     HealthOut,
     SandboxList,
@@ -79,6 +83,8 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     service = Service(pool, settings)
     metrics = Metrics(pool, service.queue_depths)
     pool.add_hook(metrics.hook)
+    sampler = Sampler(pool)
+    pool.add_hook(sampler.hook)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -101,6 +107,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     )
     app.state.service = service
     app.state.metrics = metrics
+    app.state.dashboard = sampler
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
@@ -248,6 +255,16 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/dashboard", response_model=DashboardOut, tags=["operations"], responses=_errors())
+    async def dashboard(
+        tenant: Tenant, seconds: Annotated[int, Query(ge=10, le=3600)] = 300
+    ) -> DashboardOut:
+        """What the page at ``/`` shows: the pool over the last ``seconds`` (pool-wide
+        numbers), the caller's sandboxes per image and its recent errors."""
+        return sampler.view(tenant, now=time.time(), seconds=seconds)
+
+    install_page(app)
 
     return app
 

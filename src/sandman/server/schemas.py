@@ -11,10 +11,16 @@ from sandman.pool.records import Record, State
 
 __all__ = [
     "AcquireRequest",
+    "DashboardError",
+    "DashboardGroup",
+    "DashboardOut",
+    "DashboardSample",
     "Endpoint",
     "ErrorBody",
     "ErrorDetail",
     "HealthOut",
+    "LatencyBucket",
+    "PacingOut",
     "SandboxList",
     "SandboxOut",
     "SessionOut",
@@ -93,6 +99,96 @@ class HealthOut(_Out):
     version: str
     pool: str
     provider: str
+
+
+class PacingOut(_Out):
+    """The pacer now: None where it has no number yet."""
+
+    rate: float | None
+    """Create calls per second it allows."""
+    window: float | None
+    """Most sandboxes created but not yet ready."""
+    in_flight: float | None
+    """Sandboxes created but not yet ready."""
+    queued: float | None
+    """Requests waiting for it."""
+    latency: float | None
+    """Its running average of readiness latency, seconds."""
+
+
+class DashboardSample(_Out):
+    """The pool at one second (``t``, wall clock) and what happened in the second before."""
+
+    t: float
+    states: dict[str, int]
+    """Sandboxes per state, the whole pool."""
+    started: int
+    """Create calls started."""
+    completed: int
+    """Sandboxes that became ready."""
+    failed: int
+    """Create calls that failed."""
+    deleted: int
+    """Sandboxes the backend confirmed gone."""
+    pacing: PacingOut
+
+
+class DashboardGroup(_Out):
+    """Live sandboxes of one tenant or image, per state."""
+
+    name: str
+    states: dict[str, int]
+    total: int
+
+
+class LatencyBucket(_Out):
+    """Sandboxes whose readiness took at most ``le`` seconds (None: any longer) and more
+    than the bucket before."""
+
+    le: float | None
+    count: int
+
+
+class DashboardError(_Out):
+    """A failed backend call (``create.failed``, ``delete.failed``, ``reconcile.failed``)."""
+
+    at: float
+    event: str
+    sandbox_id: str | None
+    image: str | None
+    kind: str | None
+    message: str
+
+
+class DashboardOut(_Out):
+    """What the dashboard shows. Pool-wide: states, pacing, rates and readiness; the
+    caller's tenant only: sandboxes per image and errors (other tenants are one group)."""
+
+    pool: str
+    provider: str
+    tenant: str
+    """The caller's tenant."""
+    now: float
+    interval: float
+    """Seconds between samples."""
+    states: dict[str, int]
+    """Sandboxes per state now, the whole pool."""
+    sessions: int
+    pacing: PacingOut
+    samples: list[DashboardSample]
+    """Oldest first, one per ``interval``."""
+    tenants: list[DashboardGroup]
+    """The caller's tenant, then ``other tenants`` (everyone else and the pool's own spares)."""
+    images: list[DashboardGroup]
+    """The caller's live sandboxes per image, most first."""
+    readiness: list[LatencyBucket]
+    """Readiness latency (create call until the daemon answered) of the sandboxes made
+    within the samples' span, the whole pool."""
+    readiness_count: int
+    readiness_p50: float | None
+    readiness_p95: float | None
+    errors: list[DashboardError]
+    """Newest first: the caller's and those of no tenant (the backend's own)."""
 
 
 def sandbox_out(

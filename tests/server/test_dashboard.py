@@ -1,0 +1,404 @@
+"""The dashboard: the sampler and its JSON (in-process, fake provider), and the page in
+headless Chromium over a real service, a real pool and the local provider."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+import sandman
+from sandman.models import SandboxSpec
+from sandman.pool import Pool, PoolConfig, PoolEvent
+from sandman.server import LABEL_TENANT, create_app
+from sandman.server.dashboard import BUCKETS, OTHER_TENANTS, Sampler
+from sandman.server.schemas import DashboardOut
+from sandman.testing import FakeProvider
+from tests.server.conftest import AUTH_B, KEY_A, KEY_B, eventually, settings
+
+pytestmark = pytest.mark.anyio
+
+
+def _spec(image: str, tenant: str) -> SandboxSpec:
+    return SandboxSpec(image=image, labels={LABEL_TENANT: tenant})
+
+
+@pytest.fixture
+async def sampled() -> AsyncIterator[tuple[Pool, Sampler, FakeProvider]]:
+    """A fake-provider pool with a sampler whose samples the test takes itself."""
+    async with FakeProvider(daemon=False, seed=5) as fake:
+        pool = Pool(fake, PoolConfig(name="unit"))
+        sampler = Sampler(pool, keep=4, interval=3600)  # the test takes the samples
+        pool.add_hook(sampler.hook)
+        async with pool:
+            try:
+                yield pool, sampler, fake
+            finally:
+                await sampler.aclose()
+        assert fake.live == 0
+
+
+async def test_samples_hold_the_states_and_the_events_of_their_second(
+    sampled: tuple[Pool, Sampler, FakeProvider],
+) -> None:
+    pool, sampler, _ = sampled
+    session = pool.open_session()
+    before = sampler.sample(1000.0)
+    assert before.states["leased"] == 0 and before.started == before.completed == 0
+    records = await asyncio.gather(*(pool.acquire(_spec("img", "a"), session=session)
+                                     for _ in range(3)))  # fmt: skip
+    burst = sampler.sample(1001.0)
+    assert burst.states["leased"] == 3
+    assert (burst.started, burst.completed, burst.failed, burst.deleted) == (3, 3, 0, 0)
+    for record in records:
+        pool.release(record.id)
+    await eventually(lambda: not pool.list())
+    after = sampler.sample(1002.0)
+    assert after.states["leased"] == 0 and after.started == 0 and after.deleted == 3
+    # A ring: the oldest sample goes first.
+    sampler.sample(1003.0)
+    sampler.sample(1004.0)
+    view = sampler.view("a", now=1004.0, seconds=3600)
+    assert [s.t for s in view.samples] == [1001.0, 1002.0, 1003.0, 1004.0]
+    # Only the samples of the last `seconds`.
+    assert [s.t for s in sampler.view("a", now=1004.0, seconds=1.5).samples] == [1003.0, 1004.0]
+
+
+async def test_a_tenant_sees_its_own_images_and_errors_and_the_pool_as_a_whole(
+    sampled: tuple[Pool, Sampler, FakeProvider],
+) -> None:
+    pool, sampler, fake = sampled
+    fake.faults.image_errors = frozenset({"broken-a", "broken-b"})
+    session = pool.open_session()
+    for image, tenant in [("img-a", "a"), ("img-a", "a"), ("tools", "a"), ("img-b", "b")]:
+        await pool.acquire(_spec(image, tenant), session=session)
+    for image, tenant in [("broken-a", "a"), ("broken-b", "b")]:
+        with pytest.raises(sandman.ImageError):
+            await pool.acquire(_spec(image, tenant), session=session)
+    await eventually(lambda: len(pool.list()) == 4)  # the failed ones deleted
+    view = sampler.view("a", now=time.time())
+    assert view.tenant == "a" and view.pool == "unit" and view.provider == fake.name
+    assert view.states["leased"] == 4 and view.sessions == 1
+    assert [(g.name, g.total, g.states) for g in view.tenants] == [
+        ("a", 3, {"leased": 3}), (OTHER_TENANTS, 1, {"leased": 1}),
+    ]  # fmt: skip
+    assert [(g.name, g.total) for g in view.images] == [("img-a", 2), ("tools", 1)]
+    assert [(e.event, e.image) for e in view.errors] == [("create.failed", "broken-a")]
+    assert "broken-b" not in view.model_dump_json() and "img-b" not in view.model_dump_json()
+    seen_by_b = sampler.view("b", now=time.time())
+    assert [(g.name, g.total) for g in seen_by_b.images] == [("img-b", 1)]
+    assert [e.image for e in seen_by_b.errors] == ["broken-b"]
+    # The backend's own errors (no sandbox, no tenant) are everyone's.
+    sampler.hook(PoolEvent("reconcile.failed", "unit", detail={"error": "list refused"}))
+    newest_first = sampler.view("b", now=time.time()).errors
+    assert [(e.event, e.image) for e in newest_first] == [
+        ("reconcile.failed", None), ("create.failed", "broken-b"),
+    ]  # fmt: skip
+    assert newest_first[0].message == "list refused"
+    pool.close_session(session)
+    await eventually(lambda: not pool.list())
+
+
+def test_readiness_is_a_histogram_with_quantiles_of_the_window() -> None:
+    pool = Pool(FakeProvider(daemon=False))
+    sampler = Sampler(pool)
+    for at, seconds in [(10.0, 0.03), (100.0, 0.3), (100.0, 0.4), (100.0, 7.0), (100.0, 500.0)]:
+        sampler.hook(PoolEvent("create.complete", "p", "sb-x", at=at, detail={"seconds": seconds}))
+    sampler.hook(PoolEvent("create.complete", "p", "sb-y", at=100.0, detail={"seconds": math.nan}))
+    view = sampler.view("a", now=101.0, seconds=60)
+    counts = {b.le: b.count for b in view.readiness}
+    assert list(counts) == [*BUCKETS, None]
+    assert (counts[0.5], counts[10.0], counts[None], counts[0.05]) == (2, 1, 1, 0)
+    assert view.readiness_count == sum(counts.values()) == 4
+    assert (view.readiness_p50, view.readiness_p95) == (0.4, 500.0)
+    everything = sampler.view("a", now=101.0, seconds=3600)
+    assert everything.readiness_count == 5 and everything.readiness_p50 == 0.4
+    empty = sampler.view("a", now=10_000.0, seconds=60)
+    assert empty.readiness_count == 0 and empty.readiness_p50 is None
+    # The pacer has no latency yet: NaN is no JSON, so it is None.
+    assert empty.pacing.latency is None and empty.pacing.window is not None
+    with pytest.raises(ValueError, match="interval"):
+        Sampler(pool, interval=0)
+
+
+async def test_the_sampling_task_starts_with_the_first_read_and_stops_at_close() -> None:
+    pool = Pool(FakeProvider(daemon=False))
+    sampler = Sampler(pool, interval=0.05)
+    first = sampler.view("a", now=time.time())
+    assert first.samples == [] and first.interval == 0.05
+    await eventually(lambda: len(sampler.view("a", now=time.time()).samples) >= 3)
+    await sampler.aclose()
+    count = len(sampler.view("a", now=time.time(), seconds=3600).samples)
+    await asyncio.sleep(0.2)  # would hold ~4 more samples if the task still ran
+    assert len(sampler.view("a", now=time.time(), seconds=3600).samples) == count
+
+
+async def test_the_route_needs_a_key_and_answers_the_keys_tenant(
+    api: httpx.AsyncClient, app: FastAPI, pool: Pool
+) -> None:
+    session = pool.open_session()
+    await pool.acquire(_spec("image-of-b", "b"), session=session)
+    try:
+        refused = await api.get("/v1/dashboard", headers={"Authorization": ""})
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "unauthorized"
+        answer = await api.get("/v1/dashboard", params={"seconds": 60})
+        assert answer.status_code == 200
+        view = DashboardOut.model_validate(answer.json())
+        assert view.tenant == "a" and view.states["leased"] == 1
+        assert [(g.name, g.total) for g in view.tenants] == [("a", 0), (OTHER_TENANTS, 1)]
+        assert "image-of-b" not in answer.text
+        as_b = await api.get("/v1/dashboard", headers=AUTH_B)
+        assert [g.name for g in DashboardOut.model_validate(as_b.json()).images] == ["image-of-b"]
+        bad = await api.get("/v1/dashboard", params={"seconds": 1})
+        assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_request"
+        assert "/v1/dashboard" in app.openapi()["paths"]
+    finally:
+        await app.state.dashboard.aclose()
+        pool.close_session(session)
+
+
+async def test_the_page_is_public_static_and_locked_down(api: httpx.AsyncClient) -> None:
+    page = await api.get("/", headers={"Authorization": ""})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/dashboard.js"' in page.text and "http" not in page.text.split("<body")[1]
+    policy = page.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "connect-src 'self'" in policy
+    script = await api.get("/dashboard.js", headers={"Authorization": ""})
+    assert script.status_code == 200 and "/v1/dashboard" in script.text
+    assert "innerHTML" not in script.text  # strings from the service go in as text only
+    style = await api.get("/dashboard.css", headers={"Authorization": ""})
+    assert style.status_code == 200 and style.headers["content-type"].startswith("text/css")
+
+
+# -- the page in Chromium, over the local provider -------------------------------------
+
+needs_root_and_crun = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("crun") is None,
+    reason="the local provider needs root and crun (scripts/setup installs crun)",
+)
+CHROMIUM = shutil.which("chromium")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium (scripts/setup installs it)"
+)
+
+
+@dataclass
+class Served:
+    url: str
+    pool: Pool
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, fn: Any) -> Any:
+        """Call ``fn()`` on the server's loop (the pool is not thread-safe) and return its value."""
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+
+
+@contextlib.contextmanager
+def serve_local(busybox_tar: Path) -> Iterator[Served]:
+    """The service over a pool of the local provider (images ``busybox`` and ``tools``), on
+    127.0.0.1:<free port>. At the end: everything deleted and nothing of it left."""
+    from sandman.providers.local import LocalProvider
+    from sandman.settings import LocalConfig
+    from tests.providers.local.leaks import assert_nothing_left
+
+    state_dir = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))  # short: socket paths
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    box: dict[str, Any] = {}
+    failure: list[BaseException] = []
+
+    async def main() -> None:
+        config = LocalConfig(
+            state_dir=state_dir, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}"
+        )
+        provider = LocalProvider(config)
+        try:
+            for name in ("busybox", "tools"):
+                await provider.images.import_archive(busybox_tar, name=name)
+            pool = Pool(provider, PoolConfig(name="dash"))
+            app = create_app(pool, settings(close_pool=True))
+            server = uvicorn.Server(
+                uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http="h11")
+            )
+            box.update(server=server, pool=pool, loop=asyncio.get_running_loop())
+            await server.serve(sockets=[sock])
+        finally:
+            for info in await provider.list():
+                await provider.delete(info.id)
+            await provider.aclose()
+            await assert_nothing_left(provider)
+
+    def thread_main() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            failure.append(exc)
+
+    thread = threading.Thread(target=thread_main, name="uvicorn-local", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (box.get("server") and box["server"].started):
+            if failure or not thread.is_alive():
+                raise RuntimeError("the server did not start") from (
+                    failure[0] if failure else None
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start within 30 s")
+            time.sleep(0.01)
+        yield Served(f"http://127.0.0.1:{port}", box["pool"], box["loop"])
+    finally:
+        if "server" in box:
+            box["server"].should_exit = True
+        thread.join(60)
+        sock.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        assert not thread.is_alive(), "the server did not stop"
+        if failure:
+            raise failure[0]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Processes below ``root`` now: pid -> command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            commands[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _number(page: Any, selector: str, expected: str, timeout: float = 30.0) -> None:
+    """Wait until the page shows ``expected`` at ``selector`` (it polls every second)."""
+    from playwright.async_api import expect
+
+    await expect(page.locator(selector)).to_have_text(expected, timeout=timeout * 1000)
+
+
+@needs_root_and_crun
+@needs_chromium
+async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_path: Path) -> None:
+    pytest.importorskip("playwright")
+    from playwright.async_api import async_playwright, expect
+
+    browsers: dict[int, str] = {}
+    with serve_local(busybox_tar) as served:
+        try:
+            async with (
+                sandman.connect(served.url, api_key=KEY_A) as a,
+                sandman.connect(served.url, api_key=KEY_B) as b,
+                async_playwright() as playwright,
+            ):
+                browser = await playwright.chromium.launch(
+                    executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+                )
+                browsers.update(
+                    (pid, cmd) for pid, cmd in _descendants(os.getpid()).items() if "chrom" in cmd
+                )
+                assert browsers, "no chromium process found below the test"
+                page = await browser.new_page(viewport={"width": 1280, "height": 1000})
+                problems: list[str] = []
+                page.on("pageerror", lambda exc: problems.append(str(exc)))
+                await page.goto(f"{served.url}/")
+                # No key yet: the page asks for one.
+                await page.locator("#key-input").fill(KEY_A, timeout=15_000)
+                await page.locator("#key-form button").click()
+                await _number(page, "#tenant", "a")
+                await _number(page, "#count-leased", "0")
+
+                # With the page open, a burst of 20: tenant a 12 busybox + 4 tools, tenant
+                # b 4 busybox; and one image nobody has.
+                wanted = [(a, "busybox")] * 12 + [(a, "tools")] * 4 + [(b, "busybox")] * 4
+                sandboxes = await asyncio.gather(
+                    *(client.acquire(image, timeout=45) for client, image in wanted)
+                )
+                with pytest.raises(sandman.ImageError):
+                    await a.acquire("no-such-image", timeout=45)
+                assert (await sandboxes[0].exec("echo live")).stdout == "live\n"
+                stats = served.run(served.pool.stats)
+                assert stats["leased"] == 20
+
+                await _number(page, "#count-leased", "20")
+                await _number(page, '#tenants tr[data-name="a"] .total', "16")
+                await _number(page, f'#tenants tr[data-name="{OTHER_TENANTS}"] .total', "4")
+                await _number(page, '#images tr[data-name="busybox"] .total', "12")
+                await _number(page, '#images tr[data-name="tools"] .total', "4")
+                await _number(page, "#readiness-count", "20")
+                bars = page.locator("#chart-readiness rect")
+                counts = [int(await bars.nth(i).get_attribute("data-count") or 0)
+                          for i in range(await bars.count())]  # fmt: skip
+                assert sum(counts) == 20, counts
+                error_row = page.locator("#errors tbody tr")
+                await expect(error_row).to_have_count(1)
+                await expect(error_row.locator("td").nth(3)).to_have_text("no-such-image")
+                # Drawn once two samples (a second apart) hold leased sandboxes.
+                leased_area = page.locator("#chart-states polygon[data-state=leased]")
+                await expect(leased_area).to_have_count(1, timeout=15_000)
+                shot = tmp_path / "dashboard.png"
+                await page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 10_000
+                if artifacts := os.environ.get("SANDMAN_ARTIFACTS"):
+                    Path(artifacts).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(shot, Path(artifacts) / "dashboard.png")
+
+                for sandbox in sandboxes:
+                    await sandbox.release()
+                # Live: the page follows the pool down.
+                await _number(page, "#count-leased", "0")
+                assert not problems, problems
+                await browser.close()
+            await eventually(lambda: not served.run(served.pool.list), timeout=30)
+        finally:
+            deadline = time.monotonic() + 10
+            while any(_alive(pid) for pid in browsers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            left = {pid: cmd for pid, cmd in browsers.items() if _alive(pid)}
+            for pid in left:  # ours: started by this test's Playwright
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            assert not left, f"chromium left running: {left}"
