@@ -83,6 +83,9 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     service = Service(pool, settings)
     metrics = Metrics(pool, service.queue_depths)
     pool.add_hook(metrics.hook)
+    forwarder = proxy.Forwarder(
+        max_body=settings.max_proxy_body_bytes, connect_timeout=settings.proxy_connect_timeout
+    )
     sampler = Sampler(pool)
     pool.add_hook(sampler.hook)
 
@@ -95,6 +98,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
         finally:
             if settings.close_pool:
                 await service.shutdown()
+            await forwarder.aclose()
 
     app = FastAPI(
         title="Sandman",
@@ -219,11 +223,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
         the daemon's token. The daemon's own errors come back as it sent them.
         """
         record = service.sandbox(tenant, sandbox_id)
-        return await proxy.forward(
-            record, request, path,
-            max_body=settings.max_proxy_body_bytes,
-            connect_timeout=settings.proxy_connect_timeout,
-        )  # fmt: skip
+        return await forwarder.forward(record, request, path)
 
     for method in ("GET", "POST", "PUT", "DELETE"):
         app.add_api_route(

@@ -9,7 +9,10 @@ output arrives as it happens and large archives are not buffered.
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 from starlette.background import BackgroundTask
@@ -17,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sandman.pool import Record
+from sandman.providers.base import DaemonEndpoint
 from sandman.server.errors import ApiError
 
-__all__ = ["forward"]
+__all__ = ["Forwarder"]
 
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the proxy sets itself.
 _DROP_REQUEST = frozenset({
@@ -33,70 +37,135 @@ _DROP_RESPONSE = frozenset({
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 
 
-async def forward(
-    record: Record,
-    request: Request,
-    path: str,
-    *,
-    max_body: int,
-    connect_timeout: float,
-) -> Response:
-    """Send ``request`` on to the daemon of ``record`` at ``/path``; stream its answer back."""
-    endpoint = record.info.endpoint if record.info is not None else None
-    if endpoint is None or record.state != "leased":
-        raise ApiError("sandbox_not_found", f"sandbox {record.id} is not running")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_body:
-        raise ApiError("body_too_large", f"the body is larger than {max_body} bytes")
-    if endpoint.uds is not None:
-        transport = httpx.AsyncHTTPTransport(uds=endpoint.uds)
-        base = "http://sandmand"
-    else:
-        transport = httpx.AsyncHTTPTransport()
-        host = f"[{endpoint.host}]" if endpoint.host and ":" in endpoint.host else endpoint.host
-        base = f"http://{host}:{endpoint.port}"
-    client = httpx.AsyncClient(
-        transport=transport, timeout=httpx.Timeout(None, connect=connect_timeout)
-    )
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-    headers["authorization"] = f"Bearer {endpoint.token}"
-    has_body = request.method not in _BODILESS or (length is not None and length != "0")
-    url = f"{base}/{path.lstrip('/')}"
-    if request.url.query:
-        url = f"{url}?{request.url.query}"
-    outgoing = client.build_request(
-        request.method, url, headers=headers,
-        content=_limited(request, max_body) if has_body else None,
-    )  # fmt: skip
-    try:
-        upstream = await client.send(outgoing, stream=True)
-    except httpx.TransportError as exc:
-        await client.aclose()
-        raise ApiError(
-            "daemon_unavailable", f"cannot reach the daemon of {record.id}: {exc}"
-        ) from exc
-    except BaseException:
-        await client.aclose()
-        raise
+@dataclass(eq=False)
+class _Upstream:
+    """A kept-alive client of one daemon socket (or of every TCP daemon), shared by requests."""
 
-    async def close() -> None:
-        await upstream.aclose()
-        await client.aclose()
+    client: httpx.AsyncClient
+    users: int = 0
+    evicted: bool = False
 
-    async def body() -> AsyncIterator[bytes]:
+
+class Forwarder:
+    """Forwards requests to daemons over kept-alive connections.
+
+    A fresh httpx client per request would build an SSL context and open a
+    connection each time (tens of ms); these are reused. Unix-socket clients
+    are kept for the ``max_sockets`` most recently used sandboxes; one that
+    falls out is closed once its last request is done.
+    """
+
+    def __init__(self, *, max_body: int, connect_timeout: float, max_sockets: int = 256) -> None:
+        self.max_body = max_body
+        self._timeout = httpx.Timeout(None, connect=connect_timeout)
+        self._max_sockets = max_sockets
+        self._sockets: OrderedDict[str, _Upstream] = OrderedDict()
+        self._tcp: _Upstream | None = None
+
+    def _new(self, uds: str | None) -> _Upstream:
+        # No TLS to daemons: verify=False skips loading a CA bundle.
+        transport = httpx.AsyncHTTPTransport(uds=uds, verify=False)
+        return _Upstream(httpx.AsyncClient(transport=transport, timeout=self._timeout))
+
+    def _acquire(self, endpoint: DaemonEndpoint) -> _Upstream:
+        if endpoint.uds is None:
+            if self._tcp is None:
+                self._tcp = self._new(None)
+            upstream = self._tcp
+        else:
+            found = self._sockets.get(endpoint.uds)
+            if found is None:
+                found = self._sockets[endpoint.uds] = self._new(endpoint.uds)
+                while len(self._sockets) > self._max_sockets:
+                    _, old = self._sockets.popitem(last=False)
+                    old.evicted = True
+                    if old.users == 0:
+                        self._close_later(old)
+            self._sockets.move_to_end(endpoint.uds)
+            upstream = found
+        upstream.users += 1
+        return upstream
+
+    async def _release(self, upstream: _Upstream) -> None:
+        upstream.users -= 1
+        if upstream.evicted and upstream.users == 0:
+            await upstream.client.aclose()
+
+    def _close_later(self, upstream: _Upstream) -> None:
+        task = asyncio.ensure_future(upstream.client.aclose())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    async def aclose(self) -> None:
+        """Close every kept connection (at the service's shutdown)."""
+        upstreams = [*self._sockets.values(), *([self._tcp] if self._tcp else [])]
+        self._sockets.clear()
+        self._tcp = None
+        for upstream in upstreams:
+            await upstream.client.aclose()
+
+    async def forward(self, record: Record, request: Request, path: str) -> Response:
+        """Send ``request`` on to the daemon of ``record`` at ``/path``; stream its answer back."""
+        endpoint = record.info.endpoint if record.info is not None else None
+        if endpoint is None or record.state != "leased":
+            raise ApiError("sandbox_not_found", f"sandbox {record.id} is not running")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise ApiError("body_too_large", f"the body is larger than {self.max_body} bytes")
+        if endpoint.uds is not None:
+            base = "http://sandmand"
+        else:
+            host = f"[{endpoint.host}]" if endpoint.host and ":" in endpoint.host else endpoint.host
+            base = f"http://{host}:{endpoint.port}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        headers["authorization"] = f"Bearer {endpoint.token}"
+        has_body = request.method not in _BODILESS or (length is not None and length != "0")
+        url = f"{base}/{path.lstrip('/')}"
+        if request.url.query:
+            url = f"{url}?{request.url.query}"
+        upstream = self._acquire(endpoint)
+        client = upstream.client
+        outgoing = client.build_request(
+            request.method, url, headers=headers,
+            content=_limited(request, self.max_body) if has_body else None,
+        )  # fmt: skip
         try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        except httpx.TransportError:
-            # The daemon went away mid-answer: end the body (the client sees it short).
-            return
-        finally:
-            await close()
+            answer = await client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            await self._release(upstream)
+            raise ApiError(
+                "daemon_unavailable", f"cannot reach the daemon of {record.id}: {exc}"
+            ) from exc
+        except BaseException:
+            await self._release(upstream)
+            raise
+        done = False
 
-    out = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
-    return StreamingResponse(
-        body(), status_code=upstream.status_code, headers=out, background=BackgroundTask(close)
-    )
+        async def close() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                await answer.aclose()
+                await self._release(upstream)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            except httpx.TransportError:
+                # The daemon went away mid-answer: end the body (the client sees it short).
+                return
+            finally:
+                await close()
+
+        out = {k: v for k, v in answer.headers.items() if k.lower() not in _DROP_RESPONSE}
+        return StreamingResponse(
+            body(), status_code=answer.status_code, headers=out, background=BackgroundTask(close)
+        )
+
+
+# Closes of evicted clients in flight (a reference, so they are not collected early).
+_closing: set[asyncio.Future[None]] = set()
 
 
 async def _limited(request: Request, max_body: int) -> AsyncIterator[bytes]:
