@@ -345,6 +345,9 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
                 problems: list[str] = []
                 page.on("pageerror", lambda exc: problems.append(str(exc)))
                 await page.goto(f"{served.url}/")
+                browsers.update(  # and its renderers, now that there is a page
+                    (pid, cmd) for pid, cmd in _descendants(os.getpid()).items() if "chrom" in cmd
+                )
                 # No key yet: the page asks for one.
                 await page.locator("#key-input").fill(KEY_A, timeout=15_000)
                 await page.locator("#key-form button").click()
