@@ -348,8 +348,11 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
                 browsers.update(  # and its renderers, now that there is a page
                     (pid, cmd) for pid, cmd in _descendants(os.getpid()).items() if "chrom" in cmd
                 )
-                # No key yet: the page asks for one.
-                await page.locator("#key-input").fill(KEY_A, timeout=15_000)
+                # No key yet: the page asks for one, and again when the service refuses it.
+                await page.locator("#key-input").fill("not-a-key-0123456789", timeout=15_000)
+                await page.locator("#key-form button").click()
+                await _number(page, "#key-error", "The service refused this key.")
+                await page.locator("#key-input").fill(KEY_A)
                 await page.locator("#key-form button").click()
                 await _number(page, "#tenant", "a")
                 await _number(page, "#count-leased", "0")
