@@ -1,14 +1,24 @@
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 
-from click.testing import CliRunner
+import pytest
+from click.testing import CliRunner, Result
 
 import sandman
 from sandman.cli import build as _build
+from sandman.client import AsyncClient, InProcessBackend
+from sandman.pool import Pool, PoolConfig
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.leaks import assert_nothing_left
+from tests.server.conftest import KEY_A, KEY_B, eventually, serve
 
 
 def test_doctor_reports_each_check() -> None:
@@ -64,3 +74,109 @@ def test_errors_are_one_line_and_a_hint_unless_debug() -> None:
     assert "hint: `sandman doctor`" in result.output
     debug = CliRunner().invoke(_build(), ["--debug", "rm", "../bad id"])
     assert debug.exit_code == 1 and isinstance(debug.exception, sandman.ConfigError)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> Awaitable[Result]:
+    """Invoke the CLI in a thread (it runs its own event loop)."""
+    return asyncio.to_thread(CliRunner().invoke, _build(), list(args), env=env)
+
+
+async def _exec_cp_round(
+    sandbox: sandman.AsyncSandbox, box: str, tmp_path: Path, *options: str,
+    root: tuple[str, ...] = (),
+) -> None:  # fmt: skip
+    """exec and cp against ``sandbox`` by id; ``box`` is a directory path in it;
+    ``root`` the options before the command, ``options`` those after it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    sid = sandbox.id
+    ran = await _cli(
+        *root, "exec", *options, sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3"
+    )
+    assert ran.exit_code == 3, ran.output
+    assert ran.stdout == "out\n" and ran.stderr == "err\n"
+    env = await _cli(*root, "exec", *options, "-e", "WHO=cli", sid, "--", "sh", "-c", "echo $WHO")
+    assert env.exit_code == 0 and env.stdout == "cli\n", env.output
+
+    upload = tmp_path / "up.txt"
+    upload.write_text("uploaded")
+    copied = await _cli(*root, "cp", *options, str(upload), f"{sid}:{box}/up.txt")
+    assert copied.exit_code == 0, copied.output
+    assert await sandbox.read_file(f"{box}/up.txt") == b"uploaded"
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "deep.txt").write_text("deep")
+    copied = await _cli(*root, "cp", *options, str(tree), f"{sid}:{box}/tree")
+    assert copied.exit_code == 0, copied.output
+    assert await sandbox.read_file(f"{box}/tree/sub/deep.txt") == b"deep"
+
+    await sandbox.write_file(f"{box}/down.bin", b"\x00\xff", mode=0o640)
+    back = tmp_path / "back"
+    back.mkdir()
+    copied = await _cli(*root, "cp", *options, f"{sid}:{box}/down.bin", str(back))
+    assert copied.exit_code == 0, copied.output
+    assert (back / "down.bin").read_bytes() == b"\x00\xff"
+    assert (back / "down.bin").stat().st_mode & 0o777 == 0o640
+    copied = await _cli(*root, "cp", *options, f"{sid}:{box}/tree", str(tmp_path / "tree-back"))
+    assert copied.exit_code == 0, copied.output
+    assert (tmp_path / "tree-back" / "sub" / "deep.txt").read_text() == "deep"
+
+    missing = await _cli(*root, "cp", *options, f"{sid}:{box}/nope", str(back))
+    assert missing.exit_code == 1 and missing.output.startswith("error:")
+    both = await _cli(*root, "cp", *options, str(upload), str(back))
+    assert both.exit_code == 2 and "one must be ID:/path" in both.output
+
+
+@pytest.mark.anyio
+async def test_exec_cp_ls_rm_against_a_service(tmp_path: Path) -> None:
+    with serve() as served:
+        key = ["--url", served.url, "--api-key", KEY_A]
+        async with sandman.connect(served.url, api_key=KEY_A) as client:
+            sandbox = await client.acquire("task", timeout=20)
+            # The fake's daemons run on this host: paths under tmp_path.
+            box = str(tmp_path / "box")
+            await _exec_cp_round(sandbox, box, tmp_path / "direct", *key)
+            await _exec_cp_round(sandbox, box, tmp_path / "proxied", *key, "--via-proxy")
+
+            env = {"SANDMAN_URL": served.url, "SANDMAN_API_KEY": KEY_A}
+            listed = await _cli("ls", env=env)
+            assert listed.exit_code == 0 and sandbox.id in listed.output
+            assert "leased" in listed.output
+            other = await _cli("ls", "--url", served.url, "--api-key", KEY_B)
+            assert other.exit_code == 0 and other.output == ""  # another tenant's: not shown
+            foreign = await _cli("exec", "--url", served.url, "--api-key", KEY_B, sandbox.id,
+                                 "--", "true")  # fmt: skip
+            assert foreign.exit_code == 1 and "hint: `sandman ls`" in foreign.output
+
+            removed = await _cli("rm", *key, sandbox.id)
+            assert removed.exit_code == 0 and f"released {sandbox.id}" in removed.output
+            await eventually(lambda: served.provider.live == 0)
+            again = await _cli("exec", *key, sandbox.id, "--", "true")
+            assert again.exit_code == 1 and "error:" in again.output
+            unknown = await _cli("rm", *key, "no-such-sandbox")
+            assert unknown.exit_code == 1 and "no sandbox no-such-sandbox" in unknown.output
+
+
+@needs_root_and_crun
+@pytest.mark.anyio
+async def test_exec_cp_ls_rm_on_the_local_provider(busybox_tar: Path, tmp_path: Path) -> None:
+    state = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}")
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    pool = Pool(provider, PoolConfig(name=f"cli-{uuid.uuid4().hex[:6]}"))
+    options = ["--state-dir", str(state)]
+    try:
+        async with AsyncClient(InProcessBackend(pool)) as client:
+            sandbox = await client.acquire("busybox", memory="64Mi", pids=64, timeout=60)
+            listed = await _cli(*options, "ls")
+            assert sandbox.id in listed.output and "running" in listed.output
+            await _exec_cp_round(sandbox, "/work", tmp_path, root=tuple(options))
+            removed = await _cli(*options, "rm", sandbox.id)
+            assert removed.exit_code == 0 and f"deleted {sandbox.id}" in removed.output
+            assert await provider.list() == []
+    finally:
+        for info in await provider.list():
+            await provider.delete(info.id)
+        await provider.aclose()
+        await assert_nothing_left(provider)
+        shutil.rmtree(state, ignore_errors=True)

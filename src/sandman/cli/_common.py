@@ -15,7 +15,8 @@ from sandman import errors
 from sandman.settings import LocalConfig
 
 if TYPE_CHECKING:
-    from sandman.client import AsyncClient
+    from sandman.client import AsyncClient, RemoteBackend
+    from sandman.daemon import DaemonClient
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -90,3 +91,43 @@ def open_client(ctx: click.Context, url: str | None, api_key: str | None) -> Asy
     if url:
         return connect(url, api_key=api_key or "")
     return local(state_dir=local_config(ctx).state_dir)
+
+
+def via_proxy_option(command: F) -> F:
+    """Add --via-proxy: reach the daemon through the service's proxy route."""
+    return click.option(
+        "--via-proxy", is_flag=True,
+        help="With --url: commands and files go through the service, not to the daemon.",
+    )(command)  # fmt: skip
+
+
+def remote_backend(url: str, api_key: str | None, *, via_proxy: bool = False) -> RemoteBackend:
+    """The service at ``url``, for commands that act on sandboxes by id."""
+    from sandman.client import RemoteBackend
+
+    return RemoteBackend(url, api_key=api_key or "", via_proxy=via_proxy or None)
+
+
+async def daemon_client(
+    ctx: click.Context,
+    sandbox_id: str,
+    url: str | None,
+    api_key: str | None,
+    *,
+    via_proxy: bool = False,
+) -> DaemonClient:
+    """A client of the daemon of sandbox ``sandbox_id``: one of the tenant's at the service
+    (``url``), or one the local provider lists. Close it with ``aclose``."""
+    if url:
+        backend = remote_backend(url, api_key, via_proxy=via_proxy)
+        try:
+            endpoint = await backend.endpoint(sandbox_id)
+        finally:
+            await backend.aclose()
+        return endpoint.client()
+    from sandman.providers.local import LocalProvider
+
+    info = await LocalProvider(local_config(ctx)).inspect(sandbox_id)
+    if info.state != "running" or info.endpoint is None:
+        raise errors.SandboxNotFound(f"sandbox {sandbox_id} is {info.state}, not running")
+    return info.endpoint.client()

@@ -1,13 +1,32 @@
-"""Sandbox commands: ``run``, ``ls``, ``rm``, ``gc``."""
+"""Sandbox commands: ``run``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
+
+``exec``, ``cp``, ``ls`` and ``rm`` act on the local provider's sandboxes, or,
+with ``--url`` (``SANDMAN_URL``), on the tenant's sandboxes at a service.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import signal
 import sys
+import tarfile
 import time
+from pathlib import Path, PurePosixPath
 
 import click
 
-from sandman.cli._common import client_options, local_config, open_client, run_async
+from sandman import errors
+from sandman.cli._common import (
+    client_options,
+    daemon_client,
+    local_config,
+    open_client,
+    remote_backend,
+    run_async,
+    via_proxy_option,
+)
+from sandman.daemon import DaemonClient
 from sandman.providers.local import LocalProvider
 
 
@@ -40,12 +59,174 @@ def run(
     sys.exit(run_async(ctx, go()))
 
 
-@click.command("ls")
+@click.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id", metavar="ID")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--cwd", help="Working directory in the sandbox.")
+@click.option("-e", "--env", multiple=True, metavar="KEY=VALUE", help="An environment variable.")
+@click.option("--timeout", type=float, default=None, help="Seconds the command may run.")
+@client_options
+@via_proxy_option
 @click.pass_context
-def list_sandboxes(ctx: click.Context) -> None:
-    """List this machine's sandboxes (local provider)."""
-    infos = run_async(ctx, LocalProvider(local_config(ctx)).list())
+def exec_command(
+    ctx: click.Context, sandbox_id: str, command: tuple[str, ...], cwd: str | None,
+    env: tuple[str, ...], timeout: float | None, url: str | None, api_key: str | None,
+    via_proxy: bool,
+) -> None:  # fmt: skip
+    """Run a command in a running sandbox, its output as it comes: exec ID -- CMD..."""
+    variables = dict(_key_value(item) for item in env)
+
+    async def go() -> int:
+        daemon = await daemon_client(ctx, sandbox_id, url, api_key, via_proxy=via_proxy)
+        async with (
+            daemon,
+            daemon.exec_stream(list(command), cwd=cwd, env=variables, timeout=timeout) as events,
+        ):
+            async for event in events:
+                if event.event == "exit":
+                    if event.timed_out:
+                        return 124  # as timeout(1) does
+                    if event.exit_code is not None:
+                        return event.exit_code
+                    return 128 + _signal_number(event.signal)
+                click.echo(event.data, nl=False, err=event.event == "stderr")
+        raise errors.DaemonUnavailable("the command's output ended without its exit")
+
+    sys.exit(run_async(ctx, go()))
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
+    return key, value
+
+
+def _signal_number(name: str | None) -> int:
+    """The number of a signal the daemon names (``KILL`` or ``SIGKILL``); 1 if unknown."""
+    name = name or ""
+    try:
+        return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+    except KeyError:
+        return 1
+
+
+def _sandbox_path(arg: str) -> tuple[str, str] | None:
+    """``ID:/path`` as (id, path); None for a local path."""
+    sandbox_id, sep, path = arg.partition(":")
+    if sep and sandbox_id and "/" not in sandbox_id and path.startswith("/"):
+        return sandbox_id, path
+    return None
+
+
+@click.command("cp")
+@click.argument("source")
+@click.argument("destination")
+@client_options
+@via_proxy_option
+@click.pass_context
+def copy(
+    ctx: click.Context, source: str, destination: str, url: str | None, api_key: str | None,
+    via_proxy: bool,
+) -> None:  # fmt: skip
+    """Copy a file or directory into or out of a running sandbox.
+
+    One side is ID:/absolute/path: cp ./src ID:/work, or cp ID:/work/out.txt ./
+    A directory's contents land in the destination directory.
+    """
+    src, dst = _sandbox_path(source), _sandbox_path(destination)
+    if (src is None) == (dst is None):
+        fail_message = "both" if src else "neither"
+        raise click.UsageError(f"{fail_message} side is a sandbox path: one must be ID:/path")
+    sandbox_id = (src or dst or ("", ""))[0]
+
+    async def go() -> str:
+        daemon = await daemon_client(ctx, sandbox_id, url, api_key, via_proxy=via_proxy)
+        async with daemon:
+            if dst is not None:
+                return await _upload(daemon, Path(source), dst[1])
+            assert src is not None
+            return await _download(daemon, src[1], Path(destination))
+
+    click.echo(run_async(ctx, go()))
+
+
+def _pack(local: Path) -> tuple[bool, bytes, int]:
+    """(is a directory, its tar or the file's bytes, the file's mode)."""
+    if local.is_dir():
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for child in sorted(local.iterdir()):
+                tar.add(child, arcname=child.name)
+        return True, buffer.getvalue(), 0
+    if not local.is_file():
+        raise errors.ConfigError(f"nothing to copy at {local}")
+    return False, local.read_bytes(), local.stat().st_mode & 0o7777
+
+
+def _unpack(archive: bytes, local: Path) -> None:
+    local.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        # "data" refuses absolute names, escapes and device files from the sandbox.
+        tar.extractall(local, filter="data")
+
+
+def _write(local: Path, name: str, data: bytes, mode: int) -> Path:
+    target = local / name if local.is_dir() else local
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+    target.chmod(mode)
+    return target
+
+
+async def _upload(daemon: DaemonClient, local: Path, remote: str) -> str:
+    is_dir, data, mode = await asyncio.to_thread(_pack, local)
+    if is_dir:
+        result = await daemon.upload_archive(remote, data)
+        return f"copied {local}/ -> {remote}/ ({result.model_dump_json()})"
+    target = remote
+    if remote.endswith("/") or (
+        await daemon.exists(remote) and (await daemon.stat(remote)).type == "directory"
+    ):
+        target = str(PurePosixPath(remote) / local.name)
+    stat = await daemon.write_file(target, data, mode=mode)
+    return f"copied {local} -> {target} ({stat.size} bytes)"
+
+
+async def _download(daemon: DaemonClient, remote: str, local: Path) -> str:
+    stat = await daemon.stat(remote)
+    if stat.type == "directory":
+        await asyncio.to_thread(_unpack, await daemon.download_archive(remote), local)
+        return f"copied {remote}/ -> {local}/"
+    data = await daemon.read_file(remote)
+    target = await asyncio.to_thread(_write, local, stat.name, data, int(stat.mode, 8) & 0o777)
+    return f"copied {remote} -> {target} ({len(data)} bytes)"
+
+
+@click.command("ls")
+@client_options
+@click.pass_context
+def list_sandboxes(ctx: click.Context, url: str | None, api_key: str | None) -> None:
+    """List this machine's sandboxes, or with --url the tenant's sandboxes at the service."""
     now = time.time()
+    if url:
+
+        async def listed() -> list[dict[str, object]]:
+            backend = remote_backend(url, api_key)
+            try:
+                return await backend.sandboxes()
+            finally:
+                await backend.aclose()
+
+        for item in run_async(ctx, listed()):
+            timeline = item.get("timeline")
+            since = min(timeline.values()) if isinstance(timeline, dict) and timeline else now
+            click.echo(
+                f"{item['id']}  {item['state']!s:<9}  {item['image']!s:<24}  "
+                f"{now - since:8.0f}s  session={item.get('session') or '-'}"
+            )
+        return
+    infos = run_async(ctx, LocalProvider(local_config(ctx)).list())
     for info in infos:
         pool = info.labels.get("sandman.io/pool", "-")
         age = now - info.created_at
@@ -54,11 +235,22 @@ def list_sandboxes(ctx: click.Context) -> None:
 
 @click.command("rm")
 @click.argument("ids", nargs=-1, required=True)
+@client_options
 @click.pass_context
-def remove(ctx: click.Context, ids: tuple[str, ...]) -> None:
-    """Delete sandboxes by id (local provider)."""
+def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: str | None) -> None:
+    """Delete sandboxes by id (local provider), or with --url release the tenant's."""
 
     async def go() -> None:
+        if url:
+            backend = remote_backend(url, api_key)
+            try:
+                for sandbox_id in ids:
+                    await backend.describe(sandbox_id)  # an unknown id is an error here
+                    await backend.release(sandbox_id)
+                    click.echo(f"released {sandbox_id}")
+            finally:
+                await backend.aclose()
+            return
         provider = LocalProvider(local_config(ctx))
         for sandbox_id in ids:
             await provider.delete(sandbox_id)
@@ -90,4 +282,4 @@ def gc(ctx: click.Context, everything: bool) -> None:
     click.echo(f"reaped {run_async(ctx, go())} sandbox(es)")
 
 
-COMMANDS: list[click.Command] = [run, list_sandboxes, remove, gc]
+COMMANDS: list[click.Command] = [run, exec_command, copy, list_sandboxes, remove, gc]

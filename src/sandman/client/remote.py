@@ -244,9 +244,14 @@ class RemoteBackend:
         response = await self._call("GET", "/v1/sandboxes", params=params)
         return list(response.json()["sandboxes"])
 
+    async def describe(self, sandbox_id: str) -> dict[str, Any]:
+        """One of the tenant's sandboxes as the service describes it; SandboxNotFound if none."""
+        data: dict[str, Any] = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}")).json()
+        return data
+
     async def endpoint(self, sandbox_id: str) -> DaemonEndpoint:
         """How to reach one of the tenant's sandboxes (directly, or through the proxy)."""
-        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}")).json()
+        data = await self.describe(sandbox_id)
         if data.get("state") != "leased":
             raise errors.SandboxNotFound(f"sandbox {sandbox_id} is {data.get('state')}")
         where = data.get("endpoint") or {}
