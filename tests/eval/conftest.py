@@ -1,0 +1,50 @@
+"""The shipped instances (examples/eval), built once per session into a state dir of their own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "eval"
+
+
+@dataclass(frozen=True)
+class Demo:
+    """The built demo: its state dir (image imported), image id and the shipped files."""
+
+    state_dir: Path
+    image_id: str
+    instances: Path
+    predictions: Path
+
+    def expected(self) -> dict[tuple[str, str], str]:
+        """(model, instance_id) -> the status each shipped prediction was made to get."""
+        return {
+            (p["model_name_or_path"], p["instance_id"]): p["expected"]
+            for p in map(json.loads, self.predictions.read_text().splitlines())
+        }
+
+
+@pytest.fixture(scope="session")
+def demo() -> Iterator[Demo]:
+    """Build the demo image (debootstrap the first time on a machine, then cached)."""
+    # Short on purpose: the daemon's socket path must fit in 108 bytes.
+    state = Path(tempfile.mkdtemp(prefix="sm-ev-", dir="/tmp"))
+    try:
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "build.py"), "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=1700, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        built = json.loads(done.stdout.splitlines()[-1])
+        yield Demo(state, built["image_id"], Path(built["instances"]), Path(built["predictions"]))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)

@@ -1,0 +1,212 @@
+"""The shipped instances graded for real: fresh sandboxes on the local provider.
+
+Every kind of patch gets the verdict it was built to get; a second run reuses
+every report; a sandbox that dies mid-run is reported as such.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import sandman
+from sandman.client import AsyncClient
+from sandman.eval import (
+    Conditions,
+    Instance,
+    Verdict,
+    evaluate,
+    evaluate_report,
+    load_instances,
+    load_predictions,
+    run_batch,
+)
+from sandman.images import ImageStore
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.eval.conftest import Demo
+from tests.providers.local.conftest import needs_root_and_crun
+
+pytestmark = [
+    pytest.mark.anyio,
+    needs_root_and_crun,
+    pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap"),
+    pytest.mark.timeout(1800),  # the first run on a machine builds the image
+]
+
+# Short enough to keep the hanging patch cheap, long enough for a loaded machine.
+CONDITIONS = Conditions(timeout=12, memory="1Gi")
+
+
+@pytest.fixture
+async def client(demo: Demo) -> AsyncIterator[AsyncClient]:
+    """A local pool on the demo's state dir; afterwards no sandbox may be left."""
+    async with sandman.local(state_dir=demo.state_dir) as client:
+        yield client
+    provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
+    left = await provider.list()
+    for info in left:
+        await provider.delete(info.id)
+    assert left == [], "the evaluation left sandboxes behind"
+
+
+def shipped(demo: Demo, instance_id: str, model: str) -> tuple[Instance, str]:
+    instance = next(i for i in load_instances(demo.instances) if i.instance_id == instance_id)
+    prediction = next(
+        p for p in load_predictions(demo.predictions)
+        if p.instance_id == instance_id and p.model_name_or_path == model
+    )  # fmt: skip
+    return instance, prediction.patch
+
+
+async def test_every_kind_of_patch_gets_its_verdict(
+    demo: Demo, client: AsyncClient, tmp_path: Path
+) -> None:
+    images = ImageStore(demo.state_dir / "images")
+    instances, predictions = load_instances(demo.instances), load_predictions(demo.predictions)
+    seen: list[tuple[str, str, bool]] = []
+
+    def progress(verdict: Verdict, reused: bool) -> None:
+        seen.append((verdict.model, verdict.instance_id, reused))
+
+    result = await run_batch(
+        instances, predictions, pool=client, out=tmp_path, conditions=CONDITIONS,
+        concurrency=4, images=images, progress=progress,
+    )  # fmt: skip
+    got = {(v.model, v.instance_id): v for v in result.verdicts}
+    assert {key: v.status for key, v in got.items()} == demo.expected()
+    assert len(seen) == len(predictions) and not any(reused for *_, reused in seen)
+
+    # How each patch went in: the fallbacks were needed and used in order.
+    assert got["gold", "calc-1"].applied_with == "git apply"
+    assert got["3way", "intervals-1"].applied_with == "git apply --3way"
+    assert got["fuzzy", "textkit-1"].applied_with == "patch --fuzz"
+    assert got["noapply", "calc-1"].applied_with is None
+
+    # The tampering patch's test edits and conftest.py were set back: it is
+    # graded exactly like the plain wrong patch.
+    tamper, wrong = got["tamper", "calc-1"], got["wrong", "calc-1"]
+    assert tamper.reverted == ["conftest.py", "tests/test_stats.py"]
+    assert (
+        tamper.fail_to_pass
+        == wrong.fail_to_pass
+        == {"tests/test_stats.py::test_median_even": "FAILED"}
+    )
+    assert tamper.pass_to_pass == wrong.pass_to_pass
+    assert all(s == "PASSED" for s in wrong.pass_to_pass.values())
+
+    # A run cut short has no test results, only the reason.
+    for key in (("hang", "calc-1"), ("oom", "calc-1")):
+        assert got[key].fail_to_pass == {} and got[key].pass_to_pass == {}
+    assert "wall-clock limit of 12 s" in got["hang", "calc-1"].reason
+
+    # The conditions are recorded, the image pinned to the id that ran.
+    gold = got["gold", "calc-1"]
+    assert gold.conditions == CONDITIONS
+    assert gold.conditions.network == "none"
+    assert gold.image_digest == demo.image_id
+
+    # Files: a report per prediction, the summaries.
+    report = json.loads((tmp_path / "gold" / "calc-1" / "report.json").read_text())
+    assert report["verdict"] == gold.model_dump(mode="json")
+    assert "PASSED tests/test_stats.py::test_median_even" in report["test_output"]
+    assert report["sandbox_id"].startswith("sb-")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    expected = list(demo.expected().values())
+    assert summary["total"] == len(predictions)
+    assert summary["resolved"] == expected.count("resolved")
+    assert summary["error"] == expected.count("timeout") + expected.count("oom")
+    assert summary["by_status"]["patch_failed"] == expected.count("patch_failed")
+    html = (tmp_path / "summary.html").read_text()
+    assert "intervals-1" in html and 'href="gold/calc-1/report.json"' in html
+
+    # Again into the same directory: nothing is re-run, the verdicts are the same bytes.
+    seen.clear()
+    again = await run_batch(
+        instances, predictions, pool=client, out=tmp_path, conditions=CONDITIONS,
+        images=images, progress=progress,
+    )  # fmt: skip
+    assert again.reused == len(predictions) and all(reused for *_, reused in seen)
+    assert [v.canonical() for v in again.verdicts] == [v.canonical() for v in result.verdicts]
+    assert (tmp_path / "summary.json").read_text() == json.dumps(summary, indent=2)
+
+
+async def test_changed_inputs_are_graded_again(
+    demo: Demo, client: AsyncClient, tmp_path: Path
+) -> None:
+    instances = load_instances(demo.instances)
+    gold = [p for p in load_predictions(demo.predictions) if p.model_name_or_path == "gold"]
+    first = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=CONDITIONS)
+    assert first.reused == 0 and first.summary.resolved == len(gold)
+    assert first.verdicts[0].image_digest is None  # no image store: a bare name pins nothing
+    other = CONDITIONS.model_copy(update={"env": {**CONDITIONS.env, "EXTRA": "1"}})
+    second = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=other)
+    assert second.reused == 0 and second.summary.resolved == len(gold)
+    third = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=other)
+    assert third.reused == len(gold)
+
+
+async def test_the_sdk_call_a_reward_function_makes(demo: Demo, client: AsyncClient) -> None:
+    instance, patch = shipped(demo, "textkit-1", "gold")
+    verdict = await evaluate(instance, patch, pool=client, conditions=CONDITIONS)
+    assert verdict.resolved
+    assert verdict.pass_to_pass == {
+        "test_accents (tests.test_slug.SlugifyTest)": "PASSED",
+        "test_single_word (tests.test_slug.SlugifyTest)": "PASSED",
+    }
+
+
+async def test_a_test_patch_that_does_not_apply_is_a_harness_error(
+    demo: Demo, client: AsyncClient
+) -> None:
+    instance, patch = shipped(demo, "calc-1", "gold")
+    _, stale = shipped(demo, "calc-1", "noapply")
+    broken = instance.model_copy(update={"test_patch": stale})
+    report = await evaluate_report(broken, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "error"
+    assert report.verdict.reason.startswith("the test patch does not apply")
+    missing = instance.model_copy(update={"image": "no-such-image:1"})
+    images = ImageStore(demo.state_dir / "images")
+    verdict = await evaluate(missing, patch, pool=client, images=images)
+    assert verdict.status == "error" and "no-such-image" in verdict.reason
+
+
+def _running_tests(sandbox_id: str) -> bool:
+    """Whether the sandbox's pytest run has started (seen from the host's /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and b"pytest" in (proc / "cmdline").read_bytes()
+                and sandbox_id in (proc / "cgroup").read_text()
+            ):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def test_a_sandbox_that_dies_is_reported_as_such(demo: Demo, client: AsyncClient) -> None:
+    instance, patch = shipped(demo, "calc-1", "hang")
+    provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
+    slow = CONDITIONS.model_copy(update={"timeout": 300.0})
+    verdicts: list[Verdict] = []
+
+    async def grade() -> None:
+        verdicts.append(await evaluate(instance, patch, pool=client, conditions=slow))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(grade)
+        with anyio.fail_after(120):
+            while not (infos := await provider.list()) or not _running_tests(infos[0].id):
+                await anyio.sleep(0.1)
+        await provider.delete(infos[0].id)  # the backend loses it mid-run
+    (verdict,) = verdicts
+    assert verdict.status == "sandbox_died"
+    assert verdict.reason == "the sandbox went away during tests"
+    assert verdict.category == "error"

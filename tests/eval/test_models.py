@@ -1,0 +1,173 @@
+"""Instances, predictions, conditions and verdicts: loading, hashing and grading, no sandbox needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import sandman
+from sandman.client import AsyncClient, InProcessBackend
+from sandman.eval import (
+    Conditions,
+    Instance,
+    Prediction,
+    evaluate,
+    inputs_hash,
+    load_instances,
+    load_predictions,
+    run_batch,
+)
+from sandman.eval.verdict import grade_tests
+from sandman.pool import Pool, PoolConfig
+from sandman.testing import FakeProvider, Faults
+
+TEST_PATCH = """\
+diff --git a/tests/test_a.py b/tests/test_a.py
+--- a/tests/test_a.py
++++ b/tests/test_a.py
+@@ -1 +1,2 @@
+ x = 1
++y = 2
+diff --git a/tests/data/new.txt b/tests/data/new.txt
+new file mode 100644
+"""
+
+RECORD = {
+    "instance_id": "repo__repo-1",
+    "image": "task:1",
+    "base_commit": "abc1234",
+    "test_patch": TEST_PATCH,
+    # SWE-bench keeps these as JSON text.
+    "FAIL_TO_PASS": '["tests/test_a.py::test_new"]',
+    "PASS_TO_PASS": '["tests/test_a.py::test_old", "tests/test_a.py::test_other"]',
+    "test_cmd": "pytest -rA",
+    "version": "1.0",
+}
+
+
+def instance(**changes: object) -> Instance:
+    return Instance.model_validate({**RECORD, **changes})
+
+
+def test_swe_bench_records_load_from_jsonl_and_json(tmp_path: Path) -> None:
+    jsonl = tmp_path / "instances.jsonl"
+    jsonl.write_text(json.dumps(RECORD) + "\n\n")
+    (loaded,) = load_instances(jsonl)
+    assert loaded.FAIL_TO_PASS == ["tests/test_a.py::test_new"]
+    assert loaded.repo_path == "/testbed"
+    assert loaded.test_files == ["tests/test_a.py", "tests/data/new.txt"]
+    assert loaded.directives == loaded.test_files
+    as_list = tmp_path / "instances.json"
+    as_list.write_text(json.dumps([RECORD]))
+    assert load_instances(as_list) == [loaded]
+
+    predictions = tmp_path / "preds.jsonl"
+    predictions.write_text(json.dumps({"instance_id": "repo__repo-1", "model_patch": None}) + "\n")
+    (prediction,) = load_predictions(predictions)
+    assert prediction.patch == ""
+    assert prediction.model_name_or_path == "model"
+
+
+def test_bad_records_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "instances.jsonl"
+    broken = {k: v for k, v in RECORD.items() if k != "base_commit"}
+    path.write_text(json.dumps(RECORD) + "\n" + json.dumps(broken) + "\n")
+    with pytest.raises(
+        sandman.ConfigError, match=r"instances.jsonl:2: base_commit: Field required"
+    ):
+        load_instances(path)
+    path.write_text(json.dumps(RECORD) + "\n{not json\n")
+    with pytest.raises(sandman.ConfigError, match=r"instances.jsonl:2: not valid JSON"):
+        load_instances(path)
+    path.write_text(json.dumps(RECORD) + "\n" + json.dumps(RECORD) + "\n")
+    with pytest.raises(sandman.ConfigError, match="appears twice"):
+        load_instances(path)
+    path.write_text(json.dumps({**RECORD, "FAIL_TO_PASS": "[oops"}) + "\n")
+    with pytest.raises(sandman.ConfigError, match="FAIL_TO_PASS: Value error, not a JSON list"):
+        load_instances(path)
+    with pytest.raises(sandman.ConfigError, match="cannot read"):
+        load_instances(tmp_path / "missing.jsonl")
+
+
+def test_the_inputs_hash_covers_every_input() -> None:
+    base = inputs_hash(instance(), "patch", Conditions(), "sha256:1")
+    assert base == inputs_hash(instance(), "patch", Conditions(), "sha256:1")
+    changed = {
+        inputs_hash(instance(test_cmd="pytest"), "patch", Conditions(), "sha256:1"),
+        inputs_hash(instance(), "patch2", Conditions(), "sha256:1"),
+        inputs_hash(instance(), "patch", Conditions(memory="1Gi"), "sha256:1"),
+        inputs_hash(instance(), "patch", Conditions(env={"A": "1"}), "sha256:1"),
+        inputs_hash(instance(), "patch", Conditions(), "sha256:2"),
+    }
+    assert base not in changed
+    assert len(changed) == 5
+
+
+def test_conditions_parse_quantities_and_refuse_nonsense() -> None:
+    assert Conditions(memory="512Mi").memory == 512 * 2**20
+    assert Conditions().network == "none"
+    with pytest.raises(ValueError, match="timeout"):
+        Conditions(timeout=0)
+    with pytest.raises(ValueError, match="unknown"):
+        Conditions.model_validate({"unknown": 1})
+
+
+def test_resolved_needs_every_listed_test_to_pass() -> None:
+    graded = instance(PASS_TO_PASS=["old", "known"], FAIL_TO_PASS=["new"])
+    status, reason, f2p, p2p = grade_tests(
+        graded, {"new": "PASSED", "old": "PASSED", "known": "XFAIL", "extra": "FAILED"}
+    )
+    assert (status, f2p, p2p) == (
+        "resolved",
+        {"new": "PASSED"},
+        {"old": "PASSED", "known": "XFAIL"},
+    )
+    status, reason, f2p, _ = grade_tests(graded, {"old": "PASSED", "known": "SKIPPED"})
+    assert status == "unresolved"
+    assert f2p == {"new": "MISSING"}
+    assert reason == (
+        "FAIL_TO_PASS 1 of 1 not passing (new: MISSING). "
+        "PASS_TO_PASS 1 of 2 not passing (known: SKIPPED)"
+    )
+
+
+def fake_client(faults: Faults | None = None) -> AsyncClient:
+    provider = FakeProvider(faults=faults or Faults(), daemon=False)
+    return AsyncClient(InProcessBackend(Pool(provider, PoolConfig(name="eval-unit"))))
+
+
+@pytest.mark.anyio
+async def test_no_sandbox_is_an_error_not_a_verdict_on_the_patch() -> None:
+    async with fake_client(Faults(fail_create=1.0)) as client:
+        verdict = await evaluate(instance(), "diff", pool=client, acquire_timeout=1.0)
+    assert verdict.status == "error"
+    assert verdict.category == "error"
+    assert verdict.reason.startswith("no sandbox for the evaluation")
+    assert not verdict.resolved
+
+
+@pytest.mark.anyio
+async def test_an_empty_patch_fails_without_a_sandbox() -> None:
+    async with fake_client(Faults(fail_create=1.0)) as client:
+        verdict = await evaluate(instance(), " \n", pool=client)
+    assert (verdict.status, verdict.reason) == ("patch_failed", "the patch is empty")
+    assert verdict.category == "unresolved"
+    assert verdict.image_digest is None  # a bare name, and no image store to pin it
+
+
+@pytest.mark.anyio
+async def test_a_batch_refuses_predictions_it_cannot_grade(tmp_path: Path) -> None:
+    async with fake_client() as client:
+        with pytest.raises(sandman.ConfigError, match="unknown instances: nope-1"):
+            await run_batch(
+                [instance()], [Prediction(instance_id="nope-1", model_patch="x")],
+                pool=client, out=tmp_path,
+            )  # fmt: skip
+        twice = [Prediction(instance_id="repo__repo-1", model_patch="x")] * 2
+        with pytest.raises(sandman.ConfigError, match="two predictions of model 'model'"):
+            await run_batch([instance()], twice, pool=client, out=tmp_path)
+        with pytest.raises(sandman.ConfigError, match="concurrency"):
+            await run_batch([instance()], [], pool=client, out=tmp_path, concurrency=0)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,132 @@
+"""The log parsers read only the framework's own report, whatever else the log holds."""
+
+from __future__ import annotations
+
+from sandman.eval import parse_log
+
+PYTEST_LOG = """\
+============================= test session starts ==============================
+platform linux -- Python 3.11.2, pytest-7.2.1, pluggy-1.0.0+repack
+collected 5 items
+
+tests/test_stats.py ...Fs                                                [100%]
+
+=================================== FAILURES ===================================
+_______________________________ test_median_even _______________________________
+E       assert 3 == 2.5
+==================================== PASSES ====================================
+____________________________ test_mean ____________________________
+----------------------------- Captured stdout call -----------------------------
+PASSED tests/test_stats.py::test_median_even
+=========================== short test summary info ============================
+PASSED tests/test_stats.py::test_mean
+PASSED tests/test_stats.py::test_param[a b - c]
+XFAIL tests/test_stats.py::test_known - reason: not yet
+SKIPPED [1] tests/test_stats.py:30: no network
+FAILED tests/test_stats.py::test_median_even - assert 3 == 2.5
+ERROR tests/test_stats.py::test_fixture - RuntimeError: boom
+========= 1 failed, 2 passed, 1 skipped, 1 xfailed, 1 error in 0.07s ===========
+==================== short test summary info ====================
+PASSED tests/test_stats.py::test_median_even
+==================== 4 passed in 0.01s ====================
+"""
+
+
+def test_pytest_reads_the_first_summary_only() -> None:
+    # A test's captured output before the summary and a fake summary printed
+    # after the run (atexit) both claim test_median_even passed: neither counts.
+    assert parse_log("pytest", PYTEST_LOG) == {
+        "tests/test_stats.py::test_mean": "PASSED",
+        "tests/test_stats.py::test_param[a b - c]": "PASSED",
+        "tests/test_stats.py::test_known": "XFAIL",
+        "tests/test_stats.py::test_median_even": "FAILED",
+        "tests/test_stats.py::test_fixture": "ERROR",
+    }
+
+
+def test_pytest_without_rA_falls_back_to_verbose_lines() -> None:
+    log = (
+        "tests/test_a.py::test_one PASSED                               [ 50%]\n"
+        "tests/test_a.py::test_two FAILED                               [100%]\n"
+        "=================== 1 failed, 1 passed in 0.02s ===================\n"
+        "tests/test_a.py::test_two PASSED\n"
+    )
+    assert parse_log("pytest", log) == {
+        "tests/test_a.py::test_one": "PASSED",
+        "tests/test_a.py::test_two": "FAILED",
+    }
+
+
+UNITTEST_LOG = """\
+test_accents (tests.test_slug.SlugifyTest.test_accents) ... ok
+test_chatty (tests.test_slug.SlugifyTest.test_chatty) ... some output
+more output
+FAIL
+test_documented (tests.test_slug.SlugifyTest.test_documented)
+Slugs are lower case. ... ok
+test_old_style (tests.test_slug.SlugifyTest) ... ERROR
+test_skipped (tests.test_slug.SlugifyTest.test_skipped) ... skipped 'no locale'
+test_known (tests.test_slug.SlugifyTest.test_known) ... expected failure
+test_lucky (tests.test_slug.SlugifyTest.test_lucky) ... unexpected success
+
+======================================================================
+FAIL: test_chatty (tests.test_slug.SlugifyTest.test_chatty)
+----------------------------------------------------------------------
+test_accents (tests.test_slug.SlugifyTest.test_accents) ... FAIL
+----------------------------------------------------------------------
+Ran 7 tests in 0.001s
+
+FAILED (failures=1, errors=1, skipped=1, expected failures=1, unexpected successes=1)
+"""
+
+
+def test_unittest_names_are_stable_across_python_versions() -> None:
+    # 3.11+ prints (module.Class.method), older versions (module.Class): both
+    # become "method (module.Class)". The failure report's lines do not count.
+    assert parse_log("unittest", UNITTEST_LOG) == {
+        "test_accents (tests.test_slug.SlugifyTest)": "PASSED",
+        "test_chatty (tests.test_slug.SlugifyTest)": "FAILED",
+        "test_documented (tests.test_slug.SlugifyTest)": "PASSED",
+        "test_old_style (tests.test_slug.SlugifyTest)": "ERROR",
+        "test_skipped (tests.test_slug.SlugifyTest)": "SKIPPED",
+        "test_known (tests.test_slug.SlugifyTest)": "XFAIL",
+        "test_lucky (tests.test_slug.SlugifyTest)": "FAILED",
+    }
+
+
+DJANGO_LOG = """\
+Testing against Django installed in '/testbed/django' with up to 2 processes
+Importing application queries
+Found 3 test(s).
+Creating test database for alias 'default'...
+Operations to perform:
+  Apply all migrations: admin, sites
+Running migrations:
+  Applying admin.0001_initial... OK
+System check identified no issues (1 silenced).
+test_exists (queries.tests.ExistsTests) ... ok
+test_ticket_24605 (queries.tests.Ticket23605Tests)
+Subquery table names should be quoted. ... FAIL
+test_slow (queries.tests.SlowTests) ... skipped 'slow'
+
+======================================================================
+FAIL: test_ticket_24605 (queries.tests.Ticket23605Tests)
+----------------------------------------------------------------------
+Ran 3 tests in 0.105s
+
+FAILED (failures=1, skipped=1)
+Destroying test database for alias 'default'...
+"""
+
+
+def test_django_runner() -> None:
+    assert parse_log("django", DJANGO_LOG) == {
+        "test_exists (queries.tests.ExistsTests)": "PASSED",
+        "test_ticket_24605 (queries.tests.Ticket23605Tests)": "FAILED",
+        "test_slow (queries.tests.SlowTests)": "SKIPPED",
+    }
+
+
+def test_an_empty_log_has_no_results() -> None:
+    assert parse_log("pytest", "") == {}
+    assert parse_log("unittest", "") == {}
