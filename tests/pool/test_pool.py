@@ -137,6 +137,19 @@ async def test_permanent_failures_reach_the_caller(fake: FakeProvider) -> None:
     assert fake.live == 0
 
 
+async def test_a_missing_image_does_not_slow_the_pacer(fake: FakeProvider) -> None:
+    fake.faults.image_errors = frozenset({"typo"})
+    async with pool_of(fake) as pool:
+        session = pool.open_session()
+        before = pool.stats()
+        for _ in range(3):
+            with pytest.raises(sandman.ImageError):
+                await pool.acquire(SandboxSpec(image="typo"), session=session)
+        after = pool.stats()
+        assert after["pacing_rate"] == before["pacing_rate"]
+        assert after["pacing_window"] == before["pacing_window"]
+
+
 async def test_a_backend_that_leaks_on_failure_is_reconciled(fake: FakeProvider) -> None:
     fake.faults.fail_create = 1.0
     fake.faults.leak_on_fail = 1.0

@@ -581,6 +581,10 @@ def _classify(exc: BaseException) -> tuple[FailureKind, float | None]:
         return "capacity", retry_after
     if isinstance(exc, TimeoutError):
         return "timeout", None
+    if isinstance(exc, errors.ImageError):
+        # The caller's mistake (a typo in an image name), not backend strain:
+        # it must not slow creation down for every other tenant.
+        return "other", None
     if isinstance(exc, errors.ProviderError | errors.DaemonUnavailable):
         return "server_error", None
     return "other", None
