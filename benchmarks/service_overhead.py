@@ -55,6 +55,13 @@ SPEC = {"image": "busybox", "memory": "64Mi", "pids": 64}
 WARM = 3
 
 
+def _progress(done: int, total: int) -> None:
+    """``progress DONE TOTAL`` on stderr, for ``sandman bench``'s bar (when it asks)."""
+    if os.environ.get("SANDMAN_BENCH_PROGRESS") == "1":
+        sys.stderr.write(f"progress {done} {total}\n")
+        sys.stderr.flush()
+
+
 def _quantile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -181,6 +188,7 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
             order = [(embedded, embedded_times), (service, service_times)]
             for client, times in order if i % 2 else reversed(order):
                 times.append(await _timed(lambda c=client: round_trip(c)))  # type: ignore[misc]
+            _progress(i + 1, n + exec_n)
 
         # A no-op exec in one sandbox: to its socket, and through the proxy route.
         sb = await service.acquire("busybox", memory="64Mi", pids=64, timeout=120)
@@ -197,6 +205,7 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
                 pairs = [(direct, direct_times), (proxied, proxy_times)]
                 for daemon, times in pairs if i % 2 else reversed(pairs):
                     times.append(await _timed(lambda d=daemon: d.exec(["true"])))  # type: ignore[misc]
+                _progress(n + i + 1, n + exec_n)
         finally:
             await direct.aclose()
             await proxied.aclose()

@@ -180,3 +180,45 @@ async def test_exec_cp_ls_rm_on_the_local_provider(busybox_tar: Path, tmp_path: 
         await provider.aclose()
         await assert_nothing_left(provider)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_bench_outside_a_checkout_is_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_build(), ["bench", "--checkout", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: no benchmarks/ found at or above {tmp_path}")
+    assert "source checkout" in result.output
+
+
+def test_bench_runs_each_benchmark_with_its_progress_and_summary(tmp_path: Path) -> None:
+    # A checkout of two stand-in benchmarks: real processes, as bench runs the real ones.
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "burst.py").write_text(
+        "import os, sys\n"
+        "assert os.environ['SANDMAN_BENCH_PROGRESS'] == '1'\n"
+        "for i in range(1, 4):\n"
+        "    print(f'progress {i} 3', file=sys.stderr, flush=True)\n"
+        "print('args=' + ' '.join(sys.argv[1:]))\n"
+        "print('failures=0 leftover=0')\n"
+    )
+    (tmp_path / "benchmarks" / "latency.py").write_text(
+        "import sys\nprint('broken benchmark', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    result = CliRunner().invoke(
+        _build(),
+        ["bench", "--checkout", str(tmp_path), "--args", "burst=--requests 5 --serve",
+         "burst", "latency"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "args=--requests 5 --serve" in result.stdout
+    assert "failures=0 leftover=0" in result.stdout
+    assert "3/3" in result.stdout  # burst's bar, filled by its progress lines
+    assert "latency failed (exit 3)" in result.stdout and "broken benchmark" in result.stdout
+    assert "error: 1 benchmark(s) failed" in result.stderr
+    unknown = CliRunner().invoke(_build(), ["bench", "--args", "nope=1"])
+    assert unknown.exit_code == 2 and "known NAME" in unknown.output
+
+
+def test_bench_runs_the_latency_benchmark_of_this_checkout() -> None:
+    result = CliRunner().invoke(_build(), ["bench", "latency", "--args", "latency=-n 50"])
+    assert result.exit_code == 0, result.output
+    assert "noop_exec_ratio=" in result.stdout

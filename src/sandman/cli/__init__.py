@@ -23,8 +23,8 @@ def build() -> click.Group:
     """The root ``sandman`` command group with every subcommand attached."""
     import click
 
+    from sandman.cli import bench, host, images, sandboxes, serve
     from sandman.cli import eval as evaluation
-    from sandman.cli import host, images, sandboxes, serve
 
     @click.group()
     @click.version_option(package_name="sandman-rl")
@@ -37,7 +37,7 @@ def build() -> click.Group:
         """Sandboxes for agentic reinforcement learning."""
         ctx.obj = {"debug": debug, "state_dir": state_dir}
 
-    for module in (host, sandboxes, images, serve, evaluation):
+    for module in (host, sandboxes, images, serve, evaluation, bench):
         for command in module.COMMANDS:
             cli.add_command(command)
     return cli
