@@ -175,7 +175,7 @@ class AsyncSandbox:
     ) -> ProcessOutput:
         """Its output from the given offsets; ``wait`` long-polls for new output.
 
-        ``encoding="base64"`` keeps the bytes exact (`ProcessOutput.stdout_bytes`).
+        ``encoding="base64"`` keeps the bytes exact (``stdout`` is then base64).
         """
         async with self._guard():
             return await self._daemon.read_output(

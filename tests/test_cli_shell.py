@@ -1,0 +1,193 @@
+"""``sandman shell`` driven like a person would: in tmux, with keys and the screen."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from click.testing import CliRunner
+
+from sandman.cli import build
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.providers.local.conftest import needs_root_and_crun
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# busybox sh's prompt; capture-pane drops the trailing space.
+PROMPT = re.compile(r"^/ #$", re.MULTILINE)
+
+
+class Tmux:
+    """One tmux server of our own (its own socket), so nothing else is touched."""
+
+    def __init__(self) -> None:
+        self.socket = f"sandman-test-{uuid.uuid4().hex[:12]}"
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=30,
+        )
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "shell").stdout
+
+    def shows(self, line: str) -> bool:
+        """Whether one line of the screen is exactly ``line``."""
+        return re.search(rf"^{re.escape(line)}$", self.screen(), re.MULTILINE) is not None
+
+    def alive(self) -> bool:
+        return self("has-session", "-t", "shell", check=False).returncode == 0
+
+    def kill(self) -> None:
+        self("kill-server", check=False)
+
+
+def _until(what: str, cond: Callable[[], bool], timeout: float, why: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}:\n{why()}")
+        time.sleep(0.05)
+
+
+def _leftovers(state: Path, sandbox_id: str) -> list[str]:
+    """What of the sandbox (or the CLI that ran it) still exists."""
+    found = [f"dir {p}" for p in (state / "sandboxes").glob("*")]
+    found += [f"runtime state {p}" for p in (state / "runtime").glob("*/*")]
+    found += [
+        f"cgroup {h / 'sandman' / sandbox_id}"
+        for h in CGROUP_ROOT.iterdir()
+        if (h / "sandman" / sandbox_id).exists()
+    ]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or proc.name == str(os.getpid()):
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            cgroups = (proc / "cgroup").read_text()
+            mounts = (proc / "mountinfo").read_text()
+        except OSError:
+            continue
+        if str(state).encode() in cmdline or sandbox_id in cgroups or str(state) in mounts:
+            found.append(f"process {proc.name}: {cmdline[:120]!r}")
+    return found
+
+
+def _runs(sandbox_id: str, cmdline: bytes) -> bool:
+    """Whether a process with this command line runs in the sandbox."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc / "cmdline").read_bytes() == cmdline and sandbox_id in (
+                proc / "cgroup"
+            ).read_text():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.fixture
+def state() -> Iterator[Path]:
+    # Short on purpose: the daemon's socket path must fit in 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+
+        async def delete_all() -> None:
+            provider = LocalProvider(LocalConfig(state_dir=path))
+            try:
+                for info in await provider.list():
+                    await provider.delete(info.id)
+            finally:
+                await provider.aclose()
+
+        anyio.run(delete_all)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def tmux() -> Iterator[Tmux]:
+    server = Tmux()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@needs_root_and_crun
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+@pytest.mark.timeout(180)  # creating the sandbox can be slow on a busy machine
+def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
+    runner = CliRunner()
+    imported = runner.invoke(
+        build(), ["--state-dir", str(state), "images", "import", str(busybox_tar), "--name", "bb"]
+    )
+    assert imported.exit_code == 0, imported.output
+    rc_file = state / "rc"
+    sandman = [sys.executable, "-c", "from sandman.cli import main; main()"]
+    command = f"{shlex.join([*sandman, '--state-dir', str(state), 'shell', 'bb'])}; "
+    command += f"echo $? > {shlex.quote(str(rc_file))}"
+    tmux("new-session", "-d", "-s", "shell", "-x", "100", "-y", "30", command)
+
+    _until("the prompt", lambda: PROMPT.search(tmux.screen()) is not None, 90, tmux.screen)
+    banner = re.search(r"in sandbox (sb-[0-9a-f]+)", tmux.screen())
+    assert banner, tmux.screen()
+    sandbox_id = banner.group(1)
+
+    tmux("send-keys", "-t", "shell", "echo $((6*7))", "Enter")
+    _until("42", lambda: tmux.shows("42"), 20, tmux.screen)
+    tmux("send-keys", "-t", "shell", "stty size", "Enter")
+    _until("the pane's size", lambda: tmux.shows("30 100"), 20, tmux.screen)
+    # A resized window reaches the sandbox's terminal (SIGWINCH -> resize).
+    tmux("resize-window", "-t", "shell", "-x", "120", "-y", "40")
+
+    def resized() -> bool:
+        # The resize travels apart from the keys: ask again until it has landed.
+        tmux("send-keys", "-t", "shell", "clear; stty size", "Enter")
+        deadline = time.monotonic() + 1
+        while time.monotonic() < deadline and not tmux.shows("40 120"):
+            time.sleep(0.05)
+        return tmux.shows("40 120")
+
+    _until("the new size", resized, 20, tmux.screen)
+    # Ctrl-C goes to the sandbox, not to the CLI.
+    tmux("send-keys", "-t", "shell", "sleep 1000", "Enter")
+    _until("sleep to run", lambda: _runs(sandbox_id, b"sleep\x001000\x00"), 20, tmux.screen)
+    tmux("send-keys", "-t", "shell", "C-c")
+    tmux("send-keys", "-t", "shell", "echo after-$((1+1))", "Enter")
+    _until("the shell after ^C", lambda: tmux.shows("after-2"), 20, tmux.screen)
+
+    tmux("send-keys", "-t", "shell", "exit 7", "Enter")
+    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+    assert rc_file.read_text().strip() == "7"
+    listed = runner.invoke(build(), ["--state-dir", str(state), "ls"])
+    assert listed.exit_code == 0 and listed.output == ""
+    _until(
+        "nothing of the sandbox left",
+        lambda: not _leftovers(state, sandbox_id),
+        30,
+        lambda: "\n".join(_leftovers(state, sandbox_id)),
+    )
+
+
+def test_shell_without_a_terminal_says_so() -> None:
+    result = CliRunner().invoke(build(), ["shell", "bb"], input="")
+    assert result.exit_code == 1
+    assert "error: sandman shell needs a terminal" in result.output
+    assert "hint:" in result.output
