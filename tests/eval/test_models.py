@@ -19,6 +19,7 @@ from sandman.eval import (
     load_predictions,
     run_batch,
 )
+from sandman.eval.harness import is_protected
 from sandman.eval.verdict import grade_tests
 from sandman.pool import Pool, PoolConfig
 from sandman.testing import FakeProvider, Faults
@@ -171,3 +172,17 @@ async def test_a_batch_refuses_predictions_it_cannot_grade(tmp_path: Path) -> No
         with pytest.raises(sandman.ConfigError, match="concurrency"):
             await run_batch([instance()], [], pool=client, out=tmp_path, concurrency=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_a_model_patch_may_not_change() -> None:
+    django_like = instance(
+        test_patch="diff --git a/tests/queries/tests.py b/tests/queries/tests.py\n"
+        "diff --git a/src/pkg/thing_test.py b/src/pkg/thing_test.py\n",
+        protected=["setup.cfg"],
+    )
+    for path in ("tests/queries/tests.py", "tests/queries/models.py", "src/pkg/thing_test.py",
+                 "conftest.py", "src/pkg/conftest.py", "pytest.ini", "setup.cfg"):  # fmt: skip
+        assert is_protected(django_like, path), path
+    # A test file next to the code does not protect the code beside it.
+    for path in ("src/pkg/thing.py", "tests.py", "docs/conf.py", "testsuite/x.py"):
+        assert not is_protected(django_like, path), path

@@ -5,9 +5,10 @@ The steps, each a command in the sandbox (never in the agent's):
 1. check out ``base_commit``;
 2. apply the patch with ``git apply``, else ``git apply --3way``, else
    ``patch --fuzz``, setting the tree back between tries;
-3. set back the protected paths the patch changed (the test patch's files
-   and the directories holding them, ``conftest.py``, ``pytest.ini``,
-   ``tox.ini``, ``sitecustomize.py``, the instance's own globs), then check
+3. set back the protected paths the patch changed (`is_protected`: the test
+   patch's files and the test directories holding them, ``conftest.py``,
+   ``pytest.ini``, ``tox.ini``, ``sitecustomize.py``, the instance's own
+   globs), then check
    out the test files at ``base_commit`` and apply the test patch;
 4. run the test command under the wall-clock limit, between start and end
    markers that carry a random nonce, and parse what is between them.
@@ -36,7 +37,7 @@ from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_te
 from sandman.images import ImageStore
 from sandman.models import ExecResult, SandboxSpec
 
-__all__ = ["DEFAULT_PROTECTED", "evaluate", "evaluate_report", "pin_image"]
+__all__ = ["DEFAULT_PROTECTED", "evaluate", "evaluate_report", "is_protected", "pin_image"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ _APPLY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("git apply --3way", (*_GIT, "apply", "--verbose", "--3way")),
     ("patch --fuzz", ("patch", "--batch", "--fuzz=5", "-p1", "--no-backup-if-mismatch", "-i")),
 )
+_TEST_DIRS = frozenset({"test", "tests", "testing"})
 _KILLED = 128 + 9  # what a shell reports for a child killed by SIGKILL
 
 
@@ -71,6 +73,26 @@ async def pin_image(image: str, images: ImageStore | None) -> tuple[str, str | N
     if image.startswith("sha256:"):
         return image, image
     return image, None
+
+
+def is_protected(instance: Instance, path: str) -> bool:
+    """Whether a model patch's change to ``path`` is set back before the tests run.
+
+    Protected: the test patch's files; everything under a test directory
+    (``test``, ``tests``, ``testing``, ``test_*``) holding one of them; the
+    `DEFAULT_PROTECTED` names anywhere; the instance's ``protected`` globs.
+    """
+    if path in instance.test_files or posixpath.basename(path) in DEFAULT_PROTECTED:
+        return True
+    for test_file in instance.test_files:
+        parts = test_file.split("/")[:-1]
+        # The outermost test directory: tests/ for tests/queries/tests.py.
+        for depth, name in enumerate(parts, start=1):
+            if name in _TEST_DIRS or name.startswith("test_"):
+                if path.startswith("/".join(parts[:depth]) + "/"):
+                    return True
+                break
+    return any(fnmatch.fnmatchcase(path, glob) for glob in instance.protected)
 
 
 class _Abort(Exception):
@@ -202,7 +224,7 @@ class _Evaluation:
             _nul((await self._must(sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", base],
                                    "list base files")).stdout)
         )  # fmt: skip
-        self.reverted = [path for path in changed if self._protected(path)]
+        self.reverted = [path for path in changed if is_protected(self.instance, path)]
         restore = [p for p in self.reverted if p in in_base]
         remove = [p for p in self.reverted if p not in in_base]
         if self.reverted:
@@ -284,16 +306,6 @@ class _Evaluation:
         )
 
     # -- helpers ----------------------------------------------------------------------------
-
-    def _protected(self, path: str) -> bool:
-        name = posixpath.basename(path)
-        if path in self.instance.test_files or name in DEFAULT_PROTECTED:
-            return True
-        for test_file in self.instance.test_files:
-            folder = posixpath.dirname(test_file)
-            if folder and path.startswith(folder + "/"):
-                return True
-        return any(fnmatch.fnmatchcase(path, glob) for glob in self.instance.protected)
 
     async def _exec(self, sb: AsyncSandbox, argv: Sequence[str]) -> ExecResult:
         result = await sb.exec(
