@@ -173,14 +173,22 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
             local = embedded_pool.stats().get("ready", 0) >= WARM
             return local and await _ready_spares(http, pool_name) >= WARM
 
+        parts: dict[str, list[float]] = {"acquire": [], "release": []}
+
         async def round_trip(client: AsyncClient) -> None:
+            started = time.perf_counter()
             sb = await client.acquire("busybox", memory="64Mi", pids=64, timeout=120)
+            acquired = time.perf_counter()
             await sb.release()
+            if client is service:
+                parts["acquire"].append(acquired - started)
+                parts["release"].append(time.perf_counter() - acquired)
 
         # Warm-up: a session each, and one round each (connections, imports).
         await _until(refilled, 120)
         await round_trip(embedded)
         await round_trip(service)
+        parts = {"acquire": [], "release": []}
         embedded_times: list[float] = []
         service_times: list[float] = []
         for i in range(n):
@@ -217,6 +225,8 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
     lines += [
         _line("acquire_release_embedded", embedded_times),
         _line("acquire_release_service", service_times),
+        _line("  of which acquire", parts["acquire"]),
+        _line("  of which release", parts["release"]),
         _line("exec_direct", direct_times),
         _line("exec_proxy", proxy_times),
     ]
