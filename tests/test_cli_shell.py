@@ -130,12 +130,9 @@ def tmux() -> Iterator[Tmux]:
         server.kill()
 
 
-@needs_root_and_crun
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
-@pytest.mark.timeout(180)  # creating the sandbox can be slow on a busy machine
-def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
-    runner = CliRunner()
-    imported = runner.invoke(
+def _start_shell(tmux: Tmux, state: Path, busybox_tar: Path) -> tuple[Path, str]:
+    """``sandman shell bb`` in a 100x30 tmux pane, at its prompt; its rc file and sandbox."""
+    imported = CliRunner().invoke(
         build(), ["--state-dir", str(state), "images", "import", str(busybox_tar), "--name", "bb"]
     )
     assert imported.exit_code == 0, imported.output
@@ -144,12 +141,38 @@ def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
     command = f"{shlex.join([*sandman, '--state-dir', str(state), 'shell', 'bb'])}; "
     command += f"echo $? > {shlex.quote(str(rc_file))}"
     tmux("new-session", "-d", "-s", "shell", "-x", "100", "-y", "30", command)
-
     _until("the prompt", lambda: PROMPT.search(tmux.screen()) is not None, 90, tmux.screen)
     banner = re.search(r"in sandbox (sb-[0-9a-f]+)", tmux.screen())
     assert banner, tmux.screen()
-    sandbox_id = banner.group(1)
+    return rc_file, banner.group(1)
 
+
+def _listed(state: Path) -> str:
+    listed = CliRunner().invoke(build(), ["--state-dir", str(state), "ls"])
+    assert listed.exit_code == 0, listed.output
+    return listed.output
+
+
+def _assert_released(state: Path, sandbox_id: str) -> None:
+    _until("`sandman ls` to be empty", lambda: _listed(state) == "", 30, lambda: _listed(state))
+    _until(
+        "nothing of the sandbox left",
+        lambda: not _leftovers(state, sandbox_id),
+        30,
+        lambda: "\n".join(_leftovers(state, sandbox_id)),
+    )
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+# Creating the sandbox can be slow on a busy machine.
+slow = pytest.mark.timeout(180)
+
+
+@needs_root_and_crun
+@needs_tmux
+@slow
+def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
+    rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar)
     tmux("send-keys", "-t", "shell", "echo $((6*7))", "Enter")
     _until("42", lambda: tmux.shows("42"), 20, tmux.screen)
     tmux("send-keys", "-t", "shell", "stty size", "Enter")
@@ -176,14 +199,28 @@ def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
     tmux("send-keys", "-t", "shell", "exit 7", "Enter")
     _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
     assert rc_file.read_text().strip() == "7"
-    listed = runner.invoke(build(), ["--state-dir", str(state), "ls"])
-    assert listed.exit_code == 0 and listed.output == ""
-    _until(
-        "nothing of the sandbox left",
-        lambda: not _leftovers(state, sandbox_id),
-        30,
-        lambda: "\n".join(_leftovers(state, sandbox_id)),
-    )
+    _assert_released(state, sandbox_id)
+
+
+@needs_root_and_crun
+@needs_tmux
+@slow
+def test_shell_ends_when_its_sandbox_goes_away(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
+    rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar)
+    removed = CliRunner().invoke(build(), ["--state-dir", str(state), "rm", sandbox_id])
+    assert removed.exit_code == 0, removed.output
+    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+    assert rc_file.read_text().strip() == "1"
+    _assert_released(state, sandbox_id)
+
+
+@needs_root_and_crun
+@needs_tmux
+@slow
+def test_shell_hung_up_releases_its_sandbox(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
+    _, sandbox_id = _start_shell(tmux, state, busybox_tar)
+    tmux("kill-session", "-t", "shell")  # the terminal goes away: SIGHUP
+    _assert_released(state, sandbox_id)
 
 
 def test_shell_without_a_terminal_says_so() -> None:

@@ -183,7 +183,11 @@ def shell(
                 f"sandman: {path} in sandbox {sb.id}; exit the shell to release it", err=True
             )
             with _raw(fd_in):
-                return await _interact(sb, proc.id, fd_in, fd_out)
+                try:
+                    return await _interact(sb, proc.id, fd_in, fd_out)
+                except BaseException:
+                    _write_all(fd_out, b"\r\n")  # the error on a line of its own
+                    raise
 
     sys.exit(run_async(ctx, go()))
 
