@@ -6,7 +6,8 @@ bookworm root with python3, pytest, git and patch (cached as a tarball under
 the first build takes minutes); each repository under ``repos/`` becomes a git
 repository at ``/testbed/<name>`` with fixed dates, so its commits have the
 hashes ``instances.jsonl`` names; the image is imported into the local store
-as ``sandman-eval-demo:1``.
+as ``sandman-eval-demo:1``. The tarball is built byte for byte the same from
+the same cached base, so the image's id (its digest) is too.
 
 Run as root: ``python examples/eval/build.py [--state-dir DIR]``. It prints one
 JSON line: the image name, its id, and the instance and prediction files.
@@ -125,6 +126,8 @@ def make_repo(source: Path, target: Path) -> str:
         _git(target, "commit", "-q", "-m", f"commit {number}", date=f"2024-01-0{number}T00:00:00Z")
     # Packed and garbage-free, so the image holds only what the commits need.
     _git(target, "gc", "-q", "--aggressive", "--prune=now")
+    # An index without stat data (git refreshes it on first use): the same bytes every build.
+    _git(target, "read-tree", "HEAD")
     return _git(target, "rev-parse", "HEAD")
 
 
