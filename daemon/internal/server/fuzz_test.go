@@ -14,6 +14,7 @@ var seeds = []string{
 	`{"cmd":"x","timeout":1e308}`, `{"signal":"TERM","group":false}`, `{"signal":9}`, `{"timeout":null}`,
 	`{"path":"/x","parents":true,"mode":"755"}`, `{"src":"a","dst":"b","overwrite":true}`,
 	`{"shell":"/bin/sh","cwd":"/","env":{}}`, `[]`, `{`, ``, `null`, `{"argv":null,"cmd":null}`,
+	`{"argv":["sh"],"tty":true,"rows":30,"cols":100}`, `{"rows":65535,"cols":1}`,
 }
 
 // checkDecodeErr: a decoder may refuse input, but only with a 4xx protocol
@@ -51,7 +52,7 @@ func FuzzDecodeExec(f *testing.F) {
 func FuzzDecodeProcessStart(f *testing.F) {
 	fuzzDecoder(f, func(b []byte) error {
 		c, o, err := parseProcessStart(b)
-		if err == nil && (c == nil || o.MaxBuffer < 0) {
+		if err == nil && (c == nil || o.MaxBuffer < 0 || (o.TTY && (o.Size.Rows == 0 || o.Size.Cols == 0))) {
 			panic("accepted an inconsistent process request")
 		}
 		return err
@@ -63,6 +64,16 @@ func FuzzDecodeSignal(f *testing.F) {
 		sig, _, err := parseSignal(b)
 		if err == nil && (sig < 1 || sig > 64) {
 			panic("accepted a bad signal")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeResize(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		size, err := parseResize(b)
+		if err == nil && (size.Rows == 0 || size.Cols == 0) {
+			panic("accepted an empty terminal")
 		}
 		return err
 	})
