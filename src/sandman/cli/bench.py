@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-import sandman
 from sandman import errors
 from sandman.cli._common import run_async
 
@@ -43,7 +42,7 @@ def find_checkout(explicit: Path | None) -> Path:
         candidates = [explicit]
     else:
         here = Path.cwd().resolve()
-        candidates = [here, *here.parents, *Path(sandman.__file__).resolve().parents]
+        candidates = [here, *here.parents, *Path(__file__).resolve().parents]
     for directory in candidates:
         if (directory / "benchmarks" / "burst.py").is_file():
             return directory
