@@ -1,17 +1,20 @@
 """deploy/ on the harness cluster: it renders, applies, grants exactly the pod verbs, and goes.
 
-The manifests are applied through an overlay into a scratch namespace (so the
-test never touches the harness's own ``sandman`` namespace), with the
-Deployment at 0 replicas: the service image is not built offline here, so
-the test checks what the API server accepts and what RBAC allows, not a
-running service.
+The manifests are applied through overlays into scratch namespaces (never the
+harness's own ``sandman``): once with the Deployment at 0 replicas to check
+what the API server accepts and what RBAC allows, and once for real, with the
+service image built offline (`tests.kube.service_image`), serving a sandbox
+that it creates as its own service account.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,14 +23,18 @@ from typing import Any
 
 import pytest
 
+import sandman
+from tests.images.registry_server import free_port
+from tests.kube import service_image as images
 from tests.kube.conftest import REPO, KubeCluster
 
-pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(400)]
 
 DEPLOY = REPO / "deploy"
 SERVICE_ACCOUNT = "sandman"
 POD_VERBS = ("create", "delete", "get", "list", "watch")
 GONE_TIMEOUT = 120.0
+SERVICE_READY_TIMEOUT = 180.0
 
 
 def kubectl(
@@ -60,34 +67,40 @@ def can_i(cluster: KubeCluster, namespace: str, verb: str, resource: str, in_ns:
     return answer == "yes"
 
 
-@pytest.fixture
-def overlay(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A kustomize overlay of deploy/ into a fresh namespace name, Deployment at 0 replicas."""
-    namespace = f"sandman-deploy-test-{secrets.token_hex(3)}"
-    base = os.path.relpath(DEPLOY, tmp_path)  # kustomize refuses absolute paths
-    (tmp_path / "kustomization.yaml").write_text(
+def write_overlay(path: Path, namespace: str, extra: str = "") -> Path:
+    """A kustomize overlay of deploy/ at `path` into `namespace`, plus `extra` YAML."""
+    path.mkdir(parents=True, exist_ok=True)
+    base = os.path.relpath(DEPLOY, path)  # kustomize refuses absolute paths
+    (path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\n"
         "kind: Kustomization\n"
         f"namespace: {namespace}\n"
-        f"resources: [{base}]\n"
-        "replicas: [{name: sandman, count: 0}]\n"
+        f"resources: [{base}]\n" + extra
     )
-    yield namespace, tmp_path
+    return path
+
+
+@contextlib.contextmanager
+def deployed(cluster: KubeCluster, path: Path, namespace: str) -> Iterator[list[dict[str, Any]]]:
+    """The overlay at `path` applied; its namespace deleted (and checked gone) afterwards."""
+    try:
+        proc = kubectl(cluster, "apply", "-k", str(path), "-o", "json")
+        yield json.loads(proc.stdout)["items"]
+    finally:
+        kubectl(cluster, "delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+        deadline = time.monotonic() + GONE_TIMEOUT
+        while kubectl(cluster, "get", "namespace", namespace, check=False).returncode == 0:
+            assert time.monotonic() < deadline, f"namespace {namespace} still there"
+            time.sleep(0.5)
 
 
 @pytest.fixture
-def applied(kube_cluster: KubeCluster, overlay: tuple[str, Path]) -> Iterator[dict[str, Any]]:
-    """deploy/ applied into the overlay's namespace; deleted (and checked gone) afterwards."""
-    namespace, path = overlay
-    try:
-        proc = kubectl(kube_cluster, "apply", "-k", str(path), "-o", "json")
-        yield {"namespace": namespace, "objects": json.loads(proc.stdout)["items"]}
-    finally:
-        kubectl(kube_cluster, "delete", "-k", str(path), "--ignore-not-found", "--wait=false")
-        deadline = time.monotonic() + GONE_TIMEOUT
-        while kubectl(kube_cluster, "get", "namespace", namespace, check=False).returncode == 0:
-            assert time.monotonic() < deadline, f"namespace {namespace} still there"
-            time.sleep(0.5)
+def applied(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """deploy/ applied into a fresh namespace with the Deployment at 0 replicas."""
+    namespace = f"sandman-deploy-test-{secrets.token_hex(3)}"
+    path = write_overlay(tmp_path, namespace, "replicas: [{name: sandman, count: 0}]\n")
+    with deployed(kube_cluster, path, namespace) as objects:
+        yield {"namespace": namespace, "objects": objects}
 
 
 def test_deploy_renders(kube_cluster: KubeCluster) -> None:
@@ -169,3 +182,75 @@ def test_deploy_applies_with_least_privilege(
     assert pod["metadata"]["labels"]["sandman.io/client"] == "true"
     assert pod["spec"]["containers"][0]["args"][:3] == ["serve", "--provider", "kubernetes"]
     assert deployment["spec"]["replicas"] == 0
+
+
+@pytest.fixture
+def service_image(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[str]:
+    """deploy/Dockerfile's image, built offline and imported into the real node; removed after."""
+    if not kube_cluster.real_node:
+        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
+    work = tmp_path / "image"
+    archive, name = images.build_archive(work, f"test-{secrets.token_hex(4)}")
+    try:
+        images.ctr(kube_cluster, "images", "import", str(archive))
+        shutil.rmtree(work)  # ~300 MB
+        yield name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        images.remove(kube_cluster, name)
+        assert name not in images.image_refs(kube_cluster)
+
+
+def test_deployed_service_serves_sandboxes_with_only_its_role(
+    kube_cluster: KubeCluster, service_image: str, tmp_path: Path
+) -> None:
+    """The Deployment runs for real and, as its service account, makes a sandbox pod."""
+    namespace = f"sandman-deploy-test-{secrets.token_hex(3)}"
+    port = free_port()
+    key = secrets.token_hex(16)
+    name, tag = service_image.rsplit(":", 1)
+    # The harness has no kube-proxy and its API server listens on 127.0.0.1 only,
+    # so the service pod uses the node's network and reaches the API there.
+    path = write_overlay(
+        tmp_path / "overlay", namespace,
+        f"images: [{{name: sandman, newName: {name}, newTag: {tag}}}]\n"
+        "patches:\n"
+        "- target: {kind: Deployment, name: sandman}\n"
+        "  patch: |\n"
+        "    - {op: add, path: /spec/template/spec/hostNetwork, value: true}\n"
+        f"    - {{op: replace, path: /spec/template/spec/containers/0/ports/0/containerPort, value: {port}}}\n"
+        f"    - {{op: replace, path: /spec/template/spec/containers/0/args/6, value: '{port}'}}\n"
+        "    - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}}\n"
+        f"    - {{op: add, path: /spec/template/spec/containers/0/env/-, value: {{name: KUBERNETES_SERVICE_PORT, value: '{kube_cluster.server.rsplit(':', 1)[1]}'}}}}\n",
+    )  # fmt: skip
+    kubectl(kube_cluster, "create", "namespace", namespace)
+    kubectl(kube_cluster, "-n", namespace, "create", "secret", "generic", "sandman-api-keys",
+            f"--from-literal=keys=tests:{key}")  # fmt: skip
+    with deployed(kube_cluster, path, namespace):
+        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
+        ready = ("-n", namespace, "get", "deployment", "sandman", "-o",
+                 "jsonpath={.status.readyReplicas}")  # fmt: skip
+        while kubectl(kube_cluster, *ready).stdout != "1":
+            assert time.monotonic() < deadline, kubectl(
+                kube_cluster, "-n", namespace, "logs", "deployment/sandman", check=False
+            ).stdout
+            time.sleep(1)
+
+        sandbox_pods = ("-n", namespace, "get", "pods", "-l", "sandman.io/pool=sandman",
+                        "-o", "jsonpath={.items[*].metadata.name}")  # fmt: skip
+
+        async def use() -> tuple[str, str]:
+            async with (
+                sandman.connect(f"http://127.0.0.1:{port}", api_key=key) as client,
+                client.sandbox("sandman.local/busybox:1.35") as sandbox,
+            ):
+                result = await sandbox.exec("echo hello from $(hostname)", timeout=30)
+                return result.stdout.strip(), kubectl(kube_cluster, *sandbox_pods).stdout
+
+        said, pods = asyncio.run(use())
+        assert said.startswith("hello from ")
+        assert pods.split() != [], "no sandbox pod labelled with the deployment's pool"
+        deadline = time.monotonic() + GONE_TIMEOUT
+        while kubectl(kube_cluster, *sandbox_pods).stdout:
+            assert time.monotonic() < deadline, "the released sandbox's pod is still there"
+            time.sleep(0.5)
