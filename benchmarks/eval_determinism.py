@@ -14,7 +14,7 @@ compared, as canonical JSON bytes, with the first run's. The last line is
 was built to get (its ``expected`` field); ``N``: predictions; ``k``: runs
 whose verdicts are byte-identical to run 1's (run 1 included).
 
-Run as root: ``.venv/bin/python benchmarks/eval_determinism.py [--burst 6] [--timeout 20]``
+Run as root: ``.venv/bin/python benchmarks/eval_determinism.py [--burst 6] [--timeout 60]``
 """
 
 from __future__ import annotations
@@ -131,6 +131,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--burst", type=int, default=6, help="sandboxes spinning during run 2")
-    parser.add_argument("--timeout", type=float, default=20.0, help="test run wall-clock limit")
+    parser.add_argument("--timeout", type=float, default=60.0, help="test run wall-clock limit")
     parser.add_argument("-j", "--concurrency", type=int, default=4)
     asyncio.run(main(parser.parse_args()))

@@ -38,7 +38,7 @@ def test_eval_command_grades_and_resumes(demo: Demo, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [
         "--state-dir", str(demo.state_dir), "eval", str(demo.instances), str(demo.predictions),
-        "--out", str(out), "--model", "gold", "--model", "noapply", "--timeout", "30", "-j", "2",
+        "--out", str(out), "--model", "gold", "--model", "noapply", "--timeout", "120", "-j", "2",
     ]  # fmt: skip
     done = CliRunner().invoke(build(), args)
     assert done.exit_code == 0, done.output
@@ -47,7 +47,7 @@ def test_eval_command_grades_and_resumes(demo: Demo, tmp_path: Path) -> None:
     assert "4 evaluated (0 reused" in done.output
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["resolved"], summary["unresolved"], summary["error"]) == (3, 1, 0)
-    assert summary["conditions"]["timeout"] == 30
+    assert summary["conditions"]["timeout"] == 120
     assert (out / "summary.html").exists()
     again = CliRunner().invoke(build(), args)
     assert "4 evaluated (4 reused" in again.output

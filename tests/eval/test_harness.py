@@ -39,8 +39,11 @@ pytestmark = [
     pytest.mark.timeout(1800),  # the first run on a machine builds the image
 ]
 
-# Short enough to keep the hanging patch cheap, long enough for a loaded machine.
-CONDITIONS = Conditions(timeout=12, memory="1Gi")
+# A wall-clock limit far above what the tests need (about a second), so a
+# machine loaded by others cannot turn a verdict into a timeout. The hanging
+# patch is graded on its own under a short one: it never finishes anyway.
+CONDITIONS = Conditions(timeout=120, memory="1Gi")
+SHORT = CONDITIONS.model_copy(update={"timeout": 4.0})
 
 
 @pytest.fixture
@@ -68,7 +71,8 @@ async def test_every_kind_of_patch_gets_its_verdict(
     demo: Demo, client: AsyncClient, tmp_path: Path
 ) -> None:
     images = ImageStore(demo.state_dir / "images")
-    instances, predictions = load_instances(demo.instances), load_predictions(demo.predictions)
+    instances = load_instances(demo.instances)
+    predictions = [p for p in load_predictions(demo.predictions) if p.model_name_or_path != "hang"]
     seen: list[tuple[str, str, bool]] = []
 
     def progress(verdict: Verdict, reused: bool) -> None:
@@ -79,7 +83,9 @@ async def test_every_kind_of_patch_gets_its_verdict(
         concurrency=4, images=images, progress=progress,
     )  # fmt: skip
     got = {(v.model, v.instance_id): v for v in result.verdicts}
-    assert {key: v.status for key, v in got.items()} == demo.expected()
+    assert {key: v.status for key, v in got.items()} == {
+        key: status for key, status in demo.expected().items() if key[0] != "hang"
+    }
     assert len(seen) == len(predictions) and not any(reused for *_, reused in seen)
 
     # How each patch went in: the fallbacks were needed and used in order.
@@ -101,9 +107,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
     assert all(s == "PASSED" for s in wrong.pass_to_pass.values())
 
     # A run cut short has no test results, only the reason.
-    for key in (("hang", "calc-1"), ("oom", "calc-1")):
-        assert got[key].fail_to_pass == {} and got[key].pass_to_pass == {}
-    assert "wall-clock limit of 12 s" in got["hang", "calc-1"].reason
+    assert got["oom", "calc-1"].fail_to_pass == got["oom", "calc-1"].pass_to_pass == {}
 
     # The conditions are recorded, the image pinned to the id that ran.
     gold = got["gold", "calc-1"]
@@ -117,10 +121,10 @@ async def test_every_kind_of_patch_gets_its_verdict(
     assert "PASSED tests/test_stats.py::test_median_even" in report["test_output"]
     assert report["sandbox_id"].startswith("sb-")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    expected = list(demo.expected().values())
+    expected = [s for (model, _), s in demo.expected().items() if model != "hang"]
     assert summary["total"] == len(predictions)
     assert summary["resolved"] == expected.count("resolved")
-    assert summary["error"] == expected.count("timeout") + expected.count("oom")
+    assert summary["error"] == expected.count("oom")
     assert summary["by_status"]["patch_failed"] == expected.count("patch_failed")
     html = (tmp_path / "summary.html").read_text()
     assert "intervals-1" in html and 'href="gold/calc-1/report.json"' in html
@@ -134,6 +138,19 @@ async def test_every_kind_of_patch_gets_its_verdict(
     assert again.reused == len(predictions) and all(reused for *_, reused in seen)
     assert [v.canonical() for v in again.verdicts] == [v.canonical() for v in result.verdicts]
     assert (tmp_path / "summary.json").read_text() == json.dumps(summary, indent=2)
+
+
+async def test_a_hanging_test_run_is_a_timeout(demo: Demo, client: AsyncClient) -> None:
+    instance, patch = shipped(demo, "calc-1", "hang")
+    report = await evaluate_report(instance, patch, pool=client, conditions=SHORT)
+    assert report.verdict.status == "timeout"
+    assert report.verdict.category == "error"
+    assert report.verdict.reason == (
+        "the test run passed its wall-clock limit of 4 s and was killed"
+    )
+    assert report.verdict.fail_to_pass == report.verdict.pass_to_pass == {}
+    assert report.test_exit_code is None  # killed before the end marker
+    assert 4.0 <= report.durations["tests"] < 60
 
 
 async def test_changed_inputs_are_graded_again(

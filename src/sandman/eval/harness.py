@@ -245,9 +245,10 @@ class _Evaluation:
         self.step = "tests"
         begun = time.monotonic()
         try:
-            return self._judge(await self._run_tests(sb))
+            run = await self._run_tests(sb)
         finally:
             self.durations["tests"] = round(time.monotonic() - begun, 3)
+        return self._judge(run)
 
     async def _run_tests(self, sb: AsyncSandbox) -> tuple[ExecResult, str, str]:
         nonce = secrets.token_hex(8)
