@@ -54,7 +54,10 @@ class Tmux:
         return self("has-session", "-t", "shell", check=False).returncode == 0
 
     def kill(self) -> None:
+        """Stop the server and remove its socket (kill-server leaves it behind)."""
         self("kill-server", check=False)
+        tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp"))
+        (tmpdir / f"tmux-{os.getuid()}" / self.socket).unlink(missing_ok=True)
 
 
 def _until(what: str, cond: Callable[[], bool], timeout: float, why: Callable[[], str]) -> None:
