@@ -19,7 +19,7 @@ from sandman.eval import (
     load_predictions,
     run_batch,
 )
-from sandman.eval.harness import is_protected
+from sandman.eval.harness import git_paths, is_protected
 from sandman.eval.verdict import grade_tests
 from sandman.pool import Pool, PoolConfig
 from sandman.testing import FakeProvider, Faults
@@ -186,3 +186,18 @@ def test_what_a_model_patch_may_not_change() -> None:
     # A test file next to the code does not protect the code beside it.
     for path in ("src/pkg/thing.py", "tests.py", "docs/conf.py", "testsuite/x.py"):
         assert not is_protected(django_like, path), path
+
+
+@pytest.mark.anyio
+async def test_a_patch_that_touches_git_itself_is_refused() -> None:
+    sneaky = (
+        "--- a/.git/refs/replace/abc1234\n+++ b/.git/refs/replace/abc1234\n@@ -0,0 +1 @@\n+f00\n"
+        "diff --git a/src/.git/config b/src/.git/config\n"
+        "diff --git a/src/mod.py b/src/mod.py\n--- a/src/mod.py\n+++ b/src/mod.py\n"
+    )
+    assert git_paths(sneaky) == [".git/refs/replace/abc1234", "src/.git/config"]
+    assert git_paths("diff --git a/.github/x.yml b/.github/x.yml\n") == []
+    async with fake_client(Faults(fail_create=1.0)) as client:
+        verdict = await evaluate(instance(), sneaky, pool=client)
+    assert verdict.status == "patch_failed"
+    assert verdict.reason == ("the patch touches .git: .git/refs/replace/abc1234, src/.git/config")

@@ -23,6 +23,7 @@ import contextlib
 import fnmatch
 import logging
 import posixpath
+import re
 import secrets
 import shlex
 import time
@@ -37,7 +38,14 @@ from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_te
 from sandman.images import ImageStore
 from sandman.models import ExecResult, SandboxSpec
 
-__all__ = ["DEFAULT_PROTECTED", "evaluate", "evaluate_report", "is_protected", "pin_image"]
+__all__ = [
+    "DEFAULT_PROTECTED",
+    "evaluate",
+    "evaluate_report",
+    "git_paths",
+    "is_protected",
+    "pin_image",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +55,12 @@ DEFAULT_PROTECTED = ("conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py",
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
-_GIT = ("git", "-c", "safe.directory=*", "-c", "core.quotepath=off")
+# No hooks and no fsmonitor command, whatever the repository's config says.
+_GIT = ("git", "-c", "safe.directory=*", "-c", "core.quotepath=off",
+        "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")  # fmt: skip
+_PATCH_PATH = re.compile(
+    r"^(?:diff --git a/(\S+) b/(\S+)|(?:---|\+\+\+) (?:[ab]/)?(\S+))", re.MULTILINE
+)
 _APPLY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("git apply", (*_GIT, "apply", "--verbose")),
     ("git apply --3way", (*_GIT, "apply", "--verbose", "--3way")),
@@ -93,6 +106,21 @@ def is_protected(instance: Instance, path: str) -> bool:
                     return True
                 break
     return any(fnmatch.fnmatchcase(path, glob) for glob in instance.protected)
+
+
+def git_paths(patch: str) -> list[str]:
+    """The paths inside ``.git`` a patch names (``patch`` would write there; ``git apply`` not).
+
+    A patch that may touch the repository's own database (refs, replace
+    objects, config, hooks) could change what the harness checks out, so it
+    is refused.
+    """
+    found = []
+    for match in _PATCH_PATH.finditer(patch):
+        for path in filter(None, match.groups()):
+            if ".git" in path.split("/") and path not in found:
+                found.append(path)
+    return found
 
 
 class _Abort(Exception):
@@ -160,6 +188,8 @@ class _Evaluation:
     async def run(self, pool: AsyncClient, acquire_timeout: float) -> Report:
         if not self.patch.strip():
             return self.report("patch_failed", "the patch is empty")
+        if touched := git_paths(self.patch):
+            return self.report("patch_failed", f"the patch touches .git: {', '.join(touched)}")
         spec = SandboxSpec(
             image=self.ref,
             cpu=self.conditions.cpu,
