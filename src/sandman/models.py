@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -19,6 +19,7 @@ __all__ = [
     "FileStat",
     "FileType",
     "Health",
+    "KubernetesOptions",
     "NetworkMode",
     "ProcessInfo",
     "ProcessOutput",
@@ -61,6 +62,27 @@ def _raw(text: str, encoding: Encoding) -> bytes:
     return base64.b64decode(text) if encoding == "base64" else text.encode()
 
 
+class KubernetesOptions(BaseModel):
+    """Pod settings only the Kubernetes provider uses (other providers ignore them).
+
+    Requests default to the spec's limits (``cpu``, ``memory``); ask for less
+    to pack sandboxes tighter. ``tolerations`` and ``affinity`` are the
+    Kubernetes objects as dicts, passed on unchanged.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpu_request: float | None = Field(default=None, gt=0, le=1024)
+    memory_request: Bytes | None = Field(default=None, ge=2**20)
+    ephemeral_storage: Bytes | None = Field(default=None, ge=2**20)
+    """Limit (and request) of the pod's writable layer, logs and emptyDirs."""
+    runtime_class_name: str | None = None
+    """E.g. ``gvisor`` or ``kata``: a RuntimeClass of the cluster."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+
+
 class SandboxSpec(BaseModel):
     """What sandbox to make: the task image and the limits it runs under.
 
@@ -80,6 +102,7 @@ class SandboxSpec(BaseModel):
     workdir: str | None = None
     user: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    kubernetes: KubernetesOptions = Field(default_factory=KubernetesOptions)
 
 
 class Health(_Value):

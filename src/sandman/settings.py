@@ -8,7 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["LocalConfig"]
+from sandman._version import __version__
+
+__all__ = ["KubernetesConfig", "LocalConfig"]
 
 
 class LocalConfig(BaseModel):
@@ -33,3 +35,51 @@ class LocalConfig(BaseModel):
     """Sandboxes with network ``isolated`` or ``egress`` each get a /30 from here."""
     uplink: str | None = None
     """The interface ``egress`` sandboxes are NATed out of; default: the default route's."""
+
+
+class KubernetesConfig(BaseModel):
+    """The Kubernetes provider: one pod per sandbox in one namespace of a cluster.
+
+    Credentials come from ``kubeconfig`` (its ``context``, else the current
+    one); without it, from ``server`` + ``token_file`` + ``ca_file``; without
+    those, from the pod's own service account (in-cluster).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["kubernetes"] = "kubernetes"
+    kubeconfig: Path | None = None
+    """A kubeconfig file (needs the ``kubernetes`` extra for YAML)."""
+    context: str | None = None
+    """The kubeconfig context; default: its current context."""
+    server: str | None = None
+    """The API server's URL, when no kubeconfig is given."""
+    token_file: Path | None = None
+    """A file holding the bearer token; re-read now and then (tokens rotate)."""
+    ca_file: Path | None = None
+    """The CA bundle that signed the API server's certificate."""
+    namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    """Where the pods go; default: the kubeconfig context's namespace, in-cluster the pod's own."""
+    daemon_image: str = f"sandman.local/sandmand:{__version__}"
+    """The daemon image (``daemon/Dockerfile``) its init container copies sandmand from.
+    Build and push it, then name it here; its version must match this package's."""
+    daemon_port: int = Field(default=8731, ge=1, le=65535)
+    """The TCP port sandmand listens on, on the pod IP."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """For the task images and the daemon image."""
+    readiness: Literal["daemon", "pod"] = "daemon"
+    """``daemon``: the pod runs and the pool then waits for sandmand's health over the pod IP.
+    ``pod``: the pod's Ready condition only and no endpoint -- for benchmarks on simulated
+    (KWOK) nodes, which run no containers."""
+    start_timeout: float = Field(default=600.0, gt=0)
+    """How long a pod may take from create until it runs (scheduling, image pull)."""
+    termination_grace: int = Field(default=2, ge=0)
+    """The pods' ``terminationGracePeriodSeconds`` (our own deletes use 0)."""
+    service_account: str | None = None
+    """The pods' service account; its token is never mounted."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels on every pod."""
+    request_timeout: float = Field(default=30.0, gt=0)
+    """One API request (not a watch)."""
+    max_connections: int = Field(default=64, ge=1)
+    """HTTP connections to the API server; bursts are paced by the pool, not here."""

@@ -1,0 +1,304 @@
+"""Pods as sandboxes, both ways: the manifest for a spec, and what a pod's status means.
+
+Pure: no I/O. Everything the provider must know after a restart lives on
+the pod itself: the labels (``sandman.io/pool``, ``sandman.io/session``,
+``sandman.io/expires-at``, also an annotation), the image, and the daemon's
+token (in the main container's environment; see `pod_manifest`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sandman import errors
+from sandman.models import SandboxSpec
+from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.settings import KubernetesConfig
+
+__all__ = [
+    "CONTAINER",
+    "DAEMON_DIR",
+    "MANAGED_BY",
+    "Started",
+    "pod_info",
+    "pod_manifest",
+    "start_outcome",
+    "validate_labels",
+]
+
+CONTAINER = "sandbox"
+INIT_CONTAINER = "sandman-install"
+DAEMON_DIR = "/.sandman"
+TOKEN_ENV = "SANDMAND_TOKEN"
+MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
+EXPIRES = "sandman.io/expires-at"
+
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_USER = re.compile(r"^(\d+)(?::(\d+))?$")
+# Kubelet reasons for a container that waits on its image: none gets better by waiting.
+_IMAGE_REASONS = frozenset(
+    {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+     "ImageInspectError", "RegistryUnavailable"}
+)  # fmt: skip
+_CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError",
+                             "RunContainerError", "CrashLoopBackOff"})  # fmt: skip
+
+
+def validate_labels(labels: Mapping[str, str]) -> None:
+    """ConfigError for a key or value Kubernetes would refuse (422 comes later and slower)."""
+    for key, value in labels.items():
+        if len(key) > 316 or not _LABEL_KEY.match(key):
+            raise errors.ConfigError(f"invalid Kubernetes label key {key!r}")
+        if not _LABEL_VALUE.match(value):
+            raise errors.ConfigError(
+                f"invalid value {value!r} of label {key!r}: at most 63 of [A-Za-z0-9-_.], "
+                "starting and ending alphanumeric"
+            )
+
+
+def _cpu(cores: float) -> str:
+    return f"{math.ceil(cores * 1000)}m"
+
+
+def _resources(spec: SandboxSpec) -> dict[str, Any]:
+    k8s = spec.kubernetes
+    limits: dict[str, str] = {"cpu": _cpu(spec.cpu), "memory": str(spec.memory)}
+    requests: dict[str, str] = {
+        "cpu": _cpu(k8s.cpu_request if k8s.cpu_request is not None else spec.cpu),
+        "memory": str(k8s.memory_request if k8s.memory_request is not None else spec.memory),
+    }
+    if k8s.ephemeral_storage is not None:
+        limits["ephemeral-storage"] = requests["ephemeral-storage"] = str(k8s.ephemeral_storage)
+    return {"limits": limits, "requests": requests}
+
+
+def _security(spec: SandboxSpec) -> dict[str, Any]:
+    if spec.user is None:
+        return {}
+    match = _USER.match(spec.user)
+    if match is None:
+        # Kubernetes runs as numeric ids only; names would need the image's /etc/passwd.
+        raise errors.ConfigError(
+            f"user {spec.user!r}: the kubernetes provider needs a numeric uid or uid:gid"
+        )
+    context: dict[str, Any] = {"runAsUser": int(match[1])}
+    if match[2] is not None:
+        context["runAsGroup"] = int(match[2])
+    return {"securityContext": context}
+
+
+def pod_manifest(
+    *,
+    name: str,
+    spec: SandboxSpec,
+    labels: Mapping[str, str],
+    token: str,
+    config: KubernetesConfig,
+) -> dict[str, Any]:
+    """The pod for one sandbox: the unmodified task image runs sandmand from an emptyDir.
+
+    The token is in the main container's environment: the daemon reads and
+    unsets it before it starts anything, so no command in the sandbox sees
+    it. The provider's Role has no access to Secrets (least privilege), and
+    whoever can read this pod's spec can also ``pods/exec`` into it, so the
+    token reveals nothing that identity could not reach already.
+    """
+    if not _NAME.match(name):
+        raise errors.ConfigError(
+            f"invalid sandbox id {name!r}: lowercase letters, digits and '-', at most 63"
+        )
+    all_labels = {**config.labels, **spec.labels, **labels, MANAGED_BY[0]: MANAGED_BY[1]}
+    validate_labels(all_labels)
+    annotations = {EXPIRES: all_labels[EXPIRES]} if EXPIRES in all_labels else {}
+    env = [{"name": k, "value": v} for k, v in spec.env.items() if k != TOKEN_ENV]
+    env.append({"name": TOKEN_ENV, "value": token})
+    mount = {"name": "sandman", "mountPath": DAEMON_DIR}
+    main: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": config.image_pull_policy,
+        # command replaces the image's ENTRYPOINT and args its CMD: the image
+        # itself stays as it is.
+        "command": [f"{DAEMON_DIR}/sandmand"],
+        "args": ["--listen", f"tcp:0.0.0.0:{config.daemon_port}"],
+        "env": env,
+        "resources": _resources(spec),
+        "volumeMounts": [{**mount, "readOnly": True}],
+        "ports": [{"name": "sandmand", "containerPort": config.daemon_port}],
+        **_security(spec),
+    }
+    if spec.workdir:
+        main["workingDir"] = spec.workdir
+    init = {
+        "name": INIT_CONTAINER,
+        "image": config.daemon_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["/sandmand", "install", f"{DAEMON_DIR}/sandmand"],
+        "volumeMounts": [mount],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                      "limits": {"cpu": "500m", "memory": "64Mi"}},
+    }  # fmt: skip
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": config.termination_grace,
+        "initContainers": [init],
+        "containers": [main],
+        "volumes": [{"name": "sandman", "emptyDir": {"sizeLimit": "64Mi"}}],
+    }
+    k8s = spec.kubernetes
+    if config.service_account:
+        pod_spec["serviceAccountName"] = config.service_account
+    if k8s.runtime_class_name:
+        pod_spec["runtimeClassName"] = k8s.runtime_class_name
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    if k8s.affinity:
+        pod_spec["affinity"] = dict(k8s.affinity)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": all_labels, "annotations": annotations},
+        "spec": pod_spec,
+    }
+
+
+@dataclass(frozen=True)
+class Started:
+    """A pod that got far enough: running with an IP (or Ready, in pod-readiness mode)."""
+
+    pod_ip: str | None
+
+
+def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
+    status = pod.get("status") or {}
+    return [(True, s) for s in status.get("initContainerStatuses") or []] + [
+        (False, s) for s in status.get("containerStatuses") or []
+    ]
+
+
+def start_outcome(pod: Mapping[str, Any], readiness: str) -> Started | errors.SandboxError | None:
+    """What a starting pod's latest state means: started, a typed failure, or None (wait on).
+
+    Failures are known as soon as the status says so: an image that cannot be
+    pulled does not wait out the whole deadline.
+    """
+    name = (pod.get("metadata") or {}).get("name", "?")
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        return errors.ProviderError(f"pod {name} {phase.lower()} while starting: {_why(status)}")
+    for condition in status.get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            return errors.CapacityError(f"pod {name} unschedulable: {condition.get('message', '')}")
+    for is_init, container in _statuses(pod):
+        state = container.get("state") or {}
+        image = container.get("image", "?")
+        waiting = state.get("waiting") or {}
+        reason = waiting.get("reason", "")
+        detail = f"{reason}: {waiting.get('message', '')}".rstrip(": ")
+        if reason in _IMAGE_REASONS:
+            which = "daemon image" if is_init else "image"
+            return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
+        if reason in _CONFIG_REASONS:
+            return errors.ProviderError(f"pod {name}: container {container.get('name')}: {detail}")
+        terminated = state.get("terminated")
+        if terminated and not (is_init and terminated.get("exitCode") == 0):
+            return errors.ProviderError(
+                f"pod {name}: container {container.get('name')} exited "
+                f"{terminated.get('exitCode')} ({terminated.get('reason', '')}): "
+                f"{terminated.get('message', '')}".rstrip(": ")
+            )
+    if readiness == "pod":
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        return Started(status.get("podIP")) if ready else None
+    running = any(
+        not is_init and "running" in (c.get("state") or {}) for is_init, c in _statuses(pod)
+    )
+    if phase == "Running" and running and status.get("podIP"):
+        return Started(status["podIP"])
+    return None
+
+
+def _why(status: Mapping[str, Any]) -> str:
+    reasons = [status.get("reason"), status.get("message")]
+    for _, container in _statuses({"status": status}):
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("reason"):
+            reasons.append(f"{container.get('name')}: {terminated['reason']}")
+    return "; ".join(str(r) for r in reasons if r) or "no reason given"
+
+
+def _state(pod: Mapping[str, Any]) -> SandboxState:
+    phase = (pod.get("status") or {}).get("phase")
+    if (pod.get("metadata") or {}).get("deletionTimestamp") or phase in ("Failed", "Succeeded"):
+        return "stopped"
+    if phase == "Running":
+        return "running"
+    return "creating" if phase == "Pending" else "unknown"
+
+
+def lost_reason(pod: Mapping[str, Any]) -> str | None:
+    """Why a sandbox that ran is gone (evicted, OOM-killed, exited), or None if it is not."""
+    if _state(pod) != "stopped":
+        return None
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return "being deleted"
+    return _why(pod.get("status") or {})
+
+
+def _created_at(pod: Mapping[str, Any]) -> float:
+    stamp = (pod.get("metadata") or {}).get("creationTimestamp")
+    if not stamp:
+        return 0.0
+    try:
+        return datetime.fromisoformat(stamp).timestamp()  # 3.11 reads the "Z"
+    except ValueError:
+        return 0.0
+
+
+def pod_info(
+    pod: Mapping[str, Any], *, provider: str, port: int, daemon: bool = True
+) -> SandboxInfo:
+    """A SandboxInfo rebuilt from the pod alone (labels, image, token, IP).
+
+    ``daemon=False`` (pod readiness, simulated nodes) gives no endpoint.
+    """
+    metadata = pod.get("metadata") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    main: dict[str, Any] = next((c for c in containers if c.get("name") == CONTAINER), {})
+    token = next(
+        (e.get("value") for e in main.get("env") or [] if e.get("name") == TOKEN_ENV), None
+    )
+    state = _state(pod)
+    ip = (pod.get("status") or {}).get("podIP")
+    endpoint = (
+        DaemonEndpoint(host=ip, port=port, token=token)
+        if daemon and state == "running" and ip and token
+        else None
+    )
+    return SandboxInfo(
+        id=metadata.get("name", ""), provider=provider, state=state,
+        labels=dict(metadata.get("labels") or {}), created_at=_created_at(pod),
+        image=main.get("image", ""), endpoint=endpoint,
+    )  # fmt: skip

@@ -1,0 +1,149 @@
+"""KubernetesProvider: one pod per sandbox, from the unmodified task image.
+
+Create posts the pod (its labels are the recorded intent: a crash right
+after leaves a pod that `list` finds by label), then waits on the shared
+namespace watch until the pod runs with an IP, or fails with a typed error
+as soon as its status says why (image, capacity). The pool then waits for
+the daemon's health over the pod IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+
+from sandman import errors
+from sandman.models import SandboxSpec
+from sandman.providers.base import DaemonEndpoint, SandboxInfo
+from sandman.providers.kubernetes import pods
+from sandman.providers.kubernetes.api import KubeAPI
+from sandman.providers.kubernetes.credentials import load_credentials
+from sandman.providers.kubernetes.watch import PodWatch
+from sandman.settings import KubernetesConfig
+
+__all__ = ["KubernetesProvider"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_sandbox_id() -> str:
+    """A fresh pod name."""
+    return f"sb-{secrets.token_hex(6)}"
+
+
+class KubernetesProvider:
+    """Creates sandboxes as pods in one namespace; see `KubernetesConfig`."""
+
+    name = "kubernetes"
+
+    def __init__(self, config: KubernetesConfig | None = None) -> None:
+        self.config = config or KubernetesConfig()
+        credentials = load_credentials(self.config)
+        self.namespace = credentials.namespace
+        self.api = KubeAPI(
+            credentials, timeout=self.config.request_timeout,
+            max_connections=self.config.max_connections,
+        )  # fmt: skip
+        self._selector = "=".join(pods.MANAGED_BY)
+        self.watch = PodWatch(self.api, self._selector)
+
+    def __repr__(self) -> str:
+        return (
+            f"KubernetesProvider(namespace={self.namespace!r}, readiness={self.config.readiness!r})"
+        )
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        sandbox_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SandboxInfo:
+        """Create the pod and wait until it runs (``readiness="pod"``: until it is Ready)."""
+        name = sandbox_id or new_sandbox_id()
+        token = secrets.token_urlsafe(32)
+        body = pods.pod_manifest(
+            name=name, spec=spec, labels=labels or {}, token=token, config=self.config
+        )
+        await self.watch.ensure_started()
+        outcome: asyncio.Future[pods.Started] = asyncio.get_running_loop().create_future()
+
+        def on_event(kind: str, pod: dict[str, Any]) -> None:
+            if outcome.done():
+                return
+            if kind == "DELETED":
+                outcome.set_exception(
+                    errors.SandboxNotFound(f"pod {name} was deleted while starting")
+                )
+                return
+            result = pods.start_outcome(pod, self.config.readiness)
+            if isinstance(result, pods.Started):
+                outcome.set_result(result)
+            elif result is not None:
+                outcome.set_exception(result)
+
+        # The waiter comes first: the watch may see the pod before the POST returns.
+        self.watch.add(name, on_event)
+        try:
+            created = await self.api.create_pod(body)
+            try:
+                async with asyncio.timeout(self.config.start_timeout):
+                    started = await outcome
+            except TimeoutError:
+                raise errors.CreateTimeout(
+                    f"pod {name} did not start within {self.config.start_timeout} s"
+                ) from None
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.api.delete_pod(name)
+                    except errors.SandboxError:
+                        # The pool deletes failed sandboxes with retries; the reconciler finds the rest.
+                        logger.warning("cleanup of pod %s failed", name, exc_info=True)
+                raise
+        finally:
+            self.watch.remove(name)
+        info = self._info(created)
+        endpoint = None
+        if self.config.readiness == "daemon":
+            endpoint = DaemonEndpoint(
+                host=started.pod_ip, port=self.config.daemon_port, token=token
+            )
+        return info.model_copy(update={"state": "running", "endpoint": endpoint})
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Delete the pod at once (grace 0); a missing pod is not an error."""
+        await self.api.delete_pod(sandbox_id)
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
+        """Every Sandman pod of the namespace whose labels include ``labels`` (paged)."""
+        wanted = dict(labels or {})
+        pods.validate_labels(wanted)
+        selector = ",".join([self._selector, *(f"{k}={v}" for k, v in wanted.items())])
+        items, _ = await self.api.list_pods(selector)
+        infos = [self._info(pod) for pod in items]
+        return sorted(infos, key=lambda info: info.created_at)
+
+    async def inspect(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox; SandboxNotFound when its pod is gone. A pod that was evicted,
+        OOM-killed or exited is reported ``stopped`` (the SDK then says it is lost)."""
+        pod = await self.api.get_pod(sandbox_id)
+        reason = pods.lost_reason(pod)
+        if reason is not None:
+            logger.info("sandbox %s lost: %s", sandbox_id, reason)
+        return self._info(pod)
+
+    def _info(self, pod: dict[str, Any]) -> SandboxInfo:
+        daemon = self.config.readiness == "daemon"
+        return pods.pod_info(pod, provider=self.name, port=self.config.daemon_port, daemon=daemon)
+
+    async def aclose(self) -> None:
+        """Stop the watch and close the connections; pods are left as they are."""
+        await self.watch.aclose()
+        await self.api.aclose()

@@ -1,0 +1,288 @@
+"""The Kubernetes provider on the hack/kube cluster, as the ordinary identity ``sandman``.
+
+Sandboxes on the real node run the harness's unmodified busybox image with
+sandmand delivered by the init container; the SDK talks to the daemon over
+the pod IP. Every test labels its pods with its own pool name and, whatever
+happens, deletes them as admin at the end, then fails if it had to.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import pytest
+
+from sandman import errors
+from sandman.client import AsyncClient, InProcessBackend
+from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.pool import Pool, PoolConfig
+from sandman.providers.kubernetes import KubernetesProvider
+from sandman.providers.kubernetes.api import WatchExpired
+from sandman.settings import KubernetesConfig
+from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
+
+pytestmark = [pytest.mark.kube, pytest.mark.anyio]
+
+BUSYBOX = "sandman.local/busybox:1.35"
+POOL = "sandman.io/pool"
+T = TypeVar("T")
+
+
+def real_node_spec(cluster: KubeCluster, **fields: Any) -> SandboxSpec:
+    """A small busybox sandbox pinned to the real node (KWOK nodes run nothing)."""
+    return SandboxSpec(
+        image=BUSYBOX,
+        cpu=0.5,
+        memory="128Mi",
+        kubernetes=KubernetesOptions(
+            cpu_request=0.05,
+            memory_request="32Mi",
+            ephemeral_storage="256Mi",
+            node_selector={"kubernetes.io/hostname": cluster.real_node},
+        ),
+        **fields,
+    )
+
+
+def config_for(cluster: KubeCluster, **fields: Any) -> KubernetesConfig:
+    return KubernetesConfig(kubeconfig=cluster.kubeconfig, namespace=cluster.namespace, **fields)
+
+
+async def wait_for(what: str, timeout: float, check: Callable[[], Awaitable[T | None]]) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(0.2)
+
+
+class Admin:
+    """The harness's admin identity: sees and removes whatever a test left."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        self.cluster = cluster
+        self.http = httpx.AsyncClient(
+            base_url=cluster.server,
+            verify=ssl.create_default_context(cafile=str(cluster.ca)),
+            headers={"Authorization": f"Bearer {cluster.admin_token}"},
+            timeout=30,
+        )
+        self.pods = f"/api/v1/namespaces/{cluster.namespace}/pods"
+
+    async def names(self, pool: str) -> list[str]:
+        response = await self.http.get(self.pods, params={"labelSelector": f"{POOL}={pool}"})
+        response.raise_for_status()
+        return [p["metadata"]["name"] for p in response.json()["items"]]
+
+    async def pod(self, name: str) -> dict[str, Any] | None:
+        response = await self.http.get(f"{self.pods}/{name}")
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        body: dict[str, Any] = response.json()
+        return body
+
+    async def delete(self, name: str) -> None:
+        await self.http.delete(f"{self.pods}/{name}", params={"gracePeriodSeconds": 0})
+
+    async def sweep(self, pool: str) -> list[str]:
+        """Delete every pod of the pool; returns their names."""
+        left = await self.names(pool)
+        for name in left:
+            await self.delete(name)
+        return left
+
+
+@pytest.fixture
+async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
+    admin = Admin(kube_cluster)
+    try:
+        yield admin
+    finally:
+        await admin.http.aclose()
+
+
+@pytest.fixture
+async def pool_name(admin: Admin) -> AsyncIterator[str]:
+    """A pool name of this test only; its pods are swept at the end, and any left fail it."""
+    name = f"t7-{uuid.uuid4().hex[:8]}"
+    yield name
+    left = await admin.sweep(name)
+    assert not left, f"pods left behind: {left}"
+
+
+@pytest.fixture
+async def provider(kube_cluster: KubeCluster) -> AsyncIterator[KubernetesProvider]:
+    provider = KubernetesProvider(config_for(kube_cluster))
+    try:
+        yield provider
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 180)
+async def test_a_sandbox_from_an_unmodified_image_keeps_files_and_processes(
+    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+) -> None:
+    pool = Pool(provider, PoolConfig(name=pool_name))
+    async with AsyncClient(InProcessBackend(pool)) as client:
+        async with client.sandbox(real_node_spec(kube_cluster), timeout=120) as sb:
+            pod = await admin.pod(sb.id)
+            assert pod is not None
+            assert pod["metadata"]["labels"][POOL] == pool_name
+            assert "sandman.io/expires-at" in pod["metadata"]["annotations"]
+            spec = pod["spec"]
+            assert spec["containers"][0]["image"] == BUSYBOX
+            assert spec["restartPolicy"] == "Never"
+            assert spec["automountServiceAccountToken"] is False
+            assert spec["enableServiceLinks"] is False
+            assert spec["containers"][0]["resources"]["limits"]["ephemeral-storage"]
+
+            result = await sb.exec(
+                "echo hello from $(hostname); cat /proc/1/cmdline | tr '\\0' ' '"
+            )
+            assert result.exit_code == 0
+            assert f"hello from {sb.id}" in result.stdout
+            assert "/.sandman/sandmand" in result.stdout  # the daemon is PID 1
+            # The daemon took its token out of the environment before starting anything.
+            assert "SANDMAND_TOKEN" not in (await sb.exec("env")).stdout
+
+            await sb.write_file("/tmp/note.txt", b"kept between calls")
+            assert await sb.read_file("/tmp/note.txt") == b"kept between calls"
+
+            process = await sb.spawn(["sleep", "300"])
+            later = await sb.exec(["cat", f"/proc/{process.pid}/cmdline"])
+            assert later.stdout.replace("\0", " ").strip() == "sleep 300"
+            assert (await sb.poll(process.id)).running
+            sandbox_id = sb.id
+
+        async def gone() -> bool:
+            return await admin.pod(sandbox_id) is None
+
+        await wait_for("the released sandbox's pod to go", 60, gone)
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 120)
+async def test_a_missing_image_is_an_image_error_at_once(
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
+) -> None:
+    provider = KubernetesProvider(config_for(kube_cluster, start_timeout=300))
+    try:
+        spec = real_node_spec(kube_cluster).model_copy(
+            update={"image": "sandman.local/no-such-image:1"}
+        )
+        started = time.monotonic()
+        with pytest.raises(errors.ImageError, match="no-such-image"):
+            await provider.create(spec, labels={POOL: pool_name})
+        # Typed from the pod's status, long before the 300 s start deadline.
+        assert time.monotonic() - started < 60
+        # The provider removed the pod it made.
+        assert await admin.names(pool_name) == []
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 120)
+async def test_a_missing_daemon_image_is_named_as_such(
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
+) -> None:
+    provider = KubernetesProvider(config_for(kube_cluster, daemon_image="sandman.local/nope:0"))
+    try:
+        with pytest.raises(errors.ImageError, match="daemon image sandman.local/nope:0"):
+            await provider.create(real_node_spec(kube_cluster), labels={POOL: pool_name})
+        assert await admin.names(pool_name) == []
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 120)
+async def test_resources_no_node_has_are_a_capacity_error(
+    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+) -> None:
+    spec = SandboxSpec(image=BUSYBOX, cpu=900)
+    with pytest.raises(errors.CapacityError, match="unschedulable") as caught:
+        await provider.create(spec, labels={POOL: pool_name})
+    assert caught.value.retryable
+    assert await admin.names(pool_name) == []
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 180)
+async def test_a_vanished_pod_is_a_lost_sandbox_on_the_next_call(
+    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+) -> None:
+    pool = Pool(provider, PoolConfig(name=pool_name))
+    async with AsyncClient(InProcessBackend(pool)) as client:
+        sb = await client.acquire(real_node_spec(kube_cluster), timeout=120)
+        assert (await sb.exec("true")).exit_code == 0
+        await admin.delete(sb.id)  # evicted, or deleted by someone else
+        with pytest.raises(errors.SandboxNotFound):
+            await provider.inspect(sb.id)  # grace 0: the object is gone at once
+
+        async def lost() -> bool:
+            try:
+                await sb.exec("true", timeout=5)
+            except errors.SandboxNotFound as exc:
+                assert "gone" in str(exc)
+                return True
+            return False  # the container may take a moment to be killed
+
+        await wait_for("the next call to say the sandbox is lost", 90, lost)
+        await sb.release()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 120)
+async def test_list_selects_by_label_page_by_page(
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
+) -> None:
+    # Pod readiness on KWOK nodes: listing needs pods, not running daemons.
+    provider = KubernetesProvider(config_for(kube_cluster, readiness="pod"))
+    kwok = KubernetesOptions(
+        cpu_request=0.001,
+        memory_request="1Mi",
+        node_selector={"type": "kwok"},
+        tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    spec = SandboxSpec(image=BUSYBOX, kubernetes=kwok)
+    try:
+
+        async def create(session: str) -> None:
+            await provider.create(spec, labels={POOL: pool_name, "sandman.io/session": session})
+
+        async with anyio.create_task_group() as group:
+            for i in range(5):
+                group.start_soon(create, f"s{i % 2}")
+        everything = await provider.list(labels={POOL: pool_name})
+        assert len(everything) == 5
+        assert {info.state for info in everything} == {"running"}
+        assert all(info.endpoint is None for info in everything)  # no daemon in pod mode
+        session0 = await provider.list(labels={POOL: pool_name, "sandman.io/session": "s0"})
+        assert len(session0) == 3
+        items, version = await provider.api.list_pods(f"{POOL}={pool_name}", page=2)
+        assert sorted(p["metadata"]["name"] for p in items) == sorted(e.id for e in everything)
+        assert version
+        with pytest.raises(errors.ConfigError, match="invalid value"):
+            await provider.list(labels={POOL: "not a label value"})
+        for info in everything:
+            await provider.delete(info.id)
+            await provider.delete(info.id)  # idempotent: 404 is fine
+        assert await provider.list(labels={POOL: pool_name}) == []
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 60)
+async def test_a_watch_from_a_compacted_version_says_list_again(
+    provider: KubernetesProvider,
+) -> None:
+    with pytest.raises(WatchExpired):
+        async for _ in provider.api.watch_pods("sandman.io/pool=none", "1", timeout_seconds=5):
+            pass

@@ -1,0 +1,251 @@
+"""Pods as sandboxes, without a cluster: the manifest for a spec and what pod statuses mean.
+
+The statuses are the shapes the kubelet and scheduler write (copied from
+the hack/kube cluster); the real-node tests check the same paths end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandman import errors
+from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.providers.kubernetes import pods
+from sandman.providers.kubernetes.credentials import load_credentials
+from sandman.settings import KubernetesConfig
+
+CONFIG = KubernetesConfig(server="https://127.0.0.1:6443", namespace="sandman")
+LABELS = {
+    "sandman.io/pool": "p1",
+    "sandman.io/session": "s-1",
+    "sandman.io/expires-at": "1800000000",
+}
+
+
+def manifest(spec: SandboxSpec, **overrides: Any) -> dict[str, Any]:
+    return pods.pod_manifest(
+        name="sb-1", spec=spec, labels=LABELS, token="secret", config=CONFIG, **overrides
+    )
+
+
+def test_the_task_image_runs_unmodified_with_the_daemon_from_an_emptydir() -> None:
+    pod = manifest(SandboxSpec(image="python:3.12", env={"A": "1"}, workdir="/work"))
+    spec = pod["spec"]
+    (main,) = spec["containers"]
+    (init,) = spec["initContainers"]
+    assert main["image"] == "python:3.12"
+    assert main["command"] == ["/.sandman/sandmand"]
+    assert main["args"] == ["--listen", "tcp:0.0.0.0:8731"]
+    assert main["workingDir"] == "/work"
+    assert {"name": "A", "value": "1"} in main["env"]
+    assert {"name": "SANDMAND_TOKEN", "value": "secret"} in main["env"]
+    assert main["volumeMounts"] == [{"name": "sandman", "mountPath": "/.sandman", "readOnly": True}]
+    assert init["image"] == CONFIG.daemon_image
+    assert init["command"] == ["/sandmand", "install", "/.sandman/sandmand"]
+    assert spec["volumes"][0]["emptyDir"]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    assert spec["terminationGracePeriodSeconds"] == CONFIG.termination_grace
+    metadata = pod["metadata"]
+    assert metadata["labels"] == {**LABELS, "app.kubernetes.io/managed-by": "sandman"}
+    assert metadata["annotations"] == {"sandman.io/expires-at": "1800000000"}
+
+
+def test_resources_and_placement_come_from_the_spec() -> None:
+    k8s = KubernetesOptions(
+        cpu_request=0.25,
+        memory_request="256Mi",
+        ephemeral_storage="2Gi",
+        runtime_class_name="gvisor",
+        node_selector={"pool": "sandboxes"},
+        tolerations=[{"key": "dedicated", "operator": "Exists"}],
+        affinity={"nodeAffinity": {}},
+    )
+    pod = manifest(SandboxSpec(image="x", cpu=1.5, memory="1Gi", user="1000:2000", kubernetes=k8s))
+    spec = pod["spec"]
+    resources = spec["containers"][0]["resources"]
+    assert resources["limits"] == {
+        "cpu": "1500m",
+        "memory": str(2**30),
+        "ephemeral-storage": str(2 * 2**30),
+    }
+    assert resources["requests"] == {
+        "cpu": "250m",
+        "memory": str(256 * 2**20),
+        "ephemeral-storage": str(2 * 2**30),
+    }
+    assert spec["runtimeClassName"] == "gvisor"
+    assert spec["nodeSelector"] == {"pool": "sandboxes"}
+    assert spec["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    assert spec["affinity"] == {"nodeAffinity": {}}
+    assert spec["containers"][0]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
+
+
+def test_requests_default_to_the_limits() -> None:
+    resources = manifest(SandboxSpec(image="x", cpu=2, memory="512Mi"))["spec"]["containers"][0]
+    assert resources["resources"]["requests"] == {"cpu": "2000m", "memory": str(512 * 2**20)}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (SandboxSpec(image="x", user="nobody"), "numeric uid"),
+        (SandboxSpec(image="x", labels={"bad key!": "v"}), "label key"),
+        (SandboxSpec(image="x", labels={"k": "a value with spaces"}), "invalid value"),
+    ],
+)
+def test_what_kubernetes_would_refuse_is_a_config_error_up_front(
+    spec: SandboxSpec, message: str
+) -> None:
+    with pytest.raises(errors.ConfigError, match=message):
+        manifest(spec)
+
+
+def test_an_invalid_pod_name_is_refused() -> None:
+    with pytest.raises(errors.ConfigError, match="invalid sandbox id"):
+        pods.pod_manifest(
+            name="Not_A_Name", spec=SandboxSpec(image="x"), labels={}, token="t", config=CONFIG
+        )
+
+
+PENDING: dict[str, Any] = {
+    "metadata": {"name": "sb-1", "creationTimestamp": "2026-11-29T14:00:00Z"},
+    "spec": {
+        "containers": [
+            {"name": "sandbox", "image": "x", "env": [{"name": "SANDMAND_TOKEN", "value": "tok"}]}
+        ]
+    },
+    "status": {"phase": "Pending"},
+}
+
+
+def status(**fields: Any) -> dict[str, Any]:
+    pod = copy.deepcopy(PENDING)
+    pod["status"].update(fields)
+    return pod
+
+
+def waiting(reason: str, init: bool = False) -> dict[str, Any]:
+    key = "initContainerStatuses" if init else "containerStatuses"
+    name = "sandman-install" if init else "sandbox"
+    image = "sandman.local/sandmand:0" if init else "x"
+    entry = {"name": name, "image": image, "state": {"waiting": {"reason": reason, "message": "m"}}}
+    return status(**{key: [entry]})
+
+
+def test_a_pending_pod_means_wait_on() -> None:
+    assert pods.start_outcome(PENDING, "daemon") is None
+    assert pods.start_outcome(waiting("ContainerCreating"), "daemon") is None
+    assert pods.start_outcome(waiting("PodInitializing"), "daemon") is None
+
+
+def test_image_failures_are_image_errors_naming_which_image() -> None:
+    for reason in ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"):
+        outcome = pods.start_outcome(waiting(reason), "daemon")
+        assert isinstance(outcome, errors.ImageError), reason
+        assert "image x" in str(outcome)
+    outcome = pods.start_outcome(waiting("ErrImagePull", init=True), "daemon")
+    assert isinstance(outcome, errors.ImageError)
+    assert "daemon image sandman.local/sandmand:0" in str(outcome)
+
+
+def test_unschedulable_is_a_capacity_error() -> None:
+    pod = status(
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/11 nodes are available: 11 Insufficient cpu.",
+            }
+        ]
+    )
+    outcome = pods.start_outcome(pod, "daemon")
+    assert isinstance(outcome, errors.CapacityError)
+    assert "Insufficient cpu" in str(outcome)
+
+
+def test_a_pod_that_failed_or_whose_daemon_exited_is_a_provider_error() -> None:
+    evicted = status(phase="Failed", reason="Evicted", message="low on ephemeral storage")
+    outcome = pods.start_outcome(evicted, "daemon")
+    assert isinstance(outcome, errors.ProviderError)
+    assert "Evicted" in str(outcome)
+    crashed = status(
+        containerStatuses=[
+            {"name": "sandbox", "state": {"terminated": {"exitCode": 2, "reason": "Error"}}}
+        ]
+    )
+    assert "exited 2" in str(pods.start_outcome(crashed, "daemon"))
+
+
+def test_running_with_an_ip_is_started_and_gives_the_endpoint() -> None:
+    running = status(
+        phase="Running",
+        podIP="10.213.0.9",
+        initContainerStatuses=[
+            {"name": "sandman-install", "state": {"terminated": {"exitCode": 0}}}
+        ],
+        containerStatuses=[{"name": "sandbox", "state": {"running": {}}}],
+    )
+    assert pods.start_outcome(running, "daemon") == pods.Started("10.213.0.9")
+    # Pod readiness waits for the Ready condition instead.
+    assert pods.start_outcome(running, "pod") is None
+    ready = status(phase="Running", conditions=[{"type": "Ready", "status": "True"}])
+    assert pods.start_outcome(ready, "pod") == pods.Started(None)
+
+    info = pods.pod_info(running, provider="kubernetes", port=8731)
+    assert info.state == "running"
+    assert info.endpoint is not None
+    assert (info.endpoint.host, info.endpoint.port, info.endpoint.token) == (
+        "10.213.0.9",
+        8731,
+        "tok",
+    )
+    assert info.created_at == 1795960800.0
+    assert pods.pod_info(running, provider="kubernetes", port=8731, daemon=False).endpoint is None
+
+
+def test_a_pod_that_is_gone_is_stopped_with_a_reason() -> None:
+    oom = status(
+        phase="Failed",
+        containerStatuses=[
+            {"name": "sandbox", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+        ],
+    )
+    assert pods.pod_info(oom, provider="kubernetes", port=1).state == "stopped"
+    assert "OOMKilled" in (pods.lost_reason(oom) or "")
+    assert pods.lost_reason(status(phase="Running")) is None
+
+
+def test_credentials_come_from_a_kubeconfig_with_its_namespace(tmp_path: Path) -> None:
+    (tmp_path / "ca.crt").write_text("")
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        """
+apiVersion: v1
+kind: Config
+clusters:
+- name: c
+  cluster: {server: "https://10.0.0.1:6443/", insecure-skip-tls-verify: true}
+users:
+- name: u
+  user: {token: abc}
+contexts:
+- name: ctx
+  context: {cluster: c, user: u, namespace: sandboxes}
+current-context: ctx
+"""
+    )
+    credentials = load_credentials(KubernetesConfig(kubeconfig=kubeconfig))
+    assert credentials.server == "https://10.0.0.1:6443"
+    assert credentials.namespace == "sandboxes"
+    assert credentials.bearer() == "abc"
+    with pytest.raises(errors.ConfigError, match="no context named 'other'"):
+        load_credentials(KubernetesConfig(kubeconfig=kubeconfig, context="other"))
+    with pytest.raises(errors.ConfigError, match="cannot read kubeconfig"):
+        load_credentials(KubernetesConfig(kubeconfig=tmp_path / "missing"))
