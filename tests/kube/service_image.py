@@ -4,8 +4,7 @@ Two layers: the cached Debian rootfs with python3 (`tests.images.debian`) and
 ``/opt/sandman``, this checkout with its ``cli`` and ``server`` extras
 installed by pip (``--target``). The entrypoint is ``sandman`` (via python3),
 as in the Dockerfile. The archive is written streaming (the base layer is
-~270 MB) and imported into the real node's containerd; `remove` deletes every
-name of it again.
+~270 MB) for ``ctr images import`` on the real node (`tests.kube.node_images`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.images.debian import debian_python_tar
-from tests.kube.conftest import REPO, KubeCluster
+from tests.kube.conftest import REPO
 
 NAME = "sandman.local/sandman-service"
 LAYER = "application/vnd.oci.image.layer.v1.tar"
@@ -125,27 +124,3 @@ def build_archive(work: Path, tag: str) -> tuple[Path, str]:
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
     return archive, name
-
-
-def ctr(cluster: KubeCluster, *argv: str) -> str:
-    """``ctr`` on the real node's containerd, in kubelet's namespace."""
-    sock = cluster.state_dir / "containerd" / "containerd.sock"
-    return subprocess.run(
-        ["ctr", "--address", str(sock), "--namespace", "k8s.io", *argv],
-        capture_output=True, text=True, check=True, timeout=600,
-    ).stdout  # fmt: skip
-
-
-def image_refs(cluster: KubeCluster) -> dict[str, str]:
-    """Every image name on the node and the manifest digest it points to."""
-    lines = ctr(cluster, "images", "ls").splitlines()[1:]  # REF TYPE DIGEST SIZE ...
-    return {fields[0]: fields[2] for fields in (line.split() for line in lines) if len(fields) > 2}
-
-
-def remove(cluster: KubeCluster, name: str) -> None:
-    """Remove `name` and every other name of the same image (CRI's ``sha256:<id>``)."""
-    refs = image_refs(cluster)
-    target = refs.get(name)
-    if target is None:
-        return
-    ctr(cluster, "images", "rm", "--sync", *[r for r, d in refs.items() if d == target])

@@ -25,8 +25,9 @@ import pytest
 
 import sandman
 from tests.images.registry_server import free_port
-from tests.kube import service_image as images
+from tests.kube import node_images
 from tests.kube.conftest import REPO, KubeCluster
+from tests.kube.service_image import build_archive
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(400)]
 
@@ -190,15 +191,15 @@ def service_image(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[str]:
     if not kube_cluster.real_node:
         pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
     work = tmp_path / "image"
-    archive, name = images.build_archive(work, f"test-{secrets.token_hex(4)}")
+    archive, name = build_archive(work, f"test-{secrets.token_hex(4)}")
     try:
-        images.ctr(kube_cluster, "images", "import", str(archive))
+        node_images.ctr(kube_cluster, "images", "import", str(archive))
         shutil.rmtree(work)  # ~300 MB
         yield name
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        images.remove(kube_cluster, name)
-        assert name not in images.image_refs(kube_cluster)
+        node_images.remove(kube_cluster, name)
+        assert name not in node_images.image_refs(kube_cluster)
 
 
 def test_deployed_service_serves_sandboxes_with_only_its_role(

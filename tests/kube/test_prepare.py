@@ -29,6 +29,7 @@ from sandman.cli import build
 from sandman.providers.kubernetes.placement import image_affinity, nodes_with_image
 from tests.images import builders
 from tests.images.registry_server import REGISTRY_BINARY, Registry, push, start_registry
+from tests.kube import node_images
 from tests.kube.conftest import KubeCluster
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
@@ -55,23 +56,8 @@ def kubectl(cluster: KubeCluster, *argv: str, check: bool = True, stdin: str = "
     return proc.stdout
 
 
-def ctr(cluster: KubeCluster, *argv: str) -> str:
-    """``ctr`` on the real node's containerd, in kubelet's namespace."""
-    sock = cluster.state_dir / "containerd" / "containerd.sock"
-    return subprocess.run(
-        ["ctr", "--address", str(sock), "--namespace", "k8s.io", *argv],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-
-
 def node_image_names(cluster: KubeCluster) -> set[str]:
-    return set(ctr(cluster, "images", "ls", "-q").split())
-
-
-def image_refs(cluster: KubeCluster) -> dict[str, str]:
-    """Every image name on the node and the manifest digest it points to."""
-    lines = ctr(cluster, "images", "ls").splitlines()[1:]  # REF TYPE DIGEST SIZE ...
-    return {fields[0]: fields[2] for fields in (line.split() for line in lines) if len(fields) > 2}
+    return set(node_images.image_refs(cluster))
 
 
 @pytest.fixture
@@ -107,15 +93,10 @@ def pushed(
     try:
         yield Pushed(reference, builders.sha256(builders.gz(layer)))
     finally:
-        # Every name of it: the tag, repo@digest, and the image id CRI adds (sha256:<config>).
-        refs = image_refs(kube_cluster)
-        target = refs.get(reference)
-        mine = [ref for ref, digest in refs.items() if digest == target or ref.startswith(repo)]
-        if mine:
-            ctr(kube_cluster, "images", "rm", "--sync", *mine)
-        assert not set(mine) & set(image_refs(kube_cluster))
+        removed = node_images.remove(kube_cluster, repo)
+        assert not set(removed) & set(node_images.image_refs(kube_cluster))
         layer_digest = builders.sha256(builders.gz(layer))
-        assert layer_digest not in ctr(kube_cluster, "content", "ls", "-q").split()
+        assert layer_digest not in node_images.ctr(kube_cluster, "content", "ls", "-q").split()
 
 
 @pytest.fixture
@@ -161,7 +142,7 @@ def test_prepare_pulls_onto_the_real_node_and_steering_follows(
 
     # containerd holds the image, and fetched the layer only this run has.
     assert pushed.reference in node_image_names(kube_cluster)
-    assert pushed.layer_digest in ctr(kube_cluster, "content", "ls", "-q").split()
+    assert pushed.layer_digest in node_images.ctr(kube_cluster, "content", "ls", "-q").split()
 
     # The kubelet reports it in the node's status, which is what steering reads.
     deadline = time.monotonic() + NODE_STATUS_TIMEOUT
