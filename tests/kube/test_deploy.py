@@ -29,7 +29,7 @@ from tests.kube import node_images
 from tests.kube.conftest import REPO, KubeCluster
 from tests.kube.service_image import build_archive
 
-pytestmark = [pytest.mark.kube, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
 
 DEPLOY = REPO / "deploy"
 SERVICE_ACCOUNT = "sandman"
@@ -57,11 +57,20 @@ def kubectl(
 def can_i(cluster: KubeCluster, namespace: str, verb: str, resource: str, in_ns: str) -> bool:
     """Whether the deployed service account may `verb` `resource` (``pods/exec`` names a
     subresource) in namespace `in_ns`."""
+    account = f"system:serviceaccount:{namespace}:{SERVICE_ACCOUNT}"
+    return can_i_as(cluster, account, verb, resource, in_ns)
+
+
+def can_i_as(
+    cluster: KubeCluster, user: str, verb: str, resource: str, in_ns: str | None = None
+) -> bool:
+    """Whether `user` may `verb` `resource`: in namespace `in_ns`, or cluster-wide (None)."""
     # kubectl reads "pods/exec" as TYPE/NAME, so pass the subresource as a flag.
     resource, _, subresource = resource.partition("/")
+    where = ["-n", in_ns] if in_ns else ["--all-namespaces"]
     proc = kubectl(
-        cluster, "auth", "can-i", verb, resource, f"--subresource={subresource}", "-n", in_ns,
-        f"--as=system:serviceaccount:{namespace}:{SERVICE_ACCOUNT}", check=False,
+        cluster, "auth", "can-i", verb, resource, f"--subresource={subresource}", *where,
+        f"--as={user}", check=False,
     )  # fmt: skip
     answer = proc.stdout.strip()
     assert answer in ("yes", "no"), f"can-i {verb} {resource}: {proc.stdout} {proc.stderr}"
@@ -185,6 +194,36 @@ def test_deploy_applies_with_least_privilege(
     assert deployment["spec"]["replicas"] == 0
 
 
+def test_node_reader_component_adds_node_reads_only(
+    kube_cluster: KubeCluster, tmp_path: Path
+) -> None:
+    """The optional component lets the service read nodes (for steering) and nothing more."""
+    suffix = secrets.token_hex(3)
+    namespace = f"sandman-deploy-test-{suffix}"
+    path = write_overlay(
+        tmp_path, namespace,
+        f"nameSuffix: -{suffix}\n"  # ClusterRole names are cluster-wide
+        f"components: [{os.path.relpath(DEPLOY / 'node-reader', tmp_path)}]\n"
+        "replicas: [{name: sandman, count: 0}]\n",
+    )  # fmt: skip
+    cluster_wide = [f"clusterrole/sandman-node-reader-{suffix}",
+                    f"clusterrolebinding/sandman-node-reader-{suffix}"]  # fmt: skip
+    account = f"system:serviceaccount:{namespace}:sandman-{suffix}"
+    try:
+        with deployed(kube_cluster, path, namespace):
+            for verb in ("get", "list", "watch"):
+                assert can_i_as(kube_cluster, account, verb, "nodes"), verb
+            for verb, resource in [("update", "nodes"), ("patch", "nodes"), ("delete", "nodes"),
+                                   ("get", "nodes/proxy"), ("list", "secrets"),
+                                   ("list", "pods")]:  # fmt: skip
+                assert not can_i_as(kube_cluster, account, verb, resource), (verb, resource)
+            assert can_i_as(kube_cluster, account, "create", "pods", namespace)
+    finally:
+        kubectl(kube_cluster, "delete", "--ignore-not-found", *cluster_wide)
+    for name in cluster_wide:
+        assert kubectl(kube_cluster, "get", name, check=False).returncode != 0, name
+
+
 @pytest.fixture
 def service_image(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[str]:
     """deploy/Dockerfile's image, built offline and imported into the real node; removed after."""
@@ -202,6 +241,8 @@ def service_image(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[str]:
         assert name not in node_images.image_refs(kube_cluster)
 
 
+# A cold cache builds the Debian base with debootstrap first (tests/images/debian.py).
+@pytest.mark.timeout(1800)
 def test_deployed_service_serves_sandboxes_with_only_its_role(
     kube_cluster: KubeCluster, service_image: str, tmp_path: Path
 ) -> None:
