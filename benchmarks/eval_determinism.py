@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,15 @@ from pathlib import Path
 
 import sandman
 from sandman.client import AsyncClient
-from sandman.eval import Conditions, Verdict, load_instances, load_predictions, run_batch
+from sandman.eval import (
+    Conditions,
+    Report,
+    Verdict,
+    load_instances,
+    load_predictions,
+    report_path,
+    run_batch,
+)
 from sandman.images import ImageStore
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "eval"
@@ -81,6 +90,18 @@ async def grade(
     return ordered, time.monotonic() - started
 
 
+def median_test_seconds(out: Path, verdicts: list[Verdict]) -> float:
+    """The median duration of the test runs that ran to the end: how slow the machine was."""
+    durations = [
+        Report.model_validate_json(report_path(out, v.model, v.instance_id).read_text()).durations[
+            "tests"
+        ]
+        for v in verdicts
+        if v.status in ("resolved", "unresolved")
+    ]
+    return statistics.median(durations)
+
+
 async def main(args: argparse.Namespace) -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="sm-det-", dir="/tmp"))
     try:
@@ -107,8 +128,10 @@ async def main(args: argparse.Namespace) -> None:
                 statuses = dict(sorted(Counter(v.status for v in verdicts).items()))
                 burst_note = f"{args.burst} spinning sandboxes" if loaded else "none"
                 busy = 100 * (busy1 - busy0) / max(1, total1 - total0)
+                median = median_test_seconds(state_dir / f"run{number}", verdicts)
                 print(f"run {number}: {len(verdicts)} verdicts in {took:.1f} s, burst: "
-                      f"{burst_note}, host CPU busy {busy:.0f}%, {statuses}")  # fmt: skip
+                      f"{burst_note}, host CPU busy {busy:.0f}%, median test run "
+                      f"{median:.2f} s, {statuses}")  # fmt: skip
         first = [v.canonical() for v in runs[0]]
         identical = 0
         for number, verdicts in enumerate(runs, start=1):
