@@ -36,6 +36,7 @@ SERVICE_ACCOUNT = "sandman"
 POD_VERBS = ("create", "delete", "get", "list", "watch")
 GONE_TIMEOUT = 120.0
 SERVICE_READY_TIMEOUT = 180.0
+RBAC_SETTLE_TIMEOUT = 30.0
 
 
 def kubectl(
@@ -104,6 +105,16 @@ def deployed(cluster: KubeCluster, path: Path, namespace: str) -> Iterator[list[
             time.sleep(0.5)
 
 
+def wait_granted(
+    cluster: KubeCluster, user: str, verb: str, resource: str, in_ns: str | None = None
+) -> None:
+    """Wait until the authorizer has seen a new binding (its RBAC cache lags a write)."""
+    deadline = time.monotonic() + RBAC_SETTLE_TIMEOUT
+    while not can_i_as(cluster, user, verb, resource, in_ns):
+        assert time.monotonic() < deadline, f"{user} never got {verb} {resource}"
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def applied(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """deploy/ applied into a fresh namespace with the Deployment at 0 replicas."""
@@ -144,6 +155,8 @@ def test_deploy_applies_with_least_privilege(
             assert obj["metadata"]["namespace"] == namespace, obj["metadata"]
 
     # Exactly the pod verbs, in its own namespace only.
+    account = f"system:serviceaccount:{namespace}:{SERVICE_ACCOUNT}"
+    wait_granted(kube_cluster, account, "create", "pods", namespace)
     for verb in POD_VERBS:
         assert can_i(kube_cluster, namespace, verb, "pods", namespace), verb
     denied = [
@@ -211,6 +224,7 @@ def test_node_reader_component_adds_node_reads_only(
     account = f"system:serviceaccount:{namespace}:sandman-{suffix}"
     try:
         with deployed(kube_cluster, path, namespace):
+            wait_granted(kube_cluster, account, "list", "nodes")
             for verb in ("get", "list", "watch"):
                 assert can_i_as(kube_cluster, account, verb, "nodes"), verb
             for verb, resource in [("update", "nodes"), ("patch", "nodes"), ("delete", "nodes"),
