@@ -23,7 +23,7 @@ def build() -> click.Group:
     """The root ``sandman`` command group with every subcommand attached."""
     import click
 
-    from sandman.cli import bench, host, images, prepare, sandboxes, serve
+    from sandman.cli import bench, host, images, prepare, sandboxes, serve, shell
     from sandman.cli import eval as evaluation
 
     @click.group()
@@ -37,7 +37,7 @@ def build() -> click.Group:
         """Sandboxes for agentic reinforcement learning."""
         ctx.obj = {"debug": debug, "state_dir": state_dir}
 
-    for module in (host, sandboxes, images, serve, prepare, evaluation, bench):
+    for module in (host, sandboxes, images, serve, prepare, shell, evaluation, bench):
         for command in module.COMMANDS:
             cli.add_command(command)
     return cli
