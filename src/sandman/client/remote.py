@@ -4,26 +4,39 @@
 over the service's JSON API. Only sessions, acquire and release go to the
 service; commands and files go straight to the daemon endpoint it returns.
 
+The calls go over the daemon client's lean keep-alive HTTP/1.1 transport,
+not httpx: an acquire or release is a small JSON exchange, and httpx spent
+~1 ms of client CPU on each (several times the service's own work), which
+made most of the service's per-request overhead against the embedded pool
+(``benchmarks/service_overhead.py``). httpx is used only when the caller
+passes an httpx transport (e.g. ``httpx.ASGITransport(app)`` in tests).
+
 The service's stable error codes come back as the package's exceptions
 through one dict, `SERVICE_ERRORS`; no class path is ever read from the wire.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import os
 import ssl
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+from urllib.parse import quote, urlencode
 
 import httpx
+from pydantic_core import to_json
 
 from sandman import errors
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
+from sandman.daemon._http import ConnectionLost, HTTPTransport
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint
 
@@ -59,7 +72,104 @@ logger = logging.getLogger(__name__)
 _ACQUIRE_SLACK = 30.0
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """One answer of the service: status, headers (lower-case names), body."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class _Wire(Protocol):
+    """How requests reach the service; raises `errors.ProviderError` when they cannot."""
+
+    async def request(
+        self, method: str, target: str, body: bytes | None, timeout: float | None
+    ) -> _Answer: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _LeanWire:
+    """The daemon client's keep-alive HTTP/1.1 transport, to the service's address."""
+
+    def __init__(self, url: httpx.URL, headers: Mapping[str, str]) -> None:
+        self._where = str(url)
+        tls = url.scheme == "https"
+        # The URL's own authority (brackets of an IPv6 literal included) as Host.
+        fixed = {"Host": url.netloc.decode("ascii"), **headers}
+        self._http = HTTPTransport(
+            host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
+            prefix=url.path, ssl=ssl.create_default_context() if tls else None,
+        )  # fmt: skip
+
+    async def request(
+        self, method: str, target: str, body: bytes | None, timeout: float | None
+    ) -> _Answer:
+        content_type = None if body is None else "application/json"
+        try:
+            async with asyncio.timeout(timeout):
+                answer = await self._http.request(
+                    method, target, body=body, content_type=content_type
+                )
+        except TimeoutError as exc:  # before OSError: TimeoutError is one
+            raise errors.ProviderError(
+                f"the service at {self._where} did not answer within {timeout} s"
+            ) from exc
+        except (ConnectionLost, OSError) as exc:
+            raise errors.ProviderError(
+                f"cannot reach the service at {self._where}: {exc!r}"
+            ) from exc
+        return _Answer(answer.status, answer.headers, answer.body)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class _HttpxWire:
+    """httpx over a caller's transport (e.g. ``httpx.ASGITransport(app)``)."""
+
+    def __init__(
+        self, url: httpx.URL, headers: Mapping[str, str], transport: httpx.AsyncBaseTransport
+    ) -> None:
+        self._where = str(url)
+        self._http = httpx.AsyncClient(base_url=url, headers=dict(headers), transport=transport)
+
+    async def request(
+        self, method: str, target: str, body: bytes | None, timeout: float | None
+    ) -> _Answer:
+        headers = None if body is None else {"Content-Type": "application/json"}
+        try:
+            response = await self._http.request(
+                method, target, content=body, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise errors.ProviderError(
+                f"the service at {self._where} did not answer: {exc!r}"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise errors.ProviderError(
+                f"cannot reach the service at {self._where}: {exc!r}"
+            ) from exc
+        return _Answer(
+            response.status_code, {k.lower(): v for k, v in response.headers.items()},
+            response.content,
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _segment(value: str) -> str:
+    """An id as one path segment: nothing in it can end the request line or the path."""
+    return quote(value, safe="")
+
+
+def _retry_after(response: _Answer) -> float | None:
     value = response.headers.get("retry-after", "")
     try:
         return float(value)
@@ -67,21 +177,22 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def _error(response: httpx.Response) -> errors.SandboxError:
+def _error(response: _Answer) -> errors.SandboxError:
     """The package's exception for an error answer of the service."""
     code, message = "", ""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
         detail = response.json()["error"]
         code, message = str(detail["code"]), str(detail["message"])
     if not code:
-        code = "internal" if response.status_code >= 500 else "invalid_request"
-        message = f"the service answered {response.status_code}: {response.text[:200]}"
+        code = "internal" if response.status >= 500 else "invalid_request"
+        text = response.body[:200].decode(errors="replace")
+        message = f"the service answered {response.status}: {text}"
     cls = SERVICE_ERRORS.get(code, errors.SandboxError)
     text = f"{message} [{code}]"
     if cls is errors.ThrottledError:
         return errors.ThrottledError(text, retry_after=_retry_after(response))
     if issubclass(cls, errors.DaemonError):
-        return cls(message, code=code, status=response.status_code)
+        return cls(message, code=code, status=response.status)
     return cls(text)
 
 
@@ -135,33 +246,24 @@ class RemoteBackend:
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise errors.ConfigError(f"not a service URL: {url!r} (use http://HOST:PORT)")
         self._api_key = api_key or ""
+        if not self._api_key.isascii() or not self._api_key.isprintable():
+            # It goes into a header as is: nothing that could end the header line.
+            raise errors.ConfigError("the API key must be printable ASCII")
         self._via_proxy = via_proxy
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._transport = transport
-        self._http = self._client()
+        self._parsed = parsed
+        self._http = self._wire()
         self._timelines: dict[str, dict[str, float]] = {}
 
-    def _client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            base_url=self.url, headers=self._headers, timeout=self._timeout,
-            transport=self._transport,
-        )  # fmt: skip
+    def _wire(self) -> _Wire:
+        if self._transport is not None:
+            return _HttpxWire(self._parsed, self._headers, self._transport)
+        return _LeanWire(self._parsed, self._headers)
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
-
-    @contextlib.contextmanager
-    def _map_errors(self) -> Iterator[None]:
-        """The one place where httpx's exceptions become the package's."""
-        try:
-            yield
-        except httpx.TimeoutException as exc:
-            raise errors.ProviderError(
-                f"the service at {self.url} did not answer: {exc!r}"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise errors.ProviderError(f"cannot reach the service at {self.url}: {exc!r}") from exc
 
     async def _call(
         self,
@@ -170,14 +272,16 @@ class RemoteBackend:
         *,
         json: Any = None,
         params: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,
-    ) -> httpx.Response:
-        with self._map_errors():
-            response = await self._http.request(
-                method, path, json=json, params=params,
-                timeout=timeout if timeout is not None else self._timeout,
-            )  # fmt: skip
-        if response.status_code >= 400:
+        timeout: float | None | Literal["default"] = "default",
+    ) -> _Answer:
+        """One call; `errors.ProviderError` if the service cannot be reached, the
+        package's exception for its error answers. ``timeout`` bounds the whole call."""
+        if params:
+            path = f"{path}?{urlencode(params)}"
+        body = None if json is None else to_json(json)
+        seconds = self._timeout if timeout == "default" else timeout
+        response = await self._http.request(method, path, body, seconds)
+        if response.status >= 400:
             raise _error(response)
         return response
 
@@ -188,16 +292,16 @@ class RemoteBackend:
             # ``async with connect(...)`` that fails here is never closed: leave no
             # connection open (a later call gets a fresh client).
             await self._http.aclose()
-            self._http = self._client()
+            self._http = self._wire()
             raise
         return str(data["id"])
 
     async def heartbeat(self, session: str) -> None:
-        await self._call("POST", f"/v1/sessions/{session}/heartbeat")
+        await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
 
     async def close_session(self, session: str) -> None:
         try:
-            await self._call("DELETE", f"/v1/sessions/{session}")
+            await self._call("DELETE", f"/v1/sessions/{_segment(session)}")
         except errors.SandboxNotFound:
             pass  # already over: nothing to end
         except errors.ProviderError as exc:
@@ -212,9 +316,7 @@ class RemoteBackend:
         # acquire and the pool hands the sandbox to the next waiter or deletes it.
         read = None if timeout is None else timeout + _ACQUIRE_SLACK
         body = {"spec": spec.model_dump(mode="json"), "session": session, "timeout": timeout}
-        response = await self._call(
-            "POST", "/v1/sandboxes", json=body, timeout=httpx.Timeout(self._timeout, read=read)
-        )
+        response = await self._call("POST", "/v1/sandboxes", json=body, timeout=read)
         data = response.json()
         where = data.get("endpoint") or {}
         endpoint = DaemonEndpoint(
@@ -246,7 +348,8 @@ class RemoteBackend:
 
     async def describe(self, sandbox_id: str) -> dict[str, Any]:
         """One of the tenant's sandboxes as the service describes it; SandboxNotFound if none."""
-        data: dict[str, Any] = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}")).json()
+        answer = await self._call("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
+        data: dict[str, Any] = answer.json()
         return data
 
     async def endpoint(self, sandbox_id: str) -> DaemonEndpoint:
@@ -265,12 +368,12 @@ class RemoteBackend:
 
     async def release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
-            await self._call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+            await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
     async def alive(self, sandbox_id: str) -> bool:
         try:
             response = await self._call(
-                "GET", f"/v1/sandboxes/{sandbox_id}", params={"probe": "true"}
+                "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
             )
         except errors.SandboxNotFound:
             return False
@@ -279,7 +382,7 @@ class RemoteBackend:
 
     async def timeline(self, sandbox_id: str) -> dict[str, float]:
         try:
-            response = await self._call("GET", f"/v1/sandboxes/{sandbox_id}")
+            response = await self._call("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
         except errors.SandboxNotFound:
             # The service forgot it (long gone): what was seen at the hand-over.
             return dict(self._timelines.get(sandbox_id, {}))
