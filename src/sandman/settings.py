@@ -79,6 +79,8 @@ class KubernetesConfig(BaseModel):
     """The pods' service account; its token is never mounted."""
     labels: dict[str, str] = Field(default_factory=dict)
     """Extra labels on every pod."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Extra annotations on every pod (e.g. ``cluster-autoscaler.kubernetes.io/safe-to-evict``)."""
     request_timeout: float = Field(default=30.0, gt=0)
     """One API request (not a watch)."""
     max_connections: int = Field(default=64, ge=1)

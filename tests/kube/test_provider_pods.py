@@ -86,6 +86,15 @@ def test_resources_and_placement_come_from_the_spec() -> None:
     assert spec["containers"][0]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
 
+def test_config_labels_and_annotations_go_on_every_pod() -> None:
+    config = CONFIG.model_copy(update={"labels": {"team": "rl"}, "annotations": {"a/b": "c"}})
+    pod = pods.pod_manifest(
+        name="sb-1", spec=SandboxSpec(image="x"), labels=LABELS, token="t", config=config
+    )
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert pod["metadata"]["annotations"] == {"a/b": "c", "sandman.io/expires-at": "1800000000"}
+
+
 def test_requests_default_to_the_limits() -> None:
     resources = manifest(SandboxSpec(image="x", cpu=2, memory="512Mi"))["spec"]["containers"][0]
     assert resources["resources"]["requests"] == {"cpu": "2000m", "memory": str(512 * 2**20)}

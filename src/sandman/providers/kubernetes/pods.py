@@ -119,7 +119,9 @@ def pod_manifest(
         )
     all_labels = {**config.labels, **spec.labels, **labels, MANAGED_BY[0]: MANAGED_BY[1]}
     validate_labels(all_labels)
-    annotations = {EXPIRES: all_labels[EXPIRES]} if EXPIRES in all_labels else {}
+    annotations = dict(config.annotations)
+    if EXPIRES in all_labels:
+        annotations[EXPIRES] = all_labels[EXPIRES]
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != TOKEN_ENV]
     env.append({"name": TOKEN_ENV, "value": token})
     mount = {"name": "sandman", "mountPath": DAEMON_DIR}
