@@ -10,13 +10,17 @@ import pytest
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.eval import (
+    INFRA_ERRORS,
     Conditions,
     Instance,
     Prediction,
+    Report,
+    Verdict,
     evaluate,
     inputs_hash,
     load_instances,
     load_predictions,
+    report_path,
     run_batch,
 )
 from sandman.eval.harness import git_paths, is_protected
@@ -201,3 +205,46 @@ async def test_a_patch_that_touches_git_itself_is_refused() -> None:
         verdict = await evaluate(instance(), sneaky, pool=client)
     assert verdict.status == "patch_failed"
     assert verdict.reason == ("the patch touches .git: .git/refs/replace/abc1234, src/.git/config")
+
+
+@pytest.mark.anyio
+async def test_retry_errors_grades_again_only_infrastructure_errors(tmp_path: Path) -> None:
+    statuses = ["resolved", "unresolved", "patch_failed", "timeout", "oom", "sandbox_died", "error"]
+    assert {"error", "sandbox_died"} == INFRA_ERRORS
+    # One model per status, all for the same instance and patch.
+    predictions = [
+        Prediction(instance_id="repo__repo-1", model_name_or_path=status, model_patch="diff\n")
+        for status in statuses
+    ]
+    seen: list[tuple[str, bool]] = []
+
+    def progress(verdict: Verdict, reused: bool) -> None:
+        seen.append((verdict.model, reused))
+
+    async with fake_client(Faults(fail_create=1.0)) as client:
+
+        async def batch(retry_errors: bool) -> dict[str, str]:
+            seen.clear()
+            result = await run_batch(
+                [instance()], predictions, pool=client, out=tmp_path, acquire_timeout=0.3,
+                progress=progress, retry_errors=retry_errors, concurrency=7,
+            )  # fmt: skip
+            return {v.model: v.status for v in result.verdicts}
+
+        assert set((await batch(False)).values()) == {"error"}  # the backend is down
+        # What past runs left on disk: each model's report carries its own name as the status.
+        for status in statuses:
+            path = report_path(tmp_path, status, "repo__repo-1")
+            report = Report.model_validate_json(path.read_text())
+            verdict = report.verdict.model_copy(update={"status": status})
+            path.write_text(report.model_copy(update={"verdict": verdict}).model_dump_json())
+
+        assert await batch(False) == {status: status for status in statuses}
+        assert all(reused for _, reused in seen)
+
+        stored = await batch(True)
+        assert sorted(model for model, reused in seen if not reused) == ["error", "sandbox_died"]
+        # Graded again (the backend is still down, so an error again), the rest kept.
+        assert stored == {**{status: status for status in statuses}, "sandbox_died": "error"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["by_status"]["error"] == 2 and "sandbox_died" not in summary["by_status"]

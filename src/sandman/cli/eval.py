@@ -77,18 +77,25 @@ def _conditions(
     help="Wall-clock seconds the test run may take.",
 )
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Set a variable (repeatable).")
+@click.option(
+    "--retry-errors",
+    is_flag=True,
+    help="Grade again what a past run here left as error or sandbox_died (never a verdict on "
+    "the patch: resolved, unresolved, patch_failed, timeout, oom).",
+)
 @client_options
 @click.pass_context
 def eval_command(
     ctx: click.Context, instances: Path, predictions: Path, out: Path, concurrency: int,
     models: tuple[str, ...], cpu: float, memory: str, pids: int, network: str, timeout: float,
-    env: tuple[str, ...], url: str | None, api_key: str | None,
+    env: tuple[str, ...], retry_errors: bool, url: str | None, api_key: str | None,
 ) -> None:  # fmt: skip
     """Grade PREDICTIONS (SWE-bench JSON/JSONL) against INSTANCES, each in a fresh sandbox.
 
     Writes OUT/<model>/<instance>/report.json, OUT/summary.json and
     OUT/summary.html. A re-run with the same OUT skips what was already
-    graded from the same inputs.
+    graded from the same inputs (with --retry-errors, except infrastructure
+    errors).
     """
     conditions = _conditions(cpu, memory, pids, network, timeout, env)
     try:
@@ -114,6 +121,7 @@ def eval_command(
                 return await run_batch(
                     loaded, wanted, pool=client, out=out, conditions=conditions,
                     concurrency=concurrency, images=images, progress=tick,
+                    retry_errors=retry_errors,
                 )  # fmt: skip
 
         result = run_async(ctx, go())

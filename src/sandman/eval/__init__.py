@@ -11,11 +11,20 @@ from sandman.eval.conditions import DEFAULT_ENV, Conditions
 from sandman.eval.harness import DEFAULT_PROTECTED, evaluate, evaluate_report, pin_image
 from sandman.eval.instances import Instance, Prediction, load_instances, load_predictions
 from sandman.eval.parsers import PARSERS, TestStatus, parse_log
-from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, category, inputs_hash
+from sandman.eval.verdict import (
+    INFRA_ERRORS,
+    ApplyAttempt,
+    Report,
+    Status,
+    Verdict,
+    category,
+    inputs_hash,
+)
 
 __all__ = [
     "DEFAULT_ENV",
     "DEFAULT_PROTECTED",
+    "INFRA_ERRORS",
     "PARSERS",
     "ApplyAttempt",
     "BatchResult",

@@ -8,7 +8,9 @@ Layout of the output directory::
 
 A re-run with the same output directory skips each prediction whose
 ``report.json`` was graded from the same inputs (its ``inputs_hash``:
-instance, patch, conditions, image digest and harness version).
+instance, patch, conditions, image digest and harness version), unless
+``retry_errors`` is set and its status is an infrastructure error
+(`INFRA_ERRORS`: ``error``, ``sandbox_died``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sandman.eval.conditions import Conditions
 from sandman.eval.harness import evaluate_report, pin_image
 from sandman.eval.html import render_summary
 from sandman.eval.instances import Instance, Prediction
-from sandman.eval.verdict import Category, Report, Status, Verdict, inputs_hash
+from sandman.eval.verdict import INFRA_ERRORS, Category, Report, Status, Verdict, inputs_hash
 from sandman.images import ImageStore
 
 __all__ = ["BatchResult", "Summary", "SummaryItem", "report_path", "run_batch"]
@@ -95,13 +97,15 @@ def _write_atomic(path: Path, data: str) -> None:
     partial.replace(path)
 
 
-def _previous(path: Path, wanted: str) -> Verdict | None:
-    """The verdict already on disk for these exact inputs, if any."""
+def _previous(path: Path, wanted: str, retry_errors: bool) -> Verdict | None:
+    """The verdict already on disk for these exact inputs, if any (and not to be retried)."""
     try:
-        report = Report.model_validate_json(path.read_text())
+        verdict = Report.model_validate_json(path.read_text()).verdict
     except (OSError, ValidationError):
         return None
-    return report.verdict if report.verdict.inputs_hash == wanted else None
+    if verdict.inputs_hash != wanted or (retry_errors and verdict.status in INFRA_ERRORS):
+        return None
+    return verdict
 
 
 def _pairs(
@@ -134,6 +138,7 @@ async def run_batch(
     images: ImageStore | None = None,
     progress: Progress | None = None,
     acquire_timeout: float = 600.0,
+    retry_errors: bool = False,
 ) -> BatchResult:
     """Grade every prediction against its instance, ``concurrency`` at a time, in fresh sandboxes.
 
@@ -141,6 +146,8 @@ async def run_batch(
     module's docstring); reuses reports graded from identical inputs. Raises
     `ConfigError` for a prediction of an unknown instance or a duplicate.
     ``images`` is the local `ImageStore` (pins each image to its id), or None.
+    With ``retry_errors``, a stored verdict whose status is in `INFRA_ERRORS`
+    (the harness or the backend failed, not the patch) is graded again.
     """
     if concurrency < 1:
         raise errors.ConfigError(f"concurrency must be at least 1, not {concurrency}")
@@ -162,7 +169,7 @@ async def run_batch(
         nonlocal reused
         path = report_path(out, prediction.model_name_or_path, instance.instance_id)
         wanted = inputs_hash(instance, prediction.patch, conditions, digests[instance.image])
-        verdict = await asyncio.to_thread(_previous, path, wanted)
+        verdict = await asyncio.to_thread(_previous, path, wanted, retry_errors)
         if verdict is not None:
             reused += 1
             if progress is not None:

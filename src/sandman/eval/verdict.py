@@ -19,6 +19,7 @@ from sandman.eval.parsers import TestStatus
 
 __all__ = [
     "HARNESS_VERSION",
+    "INFRA_ERRORS",
     "ApplyAttempt",
     "Category",
     "Report",
@@ -43,6 +44,12 @@ limit and was killed. ``oom``: the test run was killed by the OOM killer.
 could not grade (no sandbox, the test patch does not apply, no test output)."""
 
 Category = Literal["resolved", "unresolved", "error"]
+
+INFRA_ERRORS: frozenset[Status] = frozenset({"error", "sandbox_died"})
+"""The statuses that say nothing about the patch: the harness or the backend failed.
+
+A batch run with ``retry_errors`` grades these again. ``timeout`` and ``oom``
+are not among them: under fixed conditions they are what the patch did."""
 
 _CATEGORY: dict[Status, Category] = {
     "resolved": "resolved", "unresolved": "unresolved", "patch_failed": "unresolved",
