@@ -132,14 +132,9 @@ func dupCloexec(fd int) (int, error) {
 // stdout and stderr and its controlling terminal. The returned stdout is the
 // master (the terminal's output) and stdin a duplicate of it (the keyboard).
 func (r *Runner) startTTY(c *Command, size WinSize) (*started, error) {
-	if err := checkDir(c.Dir); err != nil {
+	path, argv, env, err := r.resolve(c)
+	if err != nil {
 		return nil, err
-	}
-	env := mergeEnv(r.baseEnv, c.Env)
-	argv := c.argv()
-	path, lerr := lookPath(argv[0], env, c.Dir)
-	if lerr != nil {
-		return nil, lerr
 	}
 	master, slave, err := openPTY(size)
 	if err != nil {

@@ -86,17 +86,28 @@ func checkDir(dir string) error {
 	return nil
 }
 
+// resolve does what both launches (start, startTTY) do before forking:
+// refuse a bad cwd, build the environment and argv, and find the program
+// (a *LaunchError means "report 126/127").
+func (r *Runner) resolve(c *Command) (path string, argv, env []string, err error) {
+	if err := checkDir(c.Dir); err != nil {
+		return "", nil, nil, err
+	}
+	env = mergeEnv(r.baseEnv, c.Env)
+	argv = c.argv()
+	path, lerr := lookPath(argv[0], env, c.Dir)
+	if lerr != nil {
+		return "", nil, nil, lerr
+	}
+	return path, argv, env, nil
+}
+
 // start launches c with fresh stdout/stderr pipes. stdinPipe asks for a stdin
 // pipe; otherwise stdin is /dev/null. A *LaunchError means "report 126/127".
 func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
-	if err := checkDir(c.Dir); err != nil {
+	path, argv, env, err := r.resolve(c)
+	if err != nil {
 		return nil, err
-	}
-	env := mergeEnv(r.baseEnv, c.Env)
-	argv := c.argv()
-	path, lerr := lookPath(argv[0], env, c.Dir)
-	if lerr != nil {
-		return nil, lerr
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {

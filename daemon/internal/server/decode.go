@@ -34,13 +34,15 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	return data, nil
 }
 
-// readJSON reads and decodes a JSON request body into v.
-func readJSON(w http.ResponseWriter, r *http.Request, v any) error {
+// readParsed reads a JSON request body under the size limit and checks it
+// with parse, one of the pure parseX functions the fuzzers also drive.
+func readParsed[T any](w http.ResponseWriter, r *http.Request, parse func([]byte) (T, error)) (T, error) {
 	data, err := readBody(w, r)
 	if err != nil {
-		return err
+		var zero T
+		return zero, err
 	}
-	return decodeJSON(data, v)
+	return parse(data)
 }
 
 // decodeJSON is the one decoder of request bodies: syntax problems are

@@ -159,11 +159,7 @@ func parseMkdir(data []byte) (mkdirArgs, error) {
 }
 
 func (s *Server) fileMkdir(w http.ResponseWriter, r *http.Request, _ string) error {
-	body, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	a, err := parseMkdir(body)
+	a, err := readParsed(w, r, parseMkdir)
 	if err != nil {
 		return err
 	}

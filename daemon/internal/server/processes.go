@@ -262,11 +262,7 @@ func (s *Server) processWait(w http.ResponseWriter, r *http.Request, id string) 
 	if err != nil {
 		return err
 	}
-	body, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	timeout, err := parseWait(body)
+	timeout, err := readParsed(w, r, parseWait)
 	if err != nil {
 		return err
 	}

@@ -95,11 +95,7 @@ func sessionInfoOf(s *proc.Session) sessionInfo {
 }
 
 func (s *Server) sessionCreate(w http.ResponseWriter, r *http.Request, _ string) error {
-	body, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	a, err := parseSessionCreate(body)
+	a, err := readParsed(w, r, parseSessionCreate)
 	if err != nil {
 		return err
 	}
@@ -157,11 +153,7 @@ func (s *Server) sessionRun(w http.ResponseWriter, r *http.Request, id string) e
 	if err != nil {
 		return err
 	}
-	body, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	a, err := parseSessionRun(body)
+	a, err := readParsed(w, r, parseSessionRun)
 	if err != nil {
 		return err
 	}

@@ -70,11 +70,7 @@ func (s *Server) processResize(w http.ResponseWriter, r *http.Request, id string
 	if err != nil {
 		return err
 	}
-	body, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	size, err := parseResize(body)
+	size, err := readParsed(w, r, parseResize)
 	if err != nil {
 		return err
 	}
