@@ -1,0 +1,91 @@
+"""A burst far over API Priority and Fairness limits: 429s become waiting, not failures.
+
+The ordinary identity ``sandman`` is not exempt from Priority and Fairness.
+The pool starts as if nothing limited it (every request may create at once,
+hundreds of connections), so the API server answers 429 with Retry-After;
+the pool's pacer backs off and retries, and every sandbox arrives. KWOK
+nodes in pod-readiness mode keep the burst cheap.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from sandman import errors
+from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
+from sandman.providers.kubernetes import KubernetesProvider
+from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
+from tests.kube.test_provider import Admin, config_for
+
+pytestmark = [pytest.mark.kube, pytest.mark.anyio]
+
+BURST = 800
+# KWOK's general stages wait seconds per pod; the burst is about the API server.
+NO_DELAY = {
+    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
+    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
+                  "pod-ready")
+    for key in ("delay", "jitter-delay")
+}  # fmt: skip
+KWOK = KubernetesOptions(
+    cpu_request=0.001,
+    memory_request="1Mi",
+    node_selector={"type": "kwok"},
+    tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+)
+
+
+@pytest.fixture
+async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
+    admin = Admin(kube_cluster)
+    try:
+        yield admin
+    finally:
+        await admin.http.aclose()
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 600)
+async def test_a_burst_over_the_limits_waits_instead_of_failing(
+    kube_cluster: KubeCluster, admin: Admin
+) -> None:
+    pool_name = f"t7t-{uuid.uuid4().hex[:8]}"
+    config = config_for(kube_cluster, readiness="pod", max_connections=BURST, annotations=NO_DELAY)
+    provider = KubernetesProvider(config)
+    # Unlimited to begin with: all of the burst may be sent at once.
+    pacing = PacingConfig(rate=5000, burst=BURST, max_rate=5000, window=BURST, max_window=BURST)
+    events: list[PoolEvent] = []
+    spec = SandboxSpec(image="sandman.local/busybox:1.35", kubernetes=KWOK)
+    failures: list[BaseException] = []
+    try:
+        async with Pool(
+            provider, PoolConfig(name=pool_name, pacing=pacing), hook=events.append
+        ) as pool:
+            session = pool.open_session()
+
+            async def one() -> None:
+                try:
+                    await pool.acquire(spec, session=session, timeout=400)
+                except errors.SandboxError as exc:
+                    failures.append(exc)
+
+            async with anyio.create_task_group() as group:
+                for _ in range(BURST):
+                    group.start_soon(one)
+            throttled = [
+                e for e in events if e.name == "create.failed" and e.detail["kind"] == "throttled"
+            ]
+            assert throttled, "the burst was meant to exceed the identity's limits"
+            assert "429" in throttled[0].detail["error"]
+            assert failures == []
+            assert len(pool.list(session=session)) == BURST
+            # The pacer backed off from where it started.
+            assert pool.stats()["pacing_rate"] < pacing.rate
+    finally:
+        await provider.aclose()
+        left = await admin.sweep(pool_name)
+        assert not left, f"{len(left)} pods left behind"
