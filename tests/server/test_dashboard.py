@@ -27,11 +27,11 @@ from fastapi import FastAPI
 import sandman
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig, PoolEvent
-from sandman.server import LABEL_TENANT, create_app
-from sandman.server.dashboard import BUCKETS, OTHER_TENANTS, Sampler
+from sandman.server import LABEL_TENANT, ApiKey, ServerSettings, create_app
+from sandman.server.dashboard import BUCKETS, NO_TENANT, OTHER_TENANTS, Sampler
 from sandman.server.schemas import DashboardOut
 from sandman.testing import FakeProvider
-from tests.server.conftest import AUTH_B, KEY_A, KEY_B, eventually, settings
+from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, eventually, settings
 
 pytestmark = pytest.mark.anyio
 
@@ -173,6 +173,160 @@ async def test_the_route_needs_a_key_and_answers_the_keys_tenant(
     finally:
         await app.state.dashboard.aclose()
         pool.close_session(session)
+
+
+KEY_OPS = "key-of-the-operators-0123456789"
+AUTH_OPS = {"Authorization": f"Bearer {KEY_OPS}"}
+
+
+def _with_ops(**overrides: Any) -> Any:
+    """The conftest's tenants a and b, and an operator tenant ``ops``."""
+    keys = [ApiKey(tenant="a", key=KEY_A), ApiKey(tenant="b", key=KEY_B),
+            ApiKey(tenant="ops", key=KEY_OPS)]  # fmt: skip
+    return settings(api_keys=keys, admin_tenants="ops", **overrides)
+
+
+async def test_an_operator_sees_every_tenant_image_and_error_apart(
+    sampled: tuple[Pool, Sampler, FakeProvider],
+) -> None:
+    pool, _, fake = sampled
+    waiting = {"b": 2, "c": 1, "d": 0}
+    sampler = Sampler(pool, interval=3600, queue_depths=lambda: waiting, admins={"ops"})
+    pool.add_hook(sampler.hook)
+    fake.faults.image_errors = frozenset({"broken-b"})
+    session = pool.open_session()
+    for image, tenant in [("img-a", "a"), ("img-a", "a"), ("img-b", "b")]:
+        await pool.acquire(_spec(image, tenant), session=session)
+    await pool.acquire(SandboxSpec(image="spare"), session=session)  # the service's: no tenant
+    with pytest.raises(sandman.ImageError):
+        await pool.acquire(_spec("broken-b", "b"), session=session)
+    sampler.refused("a", "tenant_pending_limit", "too many", image="img-a")
+    sampler.refused("a", "create_timeout", "the pool's own failure: a pool event, not kept")
+    await eventually(lambda: len(pool.list()) == 4)
+    ops = sampler.view("ops", now=time.time())
+    assert ops.admin and ops.tenant == "ops"
+    assert [(g.name, g.total, g.waiting) for g in ops.tenants] == [
+        ("ops", 0, 0), ("b", 1, 2), ("a", 2, 0), ("c", 0, 1), (NO_TENANT, 1, 0),
+    ]  # the caller first, then the busiest (held + waiting)  # fmt: skip
+    assert [(g.name, g.total) for g in ops.images] == [("img-a", 2), ("img-b", 1), ("spare", 1)]
+    assert [(e.event, e.kind, e.tenant, e.image) for e in ops.errors] == [
+        ("refused", "tenant_pending_limit", "a", "img-a"),
+        ("create.failed", "other", "b", "broken-b"),
+    ]  # fmt: skip
+    # The same sampler, for a tenant: its own apart, the rest (their waiting too) one group.
+    a = sampler.view("a", now=time.time())
+    assert not a.admin
+    assert [(g.name, g.total, g.waiting) for g in a.tenants] == [
+        ("a", 2, 0), (OTHER_TENANTS, 2, 3),
+    ]  # fmt: skip
+    assert [e.kind for e in a.errors] == ["tenant_pending_limit"]
+    b = sampler.view("b", now=time.time())
+    assert [(g.name, g.waiting) for g in b.tenants] == [("b", 2), (OTHER_TENANTS, 1)]
+    assert [e.image for e in b.errors] == ["broken-b"]
+    # A flood of refusals keeps the backend's errors visible.
+    for i in range(200):
+        sampler.refused("a", "invalid_request", f"garbage {i}")
+    flooded = sampler.view("ops", now=time.time())
+    assert "create.failed" in [e.event for e in flooded.errors]
+    await sampler.aclose()
+    pool.close_session(session)
+    await eventually(lambda: not pool.list())
+
+
+async def test_the_services_refusals_reach_the_page_of_their_tenant(pool: Pool) -> None:
+    app = create_app(pool, _with_ops(default_limits={"max_pending": 0}))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://sandman"
+    ) as api:
+        try:
+            session = (await api.post("/v1/sessions", headers=AUTH_A)).json()["id"]
+            body = {"spec": {"image": "img-a"}, "session": session}
+            limit = await api.post("/v1/sandboxes", json=body, headers=AUTH_A)
+            assert limit.json()["error"]["code"] == "tenant_pending_limit"
+            garbage = await api.post(
+                "/v1/sandboxes", content=b"{not json", headers={**AUTH_A,
+                "content-type": "application/json"},
+            )  # fmt: skip
+            assert garbage.json()["error"]["code"] == "malformed_json"
+            bad = await api.post("/v1/sandboxes", json={"spec": {}}, headers=AUTH_A)
+            assert bad.json()["error"]["code"] == "invalid_request"
+            stranger = await api.post(
+                "/v1/sandboxes", content=b"{", headers={"Authorization": "Bearer no-such-key",
+                "content-type": "application/json"},
+            )  # fmt: skip
+            assert stranger.status_code == 400  # no tenant: on nobody's page
+
+            seen = (await api.get("/v1/dashboard", headers=AUTH_A)).json()
+            kinds = [(e["event"], e["kind"], e["tenant"]) for e in seen["errors"]]
+            assert sorted(kinds) == sorted([
+                ("refused", "tenant_pending_limit", "a"), ("refused", "malformed_json", "a"),
+                ("refused", "invalid_request", "a"),
+            ])  # fmt: skip
+            by_kind = {e["kind"]: e for e in seen["errors"]}
+            assert by_kind["tenant_pending_limit"]["image"] == "img-a"
+            assert "limit 0" in by_kind["tenant_pending_limit"]["message"]
+            assert by_kind["invalid_request"]["message"].startswith("POST /v1/sandboxes: ")
+            assert (await api.get("/v1/dashboard", headers=AUTH_B)).json()["errors"] == []
+            ops = (await api.get("/v1/dashboard", headers=AUTH_OPS)).json()
+            assert ops["admin"] is True and len(ops["errors"]) == 3
+        finally:
+            await app.state.dashboard.aclose()
+
+
+async def test_acquires_waiting_per_tenant_are_on_the_page(fake: FakeProvider, pool: Pool) -> None:
+    app = create_app(pool, _with_ops())
+    fake.faults.create_latency = 2.0
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://sandman"
+    ) as api:
+
+        async def waiting(auth: dict[str, str]) -> list[tuple[str, int]]:
+            view = (await api.get("/v1/dashboard", headers=auth)).json()
+            return [(g["name"], g["waiting"]) for g in view["tenants"]]
+
+        session = (await api.post("/v1/sessions", headers=AUTH_A)).json()["id"]
+        body = {"spec": {"image": "img-a"}, "session": session, "timeout": 30}
+        acquires = [asyncio.ensure_future(api.post("/v1/sandboxes", json=body, headers=AUTH_A))
+                    for _ in range(2)]  # fmt: skip
+        try:
+            async with asyncio.timeout(10):
+                while await waiting(AUTH_A) != [("a", 2), (OTHER_TENANTS, 0)]:
+                    await asyncio.sleep(0.01)
+            assert await waiting(AUTH_B) == [("b", 0), (OTHER_TENANTS, 2)]
+            assert ("a", 2) in await waiting(AUTH_OPS)
+            for acquired in await asyncio.gather(*acquires):
+                assert acquired.status_code == 201
+            assert await waiting(AUTH_A) == [("a", 0), (OTHER_TENANTS, 0)]
+        finally:
+            for task in acquires:
+                task.cancel()
+            await asyncio.gather(*acquires, return_exceptions=True)
+            await app.state.dashboard.aclose()
+            pool.close_session(session)
+        await eventually(lambda: not pool.list())
+
+
+async def test_the_apps_lifespan_stops_the_sampler(app: FastAPI, api: httpx.AsyncClient) -> None:
+    sampler: Sampler = app.state.dashboard
+    async with app.router.lifespan_context(app):
+        assert (await api.get("/v1/dashboard")).status_code == 200
+        assert sampler.running
+    assert not sampler.running
+    await api.get("/v1/dashboard")  # closed for good: no new task
+    assert not sampler.running
+
+
+def test_admin_tenants_come_from_the_environment_and_need_a_key() -> None:
+    environ = {"SANDMAN_API_KEYS": f"a:{KEY_A},ops:{KEY_OPS},sre:{KEY_B}",
+               "SANDMAN_ADMIN_TENANTS": " ops, sre ,"}  # fmt: skip
+    assert ServerSettings.from_env(environ).admin_tenants == {"ops", "sre"}
+    assert ServerSettings.from_env({}).admin_tenants == frozenset()
+    with pytest.raises(sandman.ConfigError, match="admin tenants without an API key: typo"):
+        ServerSettings.from_env({**environ, "SANDMAN_ADMIN_TENANTS": "ops,typo"})
+    with pytest.raises(sandman.ConfigError, match="admin_tenants"):
+        ServerSettings.from_env({**environ, "SANDMAN_ADMIN_TENANTS": "Not A Tenant"})
+    anonymous = ServerSettings(anonymous_tenant="local", admin_tenants=frozenset({"local"}))
+    assert anonymous.admin_tenants == {"local"}
 
 
 async def test_the_page_is_public_static_and_locked_down(api: httpx.AsyncClient) -> None:
@@ -382,6 +536,8 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
                 error_row = page.locator("#errors tbody tr")
                 await expect(error_row).to_have_count(1)
                 await expect(error_row.locator("td").nth(3)).to_have_text("no-such-image")
+                await expect(error_row.locator("td").nth(5)).to_have_text("a")
+                await expect(page.locator("#admin")).to_be_hidden()
                 # Drawn once two samples (a second apart) hold leased sandboxes.
                 leased_area = page.locator("#chart-states polygon[data-state=leased]")
                 await expect(leased_area).to_have_count(1, timeout=15_000)

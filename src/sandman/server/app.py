@@ -10,6 +10,7 @@ one tenant and sees only that tenant's sessions and sandboxes. Errors are
 (`sandman.server.errors.STATUS`).
 """
 
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator
@@ -86,7 +87,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     forwarder = proxy.Forwarder(
         max_body=settings.max_proxy_body_bytes, connect_timeout=settings.proxy_connect_timeout
     )
-    sampler = Sampler(pool)
+    sampler = Sampler(pool, queue_depths=service.queue_depths, admins=settings.admin_tenants)
     pool.add_hook(sampler.hook)
 
     @asynccontextmanager
@@ -98,6 +99,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
         finally:
             if settings.close_pool:
                 await service.shutdown()
+            await sampler.aclose()
             await forwarder.aclose()
 
     app = FastAPI(
@@ -176,6 +178,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
             record = await service.acquire(tenant, body, lambda: _disconnected(request))
         except ApiError as exc:
             metrics.observe_acquire(started, exc.code)
+            sampler.refused(tenant, exc.code, exc.message, image=body.spec.image)
             raise
         except ClientGone:
             metrics.observe_acquire(started, "client_gone")
@@ -283,21 +286,32 @@ def _error(code: str, message: str, status: int, headers: dict[str, str] | None 
     )
 
 
+def _refused(request: Request, code: str, message: str) -> None:
+    """Show a refused request on its tenant's dashboard; one without a valid key on none."""
+    with contextlib.suppress(ApiError):
+        tenant = service_of(request.app).authenticate(request.headers.get("authorization"))
+        sampler: Sampler = request.app.state.dashboard
+        sampler.refused(tenant, code, f"{request.method} {request.url.path}: {message}")
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return _error(exc.code, exc.message, exc.status, exc.headers)
 
-    async def invalid(_: Request, exc: Exception) -> Response:
+    async def invalid(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         problems = list(exc.errors())
         if any(p.get("type") == "json_invalid" for p in problems):
+            _refused(request, "malformed_json", "the body is not valid JSON")
             return _error("malformed_json", "the body is not valid JSON", 400)
         parts = []
         for p in problems[:5]:
             where = ".".join(str(x) for x in p.get("loc", ()) if x != "body")
             parts.append(f"{where or 'body'}: {p.get('msg', 'invalid')}")
-        return _error("invalid_request", "; ".join(parts) or "invalid request", 422)
+        message = "; ".join(parts) or "invalid request"
+        _refused(request, "invalid_request", message)
+        return _error("invalid_request", message, 422)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

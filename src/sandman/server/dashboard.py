@@ -6,12 +6,19 @@ backend errors; ``GET /v1/dashboard`` answers `Sampler.view`. The page (HTML,
 JS and CSS in ``static/``, no build step, nothing fetched from elsewhere) polls
 that route every second and draws with plain SVG.
 
+Besides the pool's events, the service tells the sampler what it refused
+itself (`Sampler.refused`: tenant limits, malformed requests, expired
+sessions), and the sampler asks the service for its acquires waiting per
+tenant (``queue_depths``).
+
 Who sees what: the page is public HTML holding no data. Its data needs an API
 key like every other route; the page asks for one and keeps it in the
 browser's ``localStorage`` (with ``anonymous_tenant`` set it needs none). Every
 key sees the pool-wide aggregates (states, pacing, rates, readiness latency:
-the numbers ``/metrics`` publishes without a key); sandboxes per image and
-error messages only of its own tenant; the other tenants are one group.
+the numbers ``/metrics`` publishes without a key); sandboxes per image, waiting
+acquires and error messages only of its own tenant; the other tenants are one
+group. Keys of an operator tenant (``admins``, ``ServerSettings.admin_tenants``)
+see every tenant, image and error.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import contextlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from importlib import resources
 
@@ -41,9 +48,17 @@ from sandman.server.schemas import (
 )
 from sandman.server.service import tenant_of
 
-__all__ = ["BUCKETS", "OTHER_TENANTS", "Sampler", "install_page"]
+__all__ = ["BUCKETS", "NO_TENANT", "OTHER_TENANTS", "REFUSALS", "Sampler", "install_page"]
 
 OTHER_TENANTS = "other tenants"
+NO_TENANT = "no tenant"
+"""The operator view's group of sandboxes the service did not hand out (warm spares, adopted)."""
+REFUSALS = frozenset({
+    "tenant_sandbox_limit", "tenant_pending_limit", "session_expired", "invalid_request",
+    "malformed_json",
+})  # fmt: skip
+"""Error codes `Sampler.refused` keeps: the service's own refusals. Backend failures
+(an unknown image included) arrive as pool events (``create.failed``) instead."""
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the readiness histogram; one more bucket holds the rest."""
 _LIVE = tuple(s for s in STATES if s not in ("queued", "gone"))
@@ -81,16 +96,22 @@ class Sampler:
         keep_errors: int = 50,
         keep_latencies: int = 10_000,
         owner: Callable[[Record], str | None] = tenant_of,
+        queue_depths: Callable[[], Mapping[str, int]] = dict,
+        admins: Collection[str] = (),
     ) -> None:
         if interval <= 0 or keep < 1:
             raise ValueError("the sampler needs interval > 0 and keep >= 1")
         self.pool = pool
         self.interval = interval
+        self.admins = frozenset(admins)
         self._owner = owner
+        self._queue_depths = queue_depths
         self._samples: deque[DashboardSample] = deque(maxlen=keep)
         self._counts: Counter[str] = Counter()
         self._latencies: deque[tuple[float, float]] = deque(maxlen=keep_latencies)
         self._errors: deque[_Error] = deque(maxlen=keep_errors)
+        # Apart, so a client sending garbage cannot push the backend's errors out.
+        self._refusals: deque[_Error] = deque(maxlen=keep_errors)
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -122,6 +143,24 @@ class Sampler:
             image=image, kind=None if kind is None else str(kind),
             message=message[:_MESSAGE_MAX],
         )  # fmt: skip
+
+    def refused(
+        self,
+        tenant: str,
+        code: str,
+        message: str,
+        *,
+        image: str | None = None,
+        at: float | None = None,
+    ) -> None:
+        """The service refused a request of ``tenant`` with ``code``; kept if in `REFUSALS`."""
+        if code not in REFUSALS:
+            return
+        refusal = _Error(
+            at=time.time() if at is None else at, event="refused", sandbox_id=None,
+            tenant=tenant, image=image, kind=code, message=message[:_MESSAGE_MAX],
+        )  # fmt: skip
+        self._refusals.appendleft(refusal)
 
     def sample(self, now: float) -> DashboardSample:
         """Take one sample at ``now`` (wall clock): the pool now, the events since the last."""
@@ -155,6 +194,11 @@ class Sampler:
             await asyncio.sleep(max(0.0, start + ticks * self.interval - time.monotonic()))
             self.sample(time.time())
 
+    @property
+    def running(self) -> bool:
+        """Whether the sampling task runs now."""
+        return self._task is not None and not self._task.done()
+
     async def aclose(self) -> None:
         """Stop sampling (for good)."""
         self._closed = True
@@ -166,27 +210,54 @@ class Sampler:
 
     # -- output -------------------------------------------------------------------------
 
-    def view(self, tenant: str, *, now: float, seconds: float = 300.0) -> DashboardOut:
-        """What ``tenant`` sees: the last ``seconds`` of samples and the pool now."""
+    def view(
+        self, tenant: str, *, now: float, seconds: float = 300.0, admin: bool | None = None
+    ) -> DashboardOut:
+        """What ``tenant`` sees: the last ``seconds`` of samples and the pool now.
+
+        ``admin`` (by default: whether ``tenant`` is in `admins`) shows every
+        tenant apart, every image and every error."""
         self._ensure_running()
+        admin = tenant in self.admins if admin is None else admin
         since = now - seconds
+
+        def group_of(owner: str | None) -> str:
+            if admin:
+                return NO_TENANT if owner is None else owner
+            return tenant if owner == tenant else OTHER_TENANTS
+
         stats = self.pool.stats()
-        mine: dict[str, Counter[str]] = {tenant: Counter(), OTHER_TENANTS: Counter()}
+        groups: dict[str, Counter[str]] = {tenant: Counter()}
+        if not admin:
+            groups[OTHER_TENANTS] = Counter()
+        waiting: Counter[str] = Counter()
         images: dict[str, Counter[str]] = {}
         for record in self.pool.list():
             if record.state == "gone":
                 continue
-            own = self._owner(record) == tenant
-            mine[tenant if own else OTHER_TENANTS][record.state] += 1
-            if own:
+            owner = self._owner(record)
+            groups.setdefault(group_of(owner), Counter())[record.state] += 1
+            if admin or owner == tenant:
                 images.setdefault(record.spec.image, Counter())[record.state] += 1
+        for owner, n in self._queue_depths().items():
+            if n > 0:
+                waiting[group_of(owner)] += n
+                groups.setdefault(group_of(owner), Counter())
+        tenants = [_group(name, counts, waiting[name]) for name, counts in groups.items()]
+        if admin:  # the caller's tenant first, then the busiest
+            tenants.sort(key=lambda g: (g.name != tenant, -g.total - g.waiting, g.name))
         latencies = sorted(s for at, s in self._latencies if at >= since)
+        shown = sorted(
+            (e for e in (*self._errors, *self._refusals)
+             if e.at >= since and (admin or e.tenant in (None, tenant))),
+            key=lambda e: -e.at,
+        )  # fmt: skip
         return DashboardOut(
             pool=self.pool.config.name, provider=self.pool.provider.name, tenant=tenant,
-            now=now, interval=self.interval, states=_states(stats),
+            admin=admin, now=now, interval=self.interval, states=_states(stats),
             sessions=int(stats.get("sessions", 0)), pacing=_pacing(stats),
             samples=[s for s in self._samples if s.t >= since],
-            tenants=[_group(name, counts) for name, counts in mine.items()],
+            tenants=tenants,
             images=sorted(
                 (_group(name, counts) for name, counts in images.items()),
                 key=lambda g: (-g.total, g.name),
@@ -196,10 +267,9 @@ class Sampler:
             errors=[
                 DashboardError(
                     at=e.at, event=e.event, sandbox_id=e.sandbox_id, image=e.image,
-                    kind=e.kind, message=e.message,
+                    kind=e.kind, message=e.message, tenant=e.tenant,
                 )
-                for e in self._errors
-                if e.at >= since and e.tenant in (None, tenant)
+                for e in shown
             ],
         )  # fmt: skip
 
@@ -226,9 +296,9 @@ def _pacing(stats: dict[str, float]) -> PacingOut:
     )  # fmt: skip
 
 
-def _group(name: str, counts: Counter[str]) -> DashboardGroup:
+def _group(name: str, counts: Counter[str], waiting: int = 0) -> DashboardGroup:
     states = {state: counts[state] for state in _LIVE if counts[state]}
-    return DashboardGroup(name=name, states=states, total=sum(states.values()))
+    return DashboardGroup(name=name, states=states, total=sum(states.values()), waiting=waiting)
 
 
 def _histogram(latencies: list[float]) -> list[LatencyBucket]:

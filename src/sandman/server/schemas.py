@@ -139,6 +139,8 @@ class DashboardGroup(_Out):
     name: str
     states: dict[str, int]
     total: int
+    waiting: int = 0
+    """Acquires of the tenant(s) waiting at the service now (0 for an image)."""
 
 
 class LatencyBucket(_Out):
@@ -150,7 +152,8 @@ class LatencyBucket(_Out):
 
 
 class DashboardError(_Out):
-    """A failed backend call (``create.failed``, ``delete.failed``, ``reconcile.failed``)."""
+    """A failed backend call (``create.failed``, ``delete.failed``, ``reconcile.failed``),
+    or a request the service refused (``refused``, its error code as ``kind``)."""
 
     at: float
     event: str
@@ -158,6 +161,8 @@ class DashboardError(_Out):
     image: str | None
     kind: str | None
     message: str
+    tenant: str | None = None
+    """Whose (None: the backend's own)."""
 
 
 class DashboardOut(_Out):
@@ -168,6 +173,8 @@ class DashboardOut(_Out):
     provider: str
     tenant: str
     """The caller's tenant."""
+    admin: bool = False
+    """An operator's view: every tenant apart, every image, every error."""
     now: float
     interval: float
     """Seconds between samples."""
@@ -178,9 +185,10 @@ class DashboardOut(_Out):
     samples: list[DashboardSample]
     """Oldest first, one per ``interval``."""
     tenants: list[DashboardGroup]
-    """The caller's tenant, then ``other tenants`` (everyone else and the pool's own spares)."""
+    """The caller's tenant, then ``other tenants`` (everyone else and the pool's own spares);
+    in an operator's view every tenant apart (``no tenant``: the pool's own)."""
     images: list[DashboardGroup]
-    """The caller's live sandboxes per image, most first."""
+    """The caller's (an operator: all) live sandboxes per image, most first."""
     readiness: list[LatencyBucket]
     """Readiness latency (create call until the daemon answered) of the sandboxes made
     within the samples' span, the whole pool."""
@@ -188,7 +196,8 @@ class DashboardOut(_Out):
     readiness_p50: float | None
     readiness_p95: float | None
     errors: list[DashboardError]
-    """Newest first: the caller's and those of no tenant (the backend's own)."""
+    """Newest first: the caller's and those of no tenant (the backend's own); an
+    operator's: all."""
 
 
 def sandbox_out(

@@ -67,6 +67,13 @@ def _parse_keys(value: object) -> object:
     return keys
 
 
+def _parse_names(value: object) -> object:
+    """``"ops,sre"`` (whitespace and empty items ignored) -> a list of names."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return value
+
+
 class ServerSettings(BaseModel):
     """How the HTTP service behaves. Times are seconds, sizes bytes."""
 
@@ -78,6 +85,12 @@ class ServerSettings(BaseModel):
     anonymous_tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
     """Requests without a key act as this tenant; for a single-user service on
     localhost only. None (the default) requires a key."""
+    admin_tenants: Annotated[
+        frozenset[Annotated[str, Field(pattern=TENANT_PATTERN)]], BeforeValidator(_parse_names)
+    ] = frozenset()
+    """Operator tenants: their keys see every tenant's sandboxes, images and errors on
+    the dashboard (others see their own and one group of everyone else). Each needs an
+    API key (or is the ``anonymous_tenant``); ``SANDMAN_ADMIN_TENANTS=ops,sre``."""
     default_limits: TenantLimits = Field(default_factory=TenantLimits)
     """Limits of every tenant not named in ``tenant_limits``."""
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
@@ -110,6 +123,15 @@ class ServerSettings(BaseModel):
             if secret in seen:
                 raise ValueError(f"an API key is listed twice (tenant {api_key.tenant})")
             seen.add(secret)
+        return self
+
+    @model_validator(mode="after")
+    def _known_admins(self) -> ServerSettings:
+        # A typo here would silently show an operator only their own tenant.
+        known = {k.tenant for k in self.api_keys} | {self.anonymous_tenant}
+        unknown = sorted(self.admin_tenants - known)
+        if unknown:
+            raise ValueError(f"admin tenants without an API key: {', '.join(unknown)}")
         return self
 
     @classmethod

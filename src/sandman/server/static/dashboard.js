@@ -95,6 +95,11 @@ function render(data) {
   $("pool").textContent = data.pool;
   $("provider").textContent = data.provider;
   $("tenant").textContent = data.tenant;
+  $("admin").hidden = !data.admin;
+  $("images-scope").textContent = data.admin ? "(every tenant)" : "(your tenant)";
+  $("errors-scope").textContent = data.admin
+    ? "(every tenant's and the backend's; \"refused\": the service said no)"
+    : "(yours and the backend's; \"refused\": the service said no)";
   const span = data.samples.length * data.interval;
   $("span").textContent = span < 120 ? `${Math.round(span)} s` : `${Math.round(span / 60)} min`;
   renderTiles(data);
@@ -243,7 +248,9 @@ function renderGroups(table, groups) {
     }
     const cell = el("td");
     cell.append(bar);
-    row.append(el("td", { class: "name" }, group.name), cell, el("td", { class: "total" }, group.total));
+    const waiting = group.waiting ? `+${group.waiting} waiting` : "";
+    row.append(el("td", { class: "name" }, group.name), cell, el("td", { class: "total" }, group.total),
+               el("td", { class: "waiting", "data-waiting": group.waiting ?? 0 }, waiting));
     body.append(row);
   }
 }
@@ -254,7 +261,7 @@ function renderErrors(errors) {
   for (const e of errors) {
     const row = el("tr");
     for (const [text, cls] of [[clock(e.at)], [e.event], [e.kind ?? ""], [e.image ?? ""],
-                               [e.sandbox_id ?? ""], [e.message, "message"]]) {
+                               [e.sandbox_id ?? ""], [e.tenant ?? ""], [e.message, "message"]]) {
       row.append(el("td", cls ? { class: cls } : {}, text));
     }
     body.append(row);
