@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from _common import cgroup_parent_dirs, new_cgroup_parent
 
 from sandman.images.busybox import busybox_rootfs_tar
 from sandman.providers.local import LocalProvider
@@ -69,7 +70,7 @@ async def local_service(
 ) -> AsyncIterator[LocalService]:
     """Start ``sandman serve`` on 127.0.0.1 and yield it once healthy; stop and clean up after."""
     state = Path(tempfile.mkdtemp(prefix="sms-", dir="/tmp"))
-    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-bench/{uuid.uuid4().hex[:8]}")
+    config = LocalConfig(state_dir=state, cgroup_parent=new_cgroup_parent())
     provider = LocalProvider(config)
     key = secrets.token_urlsafe(24)
     port = _free_port()
@@ -107,9 +108,7 @@ async def local_service(
         for info in await provider.list():  # only if the service failed to release them
             await provider.delete(info.id)
         await provider.aclose()
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
-            target = hierarchy / config.cgroup_parent.strip("/")
+        for target in cgroup_parent_dirs(config.cgroup_parent):
             with contextlib.suppress(OSError):
-                if target.is_dir():
-                    target.rmdir()
+                target.rmdir()
         shutil.rmtree(state, ignore_errors=True)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from _common import cgroup_parent_dirs, new_cgroup_parent
 
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
@@ -78,8 +79,35 @@ def _plot(usable: list[float], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _shares(requests: int, clients: int) -> list[int]:
+    """``requests`` split over ``clients`` as evenly as whole numbers go."""
+    return [requests // clients + (i < requests % clients) for i in range(clients)]
+
+
+def _report(
+    usable: list[float], expected: int, failures: list[str], leftover: int,
+    png: Path, title: str, fields: str,
+) -> list[str]:  # fmt: skip
+    """The run's closing lines (and its plot) from the sorted times to usable.
+
+    ``expected`` is how many should have become usable (t100 is inf short of
+    that); ``fields`` opens the summary line with what the mode ran.
+    """
+    t50 = usable[len(usable) // 2 - 1] if len(usable) >= 2 else float("nan")
+    t100 = usable[-1] if usable and len(usable) == expected else float("inf")
+    _plot(usable, png, title)
+    median = statistics.median(usable) if usable else float("nan")
+    rate = len(usable) / max(usable or [1])
+    summary = f"{fields} usable={len(usable)} rate_per_s={rate:.1f}"
+    lines = [f"{summary} median_time_to_usable_s={median:.2f}", f"plot={png}"]
+    if failures:
+        lines.append(f"first failure: {failures[0]}")
+    lines.append(f"failures={len(failures)} leftover={leftover} t50={t50:.2f} t100={t100:.2f}")
+    return lines
+
+
 async def run(requests: int, clients: int, state: Path, png: Path, pacing: PacingConfig) -> str:
-    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-bench/{uuid.uuid4().hex[:8]}")
+    config = LocalConfig(state_dir=state, cgroup_parent=new_cgroup_parent())
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_rootfs_tar(state / "busybox.tar"), name="busybox")
     pool = Pool(provider, PoolConfig(name=f"burst-{uuid.uuid4().hex[:6]}", pacing=pacing))
@@ -98,29 +126,19 @@ async def run(requests: int, clients: int, state: Path, png: Path, pacing: Pacin
         except SandboxError as exc:
             failures.append(repr(exc))
 
-    share = [requests // clients + (i < requests % clients) for i in range(clients)]
+    share = _shares(requests, clients)
     await asyncio.gather(*(one(c) for c, n in zip(sessions, share, strict=True) for _ in range(n)))
     for client in sessions:
         await client.aclose()
     await pool.aclose()
     leftover = len(await provider.list())
-    for hierarchy in Path("/sys/fs/cgroup").iterdir():
-        target = hierarchy / config.cgroup_parent.strip("/")
-        if target.is_dir():
-            target.rmdir()
+    for target in cgroup_parent_dirs(config.cgroup_parent):
+        target.rmdir()
 
     usable.sort()
-    t50 = usable[len(usable) // 2 - 1] if len(usable) >= 2 else float("nan")
-    t100 = usable[-1] if len(usable) == requests else float("inf")
-    _plot(usable, png, f"{requests} sandboxes, {clients} clients, one embedded pool")
-    median = statistics.median(usable) if usable else float("nan")
-    rate = len(usable) / max(usable or [1])
-    summary = f"requests={requests} clients={clients} usable={len(usable)} rate_per_s={rate:.1f}"
-    lines = [f"{summary} median_time_to_usable_s={median:.2f}", f"plot={png}"]
-    if failures:
-        lines.append(f"first failure: {failures[0]}")
-    lines.append(f"failures={len(failures)} leftover={leftover} t50={t50:.2f} t100={t100:.2f}")
-    return "\n".join(lines)
+    title = f"{requests} sandboxes, {clients} clients, one embedded pool"
+    fields = f"requests={requests} clients={clients}"
+    return "\n".join(_report(usable, requests, failures, leftover, png, title, fields))
 
 
 # -- through the service: clients are processes ------------------------------------------
@@ -211,7 +229,7 @@ async def run_processes(
     url: str, api_key: str, requests: int, clients: int, png: Path, *,
     kill: bool, via_proxy: bool, lease: float, provider: LocalProvider | None,
 ) -> str:  # fmt: skip
-    share = [requests // clients + (i < requests % clients) for i in range(clients)]
+    share = _shares(requests, clients)
     victim_index = 0 if kill else None
     command = [sys.executable, __file__, "--client", "--url", url]
     if via_proxy:
@@ -279,20 +297,13 @@ async def run_processes(
                 break
             await asyncio.sleep(0.2)
 
-    t50 = usable[len(usable) // 2 - 1] if len(usable) >= 2 else float("nan")
-    t100 = usable[-1] if usable and len(usable) == expected else float("inf")
     where = "a local service (--serve)" if provider is not None else url
-    _plot(usable, png, f"{requests} sandboxes, {clients} client processes, {where}")
-    median = statistics.median(usable) if usable else float("nan")
-    rate = len(usable) / max(usable or [1])
-    summary = (
+    title = f"{requests} sandboxes, {clients} client processes, {where}"
+    fields = (
         f"requests={requests} clients={clients} processes=yes via_proxy={via_proxy} "
-        f"surviving_requests={expected} usable={len(usable)} rate_per_s={rate:.1f}"
+        f"surviving_requests={expected}"
     )
-    lines += [f"{summary} median_time_to_usable_s={median:.2f}", f"plot={png}"]
-    if failures:
-        lines.append(f"first failure: {failures[0]}")
-    lines.append(f"failures={len(failures)} leftover={leftover} t50={t50:.2f} t100={t100:.2f}")
+    lines += _report(usable, expected, failures, leftover, png, title, fields)
     return "\n".join(lines)
 
 

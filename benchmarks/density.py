@@ -22,8 +22,9 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
+
+from _common import cgroup_parent_dirs, new_cgroup_parent
 
 from sandman.errors import SandboxError
 from sandman.images.busybox import busybox_rootfs_tar
@@ -64,10 +65,8 @@ def _leftover(provider: LocalProvider) -> int:
     count = len(list((state / "sandboxes").iterdir()))
     runtime = state / "runtime" / provider.config.runtime
     count += len(list(runtime.iterdir())) if runtime.exists() else 0
-    parent = provider.config.cgroup_parent.strip("/")
-    for hierarchy in Path("/sys/fs/cgroup").iterdir():
-        if (hierarchy / parent).is_dir():
-            count += sum(1 for p in (hierarchy / parent).iterdir() if p.is_dir())
+    for parent in cgroup_parent_dirs(provider.config.cgroup_parent):
+        count += sum(1 for p in parent.iterdir() if p.is_dir())
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and str(state) in (proc / "mountinfo").read_text():
@@ -78,7 +77,7 @@ def _leftover(provider: LocalProvider) -> int:
 
 
 async def run(n: int, concurrency: int, state: Path) -> str:
-    cgroup_parent = f"/sandman-bench/{uuid.uuid4().hex[:8]}"
+    cgroup_parent = new_cgroup_parent()
     provider = LocalProvider(LocalConfig(state_dir=state, cgroup_parent=cgroup_parent))
     tar = busybox_rootfs_tar(state / "busybox.tar")
     await provider.images.import_archive(tar, name="busybox")
@@ -138,10 +137,8 @@ async def run(n: int, concurrency: int, state: Path) -> str:
     deleted = time.perf_counter() - started
     leftover = _leftover(provider)
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
-    for hierarchy in Path("/sys/fs/cgroup").iterdir():
-        target = hierarchy / cgroup_parent.strip("/")
-        if target.is_dir():
-            target.rmdir()
+    for target in cgroup_parent_dirs(cgroup_parent):
+        target.rmdir()
     lines.append(
         f"ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
         f"mem_per_sandbox_mib={mem_per:.2f} leftover={leftover}"
