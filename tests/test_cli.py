@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 import uuid
@@ -222,3 +223,26 @@ def test_bench_runs_the_latency_benchmark_of_this_checkout() -> None:
     result = CliRunner().invoke(_build(), ["bench", "latency", "--args", "latency=-n 50"])
     assert result.exit_code == 0, result.output
     assert "noop_exec_ratio=" in result.stdout
+
+
+def test_a_config_errors_hint_fits_whose_configuration_it_is(tmp_path: Path) -> None:
+    kube = "hint: check the Kubernetes configuration: --kubeconfig / KUBECONFIG"
+    runner = CliRunner()
+    missing = str(tmp_path / "no-such-kubeconfig")
+    prepared = runner.invoke(_build(), ["prepare", "--kubeconfig", missing, "busybox:latest"])
+    assert prepared.exit_code == 1 and "cannot read kubeconfig" in prepared.output
+    assert kube in prepared.output and "doctor" not in prepared.output
+    keys = {"SANDMAN_API_KEYS": f"a:{KEY_A}"}
+    served = runner.invoke(
+        _build(), ["serve", "--provider", "kubernetes", "--port", "0"],
+        env={**keys, "SANDMAN_KUBERNETES": json.dumps({"kubeconfig": missing})},
+    )  # fmt: skip
+    assert served.exit_code == 1 and kube in served.output, served.output
+    odd = runner.invoke(
+        _build(), ["serve", "--provider", "kubernetes", "--port", "0"],
+        env={**keys, "SANDMAN_KUBERNETES": '{"no_such_field": 1}'},
+    )  # fmt: skip
+    assert odd.exit_code == 1 and "SANDMAN_KUBERNETES" in odd.output and kube in odd.output
+    settings = runner.invoke(_build(), ["serve", "--port", "0"], env={"SANDMAN_API_KEYS": "x"})
+    assert settings.exit_code == 1 and "invalid service settings" in settings.output
+    assert "hint: check the service's SANDMAN_* variables" in settings.output

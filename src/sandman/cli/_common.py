@@ -24,7 +24,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _HINTS: dict[type[errors.SandboxError], str] = {
     errors.ImageNotFound: "import it first: sandman images import ARCHIVE --name NAME",
     errors.ImageError: "check the archive or reference; `sandman images ls` lists what is here",
-    errors.ConfigError: "`sandman doctor` checks this machine",
     errors.CapacityError: "the machine is full: release sandboxes or try again later",
     errors.CreateTimeout: "raise --timeout, or check `sandman doctor`",
     errors.SandboxNotFound: "`sandman ls` lists the sandboxes",
@@ -32,8 +31,48 @@ _HINTS: dict[type[errors.SandboxError], str] = {
 }
 
 
+_KUBERNETES_HINT = (
+    "check the Kubernetes configuration: --kubeconfig / KUBECONFIG and --context "
+    "(`sandman serve`: SANDMAN_KUBERNETES), and the identity's permissions"
+)
+# A ConfigError's fix depends on whose configuration it is: by the module that raised it.
+_CONFIG_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("sandman.providers.kubernetes", "sandman.cli.prepare"), _KUBERNETES_HINT),
+    (("sandman.client.remote",),
+     "check --url and --api-key (SANDMAN_URL, SANDMAN_API_KEY)"),
+    (("sandman.server",),
+     "check the service's SANDMAN_* variables and options: `sandman serve --help`"),
+    (("sandman.providers.local", "sandman.images", "sandman.cli._common"),
+     "`sandman doctor` checks this machine"),
+)  # fmt: skip
+_KUBERNETES_WORDS = ("kubeconfig", "SANDMAN_KUBERNETES", "Kubernetes")
+
+
+def _raised_in(exc: BaseException) -> str:
+    """The module whose code raised ``exc`` (its traceback's innermost frame)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", ""))
+
+
+def _config_hint(exc: errors.ConfigError) -> str:
+    where = _raised_in(exc)
+    for modules, text in _CONFIG_HINTS:
+        if any(where == m or where.startswith(f"{m}.") for m in modules):
+            return text
+    if any(word in str(exc) for word in _KUBERNETES_WORDS):  # e.g. serve's SANDMAN_KUBERNETES
+        return _KUBERNETES_HINT
+    return "check the command's arguments and options (--help)"
+
+
 def hint(exc: errors.SandboxError) -> str:
-    """The one-line suggestion shown under an error."""
+    """The one-line suggestion shown under an error; a `ConfigError`'s fits whose
+    configuration it is (the Kubernetes one, the service's, this machine's...)."""
+    if isinstance(exc, errors.ConfigError):
+        return _config_hint(exc)
     for cls in type(exc).__mro__:
         if cls in _HINTS:
             return _HINTS[cls]
