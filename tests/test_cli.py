@@ -15,10 +15,8 @@ import sandman
 from sandman.cli import build as _build
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.pool import Pool, PoolConfig
-from sandman.providers.local import LocalProvider
-from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
-from tests.providers.local.leaks import assert_nothing_left
+from tests.providers.local.fresh import fresh_local_provider
 from tests.server.conftest import KEY_A, KEY_B, eventually, serve
 
 
@@ -160,13 +158,9 @@ async def test_exec_cp_ls_rm_against_a_service(tmp_path: Path) -> None:
 @needs_root_and_crun
 @pytest.mark.anyio
 async def test_exec_cp_ls_rm_on_the_local_provider(busybox_tar: Path, tmp_path: Path) -> None:
-    state = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
-    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}")
-    provider = LocalProvider(config)
-    await provider.images.import_archive(busybox_tar, name="busybox")
-    pool = Pool(provider, PoolConfig(name=f"cli-{uuid.uuid4().hex[:6]}"))
-    options = ["--state-dir", str(state)]
-    try:
+    async with fresh_local_provider(busybox_tar) as provider:
+        pool = Pool(provider, PoolConfig(name=f"cli-{uuid.uuid4().hex[:6]}"))
+        options = ["--state-dir", str(provider.config.state_dir)]
         async with AsyncClient(InProcessBackend(pool)) as client:
             sandbox = await client.acquire("busybox", memory="64Mi", pids=64, timeout=60)
             listed = await _cli(*options, "ls")
@@ -175,12 +169,6 @@ async def test_exec_cp_ls_rm_on_the_local_provider(busybox_tar: Path, tmp_path: 
             removed = await _cli(*options, "rm", sandbox.id)
             assert removed.exit_code == 0 and f"deleted {sandbox.id}" in removed.output
             assert await provider.list() == []
-    finally:
-        for info in await provider.list():
-            await provider.delete(info.id)
-        await provider.aclose()
-        await assert_nothing_left(provider)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_bench_outside_a_checkout_is_a_clear_error(tmp_path: Path) -> None:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +22,7 @@ import sandman
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
-from tests.providers.local.leaks import assert_nothing_left
+from tests.providers.local.fresh import fresh_local_provider
 from tests.server.conftest import KEY_A, KEY_B
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
@@ -57,18 +55,8 @@ class Host:
 
 @pytest.fixture
 async def host(busybox_tar: Path) -> AsyncIterator[Host]:
-    state = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
-    config = LocalConfig(state_dir=state, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}")
-    provider = LocalProvider(config)
-    await provider.images.import_archive(busybox_tar, name="busybox")
-    try:
-        yield Host(config, provider)
-    finally:
-        for info in await provider.list():
-            await provider.delete(info.id)
-        await provider.aclose()
-        await assert_nothing_left(provider)
-        shutil.rmtree(state, ignore_errors=True)
+    async with fresh_local_provider(busybox_tar) as provider:
+        yield Host(provider.config, provider)
 
 
 class ServeProcess:
