@@ -1,4 +1,5 @@
-"""``sandman shell`` driven like a person would: in tmux, with keys and the screen."""
+"""``sandman shell`` driven like a person would: in tmux, with keys and the screen; on the
+embedded local pool and against a ``sandman serve`` process (``--url``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -22,6 +24,8 @@ from sandman.cli import build
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
+from tests.server.conftest import KEY_A
+from tests.server.test_serve import Host, free_port, served
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # busybox sh's prompt; capture-pane drops the trailing space.
@@ -133,15 +137,16 @@ def tmux() -> Iterator[Tmux]:
         server.kill()
 
 
-def _start_shell(tmux: Tmux, state: Path, busybox_tar: Path) -> tuple[Path, str]:
-    """``sandman shell bb`` in a 100x30 tmux pane, at its prompt; its rc file and sandbox."""
+def _start_shell(tmux: Tmux, state: Path, busybox_tar: Path, *options: str) -> tuple[Path, str]:
+    """``sandman shell bb OPTIONS`` in a 100x30 tmux pane, at its prompt; its rc file and
+    sandbox."""
     imported = CliRunner().invoke(
         build(), ["--state-dir", str(state), "images", "import", str(busybox_tar), "--name", "bb"]
     )
     assert imported.exit_code == 0, imported.output
     rc_file = state / "rc"
     sandman = [sys.executable, "-c", "from sandman.cli import main; main()"]
-    command = f"{shlex.join([*sandman, '--state-dir', str(state), 'shell', 'bb'])}; "
+    command = f"{shlex.join([*sandman, '--state-dir', str(state), 'shell', 'bb', *options])}; "
     command += f"echo $? > {shlex.quote(str(rc_file))}"
     tmux("new-session", "-d", "-s", "shell", "-x", "100", "-y", "30", command)
     _until("the prompt", lambda: PROMPT.search(tmux.screen()) is not None, 90, tmux.screen)
@@ -224,6 +229,45 @@ def test_shell_hung_up_releases_its_sandbox(busybox_tar: Path, state: Path, tmux
     _, sandbox_id = _start_shell(tmux, state, busybox_tar)
     tmux("kill-session", "-t", "shell")  # the terminal goes away: SIGHUP
     _assert_released(state, sandbox_id)
+
+
+@needs_root_and_crun
+@needs_tmux
+@slow
+def test_shell_against_a_service_via_its_proxy(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
+    config = LocalConfig(state_dir=state)  # the default cgroup parent, as `_leftovers` expects
+    host = Host(config, LocalProvider(config))
+    pool = f"shell-test-{uuid.uuid4().hex[:8]}"
+    with served(host, free_port(), pool, "--log-level", "info") as server:  # requests logged
+        anyio.run(server.wait_healthy)
+        auth = {"Authorization": f"Bearer {KEY_A}"}
+
+        def sandboxes() -> list[tuple[str, str]]:
+            listed = httpx.get(f"{server.url}/v1/sandboxes", headers=auth, timeout=10)
+            return [(s["id"], s["state"]) for s in listed.json()["sandboxes"]]
+
+        # The service's pool and the image import share one state dir: bb is the service's.
+        options = ("--url", server.url, "--api-key", KEY_A, "--via-proxy")
+        rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar, *options)
+        assert sandboxes() == [(sandbox_id, "leased")]
+        tmux("send-keys", "-t", "shell", "echo $((6*7))", "Enter")
+        _until("42", lambda: tmux.shows("42"), 20, tmux.screen)
+        tmux("send-keys", "-t", "shell", "exit 5", "Enter")
+        _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+        assert rc_file.read_text().strip() == "5"
+        # Released on the service (which keeps it listed as gone), and nothing of it left.
+        _until("the service to let it go", lambda: sandboxes() == [(sandbox_id, "gone")], 30,
+               lambda: repr(sandboxes()))  # fmt: skip
+        _assert_released(state, sandbox_id)
+        # The keys and the screen went through the service's proxy route, not to the daemon.
+        assert f"/v1/sandboxes/{sandbox_id}/daemon/v1/processes" in server.output()
+        assert anyio.run(server.terminate) == 0, server.output()
+
+
+def test_shell_via_proxy_needs_a_url() -> None:
+    result = CliRunner().invoke(build(), ["shell", "bb", "--via-proxy"], input="")
+    assert result.exit_code == 2
+    assert "--via-proxy needs --url" in result.output
 
 
 def test_shell_without_a_terminal_says_so() -> None:

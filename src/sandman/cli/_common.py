@@ -123,12 +123,15 @@ def client_options(command: F) -> F:
     )(command)
 
 
-def open_client(ctx: click.Context, url: str | None, api_key: str | None) -> AsyncClient:
-    """A client for the service at ``url``, or for an embedded local pool."""
+def open_client(
+    ctx: click.Context, url: str | None, api_key: str | None, *, via_proxy: bool = False
+) -> AsyncClient:
+    """A client for the service at ``url`` (``via_proxy``: reach daemons through its
+    proxy route), or for an embedded local pool."""
     from sandman.client import connect, local
 
     if url:
-        return connect(url, api_key=api_key or "")
+        return connect(url, api_key=api_key or "", via_proxy=via_proxy or None)
     return local(state_dir=local_config(ctx).state_dir)
 
 

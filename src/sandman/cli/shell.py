@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from sandman import errors
-from sandman.cli._common import client_options, open_client, run_async
+from sandman.cli._common import client_options, open_client, run_async, via_proxy_option
 from sandman.client import AsyncSandbox
 
 # Looked for in this order when --shell is not given.
@@ -157,12 +157,15 @@ async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) 
     "--shell", "shell_path", help="Shell to run (default: bash if present, else /bin/sh)."
 )
 @client_options
+@via_proxy_option
 @click.pass_context
 def shell(
     ctx: click.Context, image: str, cpu: float, memory: str, network: str,
-    shell_path: str | None, url: str | None, api_key: str | None,
+    shell_path: str | None, url: str | None, api_key: str | None, via_proxy: bool,
 ) -> None:  # fmt: skip
     """An interactive shell in a fresh sandbox; exiting the shell releases it."""
+    if via_proxy and not url:
+        raise click.UsageError("--via-proxy needs --url (or SANDMAN_URL): it is a service's route")
     if not sys.stdin.isatty():
         click.echo("error: sandman shell needs a terminal: stdin is not a tty", err=True)
         click.echo("hint: for a command without one, use: sandman run IMAGE -- CMD", err=True)
@@ -170,7 +173,7 @@ def shell(
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
 
     async def go() -> int:
-        client = open_client(ctx, url, api_key)
+        client = open_client(ctx, url, api_key, via_proxy=via_proxy)
         async with (
             client,
             client.sandbox(image, cpu=cpu, memory=memory, network=network, timeout=600) as sb,
