@@ -1,7 +1,8 @@
-"""Build the shipped evaluation instances: one Debian image holding three small repositories.
+"""Build the shipped evaluation instances: one Debian image holding four small repositories.
 
 Offline apart from the OS package mirror: ``debootstrap`` makes a Debian
-bookworm root with python3, pytest, git and patch (cached as a tarball under
+bookworm root with python3, pytest, Django, git and patch
+(`sandman.images.debootstrap`; cached as a tarball under
 ``$SANDMAN_TEST_CACHE``, default ``/var/cache/sandman/test-images``, so only
 the first build takes minutes); each repository under ``repos/`` becomes a git
 repository at ``/testbed/<name>`` with fixed dates, so its commits have the
@@ -17,21 +18,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from sandman.images import ImageStore
+from sandman.images.debootstrap import DEFAULT_CACHE, build_debian_rootfs
 
 HERE = Path(__file__).resolve().parent
 IMAGE = "sandman-eval-demo:1"
 SUITE = "bookworm"
-PACKAGES = ("python3", "python3-pytest", "git", "patch")
+PACKAGES = ("python3", "python3-pytest", "python3-django", "git", "patch")
 # Bump when the recipe changes, so stale caches are not reused.
 RECIPE = 1
 # Every commit is made at this instant by this person, so its hash is the same on every machine.
@@ -47,46 +47,12 @@ _GIT_ENV = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SANDMAN_TEST_CACHE", "/var/cache/sandman/test-images"))
-
-
-def mirror() -> str:
-    """The Debian mirror apt already uses on this machine."""
-    for source in (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list")):
-        if source.exists():
-            match = re.search(r"(?:URIs:|deb)\s+(https?://\S+/debian)\b", source.read_text())
-            if match:
-                return match[1]
-    return "http://deb.debian.org/debian"
+    return Path(os.environ.get("SANDMAN_TEST_CACHE", DEFAULT_CACHE))
 
 
 def base_tar() -> Path:
     """The cached Debian rootfs tarball, made by debootstrap first if missing."""
-    cache = cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"eval-debian-{SUITE}-r{RECIPE}.tar"
-    if target.exists():
-        return target
-    with (cache / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        work = Path(tempfile.mkdtemp(prefix="debootstrap-", dir=cache))
-        try:
-            root = work / "root"
-            subprocess.run(
-                ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
-                 SUITE, str(root), mirror()],
-                check=True, capture_output=True, timeout=1500,
-            )  # fmt: skip
-            for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
-                shutil.rmtree(root / junk, ignore_errors=True)
-            partial = work / "rootfs.tar"
-            _tar(root, ".", partial)
-            partial.rename(target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return target
+    return build_debian_rootfs(PACKAGES, suite=SUITE, recipe=RECIPE, cache_dir=cache_dir())
 
 
 def _tar(root: Path, member: str, out: Path, *, append: bool = False) -> None:
