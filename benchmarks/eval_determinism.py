@@ -1,11 +1,11 @@
 """Determinism of evaluation: the shipped batch graded three times, once under a CPU burst.
 
 Builds the shipped instances (``examples/eval/build.py``: a cached Debian
-image with three small repositories), then grades every shipped prediction
-(gold, wrong, non-applying, fuzzy, 3-way, hanging, OOM and tampering patches)
-three times, each into a fresh output directory so nothing is reused. During
-the second run a burst of other sandboxes (``--burst``, each spinning its
-whole CPU share) competes for the machine. The verdicts of each run are
+image with four small repositories, one a Django app), then grades every
+shipped prediction (gold, wrong, non-applying, fuzzy, 3-way, hanging, OOM and
+tampering patches) three times, each into a fresh output directory so nothing
+is reused. During the second run a burst of other sandboxes (``--burst``,
+each spinning its whole CPU share) competes for the machine. The verdicts of each run are
 compared, as canonical JSON bytes, with the first run's. The last line is
 
     expected=<n>/<N> identical_runs=<k>/3

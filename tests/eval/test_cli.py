@@ -43,14 +43,32 @@ def test_eval_command_grades_and_resumes(demo: Demo, tmp_path: Path) -> None:
     done = CliRunner().invoke(build(), args)
     assert done.exit_code == 0, done.output
     assert "resolved      gold/calc-1" in done.output
+    assert "resolved      gold/shop-1" in done.output
     assert "patch_failed  noapply/calc-1" in done.output
-    assert "4 evaluated (0 reused" in done.output
+    assert "5 evaluated (0 reused" in done.output
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["resolved"], summary["unresolved"], summary["error"]) == (3, 1, 0)
+    assert (summary["resolved"], summary["unresolved"], summary["error"]) == (4, 1, 0)
     assert summary["conditions"]["timeout"] == 120
     assert (out / "summary.html").exists()
     again = CliRunner().invoke(build(), args)
-    assert "4 evaluated (4 reused" in again.output
+    assert "5 evaluated (5 reused" in again.output
+
+    # Infrastructure errors a past run left, as it stores them: kept on a plain
+    # re-run, graded again (to the patches' real verdicts) with --retry-errors.
+    for model, instance_id, status in (("gold", "shop-1", "sandbox_died"),
+                                       ("noapply", "calc-1", "error")):  # fmt: skip
+        path = out / model / instance_id / "report.json"
+        report = json.loads(path.read_text())
+        report["verdict"]["status"] = status
+        path.write_text(json.dumps(report))
+    again = CliRunner().invoke(build(), args)
+    assert "sandbox_died  gold/shop-1" in again.output
+    assert "5 evaluated (5 reused" in again.output
+    retried = CliRunner().invoke(build(), [*args, "--retry-errors"])
+    assert retried.exit_code == 0, retried.output
+    assert "5 evaluated (3 reused" in retried.output
+    assert "resolved      gold/shop-1" in retried.output
+    assert "patch_failed  noapply/calc-1" in retried.output
 
 
 def test_the_readme_shows_this_command() -> None:

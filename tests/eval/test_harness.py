@@ -106,6 +106,22 @@ async def test_every_kind_of_patch_gets_its_verdict(
     assert tamper.pass_to_pass == wrong.pass_to_pass
     assert all(s == "PASSED" for s in wrong.pass_to_pass.values())
 
+    # The Django instance ran under Django's own runner, database and all: the
+    # django parser read every test, and only the gold patch fixes the bug.
+    shop = "test_single_digit_cents (shop_tests.tests.FormatCentsTests)"
+    assert got["gold", "shop-1"].fail_to_pass == {shop: "PASSED"}
+    assert got["wrong", "shop-1"].fail_to_pass == {shop: "FAILED"}
+    for model in ("gold", "wrong"):
+        assert got[model, "shop-1"].pass_to_pass == {
+            "test_two_digit_cents (shop_tests.tests.FormatCentsTests)": "PASSED",
+            "test_under_a_unit (shop_tests.tests.FormatCentsTests)": "PASSED",
+            "test_cheapest_first (shop_tests.tests.ProductTests)": "PASSED",
+            "test_price_display (shop_tests.tests.ProductTests)": "PASSED",
+        }
+    shop_log = json.loads((tmp_path / "wrong" / "shop-1" / "report.json").read_text())
+    assert "Creating test database for alias 'default'" in shop_log["test_output"]
+    assert "AssertionError: '12.50' != '12.05'" in shop_log["test_output"]
+
     # A run cut short has no test results, only the reason.
     assert got["oom", "calc-1"].fail_to_pass == got["oom", "calc-1"].pass_to_pass == {}
 
