@@ -75,6 +75,17 @@ def test_errors_are_one_line_and_a_hint_unless_debug() -> None:
     assert debug.exit_code == 1 and isinstance(debug.exception, sandman.ConfigError)
 
 
+def test_bad_settings_from_the_environment_are_one_line_too() -> None:
+    result = CliRunner().invoke(_build(), ["ls"], env={"SANDMAN_RUNTIME": "bogus"})
+    assert result.exit_code == 1
+    first, hint = result.output.splitlines()
+    assert first == (
+        "error: invalid local provider settings: "
+        "runtime: Input should be 'crun' or 'runc' (got 'bogus')"
+    )
+    assert hint.startswith("hint: ")
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> Awaitable[Result]:
     """Invoke the CLI in a thread (it runs its own event loop)."""
     return asyncio.to_thread(CliRunner().invoke, _build(), list(args), env=env)

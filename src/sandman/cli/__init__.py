@@ -23,10 +23,21 @@ def build() -> click.Group:
     """The root ``sandman`` command group with every subcommand attached."""
     import click
 
+    from sandman import errors
     from sandman.cli import bench, host, images, prepare, sandboxes, serve, shell
     from sandman.cli import eval as evaluation
+    from sandman.cli._common import fail
 
-    @click.group()
+    class Root(click.Group):
+        # Errors raised outside run_async (settings read before any coroutine
+        # starts) still become one line and a hint, not a traceback.
+        def invoke(self, ctx: click.Context) -> object:
+            try:
+                return super().invoke(ctx)
+            except (errors.SandboxError, OSError) as exc:
+                fail(exc, bool(ctx.obj and ctx.obj.get("debug")))
+
+    @click.group(cls=Root)
     @click.version_option(package_name="sandman-rl")
     @click.option("--debug", is_flag=True, help="Show tracebacks.")
     @click.option(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
+from pydantic import ValidationError
 
 from sandman import errors
 from sandman.settings import LocalConfig
@@ -109,8 +110,15 @@ def local_config(ctx: click.Context) -> LocalConfig:
             values[field] = os.environ[f"SANDMAN_{field.upper()}"]
     try:
         return LocalConfig.model_validate(values)
-    except ValueError as exc:
-        raise errors.ConfigError(f"invalid local provider settings: {exc}") from None
+    except ValidationError as exc:
+        raise errors.ConfigError(f"invalid local provider settings: {_one_line(exc)}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    """Pydantic's report on one line: ``field: message (got value)`` per problem."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in exc.errors()
+    )
 
 
 def client_options(command: F) -> F:
