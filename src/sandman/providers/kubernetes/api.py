@@ -167,9 +167,18 @@ class KubeAPI:
         self, selector: str, *, page: int = _PAGE
     ) -> tuple[list[dict[str, Any]], str]:
         """Every pod matching the label selector, ``page`` at a time; and the list's
-        resourceVersion (where a watch continues)."""
+        resourceVersion (where a watch continues).
+
+        Served from the API server's watch cache (``resourceVersion=0``): a
+        reconcile of thousands of pods must not read them all from etcd every
+        time, and a pod a few milliseconds too new is found on the next round.
+        """
         items: list[dict[str, Any]] = []
-        params: dict[str, str | int] = {"labelSelector": selector, "limit": page}
+        params: dict[str, str | int] = {
+            "labelSelector": selector,
+            "limit": page,
+            "resourceVersion": "0",
+        }
         while True:
             body = await self.request("GET", self._pods, "list pods", params=params)
             items.extend(body.get("items") or [])
@@ -177,6 +186,7 @@ class KubeAPI:
             if not metadata.get("continue"):
                 return items, str(metadata.get("resourceVersion", ""))
             params["continue"] = metadata["continue"]
+            params.pop("resourceVersion", None)  # a continue token carries its own
 
     async def watch_pods(
         self, selector: str, resource_version: str, *, timeout_seconds: int = 300
