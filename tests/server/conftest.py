@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -25,6 +25,8 @@ KEY_A = "key-of-tenant-a-0123456789"
 KEY_B = "key-of-tenant-b-0123456789"
 AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
 AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
+
+T = TypeVar("T")
 
 
 def settings(**overrides: Any) -> ServerSettings:
@@ -96,6 +98,33 @@ def serve(
 
     The app's lifespan starts the pool and, at the end, shuts the service down.
     """
+
+    @contextlib.asynccontextmanager
+    async def setup() -> AsyncIterator[tuple[FastAPI, tuple[FastAPI, Pool, FakeProvider]]]:
+        async with FakeProvider(daemon=daemon, seed=3) as provider:
+            pool = Pool(provider, pool_config or PoolConfig(name="served"))
+            app = create_app(pool, settings(close_pool=True, **overrides))
+            yield app, (app, pool, provider)
+
+    with serve_in_thread(setup) as (url, (app, pool, provider), loop):
+        yield Served(url, app, pool, provider, loop)
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    setup: Callable[[], contextlib.AbstractAsyncContextManager[tuple[FastAPI, T]]],
+    *,
+    name: str = "uvicorn",
+    start_timeout: float = 20.0,
+    stop_timeout: float = 30.0,
+) -> Iterator[tuple[str, T, asyncio.AbstractEventLoop]]:
+    """Serve the app ``setup`` yields in uvicorn on 127.0.0.1:<free port>, on a thread
+    with its own event loop, until the block ends.
+
+    The block gets the URL, what ``setup`` yielded beside the app and the server's
+    loop. ``setup`` is entered and left on that loop: it is left once the server
+    has stopped. Whatever the thread raised is raised here at the end.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -103,14 +132,11 @@ def serve(
     failure: list[BaseException] = []
 
     async def main() -> None:
-        async with FakeProvider(daemon=daemon, seed=3) as provider:
-            pool = Pool(provider, pool_config or PoolConfig(name="served"))
-            app = create_app(pool, settings(close_pool=True, **overrides))
+        async with setup() as (app, extra):
             server = uvicorn.Server(
                 uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http="h11")
             )
-            box.update(server=server, app=app, pool=pool, provider=provider)
-            box["loop"] = asyncio.get_running_loop()
+            box.update(server=server, extra=extra, loop=asyncio.get_running_loop())
             await server.serve(sockets=[sock])
 
     def thread_main() -> None:
@@ -119,22 +145,23 @@ def serve(
         except BaseException as exc:  # noqa: BLE001 - reported to the test below
             failure.append(exc)
 
-    thread = threading.Thread(target=thread_main, name="uvicorn", daemon=True)
+    thread = threading.Thread(target=thread_main, name=name, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not (box.get("server") and box["server"].started):
-        if failure or not thread.is_alive():
-            raise RuntimeError("the server did not start") from (failure[0] if failure else None)
-        if time.monotonic() > deadline:
-            raise TimeoutError("the server did not start within 20 s")
-        time.sleep(0.01)
     try:
-        yield Served(
-            f"http://127.0.0.1:{port}", box["app"], box["pool"], box["provider"], box["loop"]
-        )
+        deadline = time.monotonic() + start_timeout
+        while not (box.get("server") and box["server"].started):
+            if failure or not thread.is_alive():
+                raise RuntimeError("the server did not start") from (
+                    failure[0] if failure else None
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start within {start_timeout:g} s")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}", box["extra"], box["loop"]
     finally:
-        box["server"].should_exit = True
-        thread.join(30)
+        if "server" in box:
+            box["server"].should_exit = True
+        thread.join(stop_timeout)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
         if failure:

@@ -9,11 +9,7 @@ import math
 import os
 import shutil
 import signal
-import socket
-import tempfile
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 import sandman
@@ -31,7 +26,15 @@ from sandman.server import LABEL_TENANT, ApiKey, ServerSettings, create_app
 from sandman.server.dashboard import BUCKETS, NO_TENANT, OTHER_TENANTS, Sampler
 from sandman.server.schemas import DashboardOut
 from sandman.testing import FakeProvider
-from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, eventually, settings
+from tests.server.conftest import (
+    AUTH_A,
+    AUTH_B,
+    KEY_A,
+    KEY_B,
+    eventually,
+    serve_in_thread,
+    settings,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -373,66 +376,17 @@ class Served:
 def serve_local(busybox_tar: Path) -> Iterator[Served]:
     """The service over a pool of the local provider (images ``busybox`` and ``tools``), on
     127.0.0.1:<free port>. At the end: everything deleted and nothing of it left."""
-    from sandman.providers.local import LocalProvider
-    from sandman.settings import LocalConfig
-    from tests.providers.local.leaks import assert_nothing_left
+    from tests.providers.local.fresh import fresh_local_provider
 
-    state_dir = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))  # short: socket paths
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    box: dict[str, Any] = {}
-    failure: list[BaseException] = []
-
-    async def main() -> None:
-        config = LocalConfig(
-            state_dir=state_dir, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}"
-        )
-        provider = LocalProvider(config)
-        try:
-            for name in ("busybox", "tools"):
-                await provider.images.import_archive(busybox_tar, name=name)
+    @contextlib.asynccontextmanager
+    async def setup() -> AsyncIterator[tuple[FastAPI, Pool]]:
+        async with fresh_local_provider(busybox_tar, ("busybox", "tools")) as provider:
             pool = Pool(provider, PoolConfig(name="dash"))
-            app = create_app(pool, settings(close_pool=True))
-            server = uvicorn.Server(
-                uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http="h11")
-            )
-            box.update(server=server, pool=pool, loop=asyncio.get_running_loop())
-            await server.serve(sockets=[sock])
-        finally:
-            for info in await provider.list():
-                await provider.delete(info.id)
-            await provider.aclose()
-            await assert_nothing_left(provider)
+            yield create_app(pool, settings(close_pool=True)), pool
 
-    def thread_main() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported to the test below
-            failure.append(exc)
-
-    thread = threading.Thread(target=thread_main, name="uvicorn-local", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (box.get("server") and box["server"].started):
-            if failure or not thread.is_alive():
-                raise RuntimeError("the server did not start") from (
-                    failure[0] if failure else None
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not start within 30 s")
-            time.sleep(0.01)
-        yield Served(f"http://127.0.0.1:{port}", box["pool"], box["loop"])
-    finally:
-        if "server" in box:
-            box["server"].should_exit = True
-        thread.join(60)
-        sock.close()
-        shutil.rmtree(state_dir, ignore_errors=True)
-        assert not thread.is_alive(), "the server did not stop"
-        if failure:
-            raise failure[0]
+    served = serve_in_thread(setup, name="uvicorn-local", start_timeout=30, stop_timeout=60)
+    with served as (url, pool, loop):
+        yield Served(url, pool, loop)
 
 
 def _descendants(root: int) -> dict[int, str]:
