@@ -171,6 +171,13 @@ def _assert_released(state: Path, sandbox_id: str) -> None:
     )
 
 
+def _assert_ended(tmux: Tmux, rc_file: Path, rc: str, state: Path, sandbox_id: str) -> None:
+    """The pane's ``sandman shell`` exits with status ``rc`` and leaves nothing behind."""
+    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+    assert rc_file.read_text().strip() == rc
+    _assert_released(state, sandbox_id)
+
+
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 # Creating the sandbox can be slow on a busy machine.
 slow = pytest.mark.timeout(180)
@@ -205,9 +212,7 @@ def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
     _until("the shell after ^C", lambda: tmux.shows("after-2"), 20, tmux.screen)
 
     tmux("send-keys", "-t", "shell", "exit 7", "Enter")
-    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
-    assert rc_file.read_text().strip() == "7"
-    _assert_released(state, sandbox_id)
+    _assert_ended(tmux, rc_file, "7", state, sandbox_id)
 
 
 @needs_root_and_crun
@@ -217,9 +222,7 @@ def test_shell_ends_when_its_sandbox_goes_away(busybox_tar: Path, state: Path, t
     rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar)
     removed = CliRunner().invoke(build(), ["--state-dir", str(state), "rm", sandbox_id])
     assert removed.exit_code == 0, removed.output
-    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
-    assert rc_file.read_text().strip() == "1"
-    _assert_released(state, sandbox_id)
+    _assert_ended(tmux, rc_file, "1", state, sandbox_id)
 
 
 @needs_root_and_crun
