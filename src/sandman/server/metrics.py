@@ -30,6 +30,20 @@ STATES: tuple[State, ...] = (
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+# The pacer's gauges: name, help and their key in ``Pool.stats()`` (NaN when it is missing).
+_PACING = (
+    ("sandman_pacing_rate", "Create calls per second the pacer allows now.", "pacing_rate"),
+    ("sandman_pacing_window", "Most sandboxes created but not yet ready, now.", "pacing_window"),
+    ("sandman_pacing_in_flight", "Sandboxes created but not yet ready.", "pacing_in_flight"),
+    ("sandman_pacing_queued", "Requests waiting for the pacer.", "pacing_queued"),
+    (
+        "sandman_pacing_latency_seconds",
+        "The pacer's running average of readiness latency.",
+        "pacing_latency",
+    ),
+)
+
+
 class _PoolCollector(Collector):
     """Gauges read at scrape time: sandboxes per state, sessions, pacing, queue depth."""
 
@@ -47,26 +61,8 @@ class _PoolCollector(Collector):
             states.add_metric([pool, state], stats.get(state, 0.0))
         yield states
         yield _gauge("sandman_sessions", "Open client sessions.", pool, stats.get("sessions", 0))
-        yield _gauge(
-            "sandman_pacing_rate", "Create calls per second the pacer allows now.",
-            pool, stats.get("pacing_rate", math.nan),
-        )  # fmt: skip
-        yield _gauge(
-            "sandman_pacing_window", "Most sandboxes created but not yet ready, now.",
-            pool, stats.get("pacing_window", math.nan),
-        )  # fmt: skip
-        yield _gauge(
-            "sandman_pacing_in_flight", "Sandboxes created but not yet ready.",
-            pool, stats.get("pacing_in_flight", math.nan),
-        )  # fmt: skip
-        yield _gauge(
-            "sandman_pacing_queued", "Requests waiting for the pacer.",
-            pool, stats.get("pacing_queued", math.nan),
-        )  # fmt: skip
-        yield _gauge(
-            "sandman_pacing_latency_seconds", "The pacer's running average of readiness latency.",
-            pool, stats.get("pacing_latency", math.nan),
-        )  # fmt: skip
+        for name, documentation, key in _PACING:
+            yield _gauge(name, documentation, pool, stats.get(key, math.nan))
         depth = GaugeMetricFamily(
             "sandman_queue_depth", "Acquires waiting at the service, per tenant.",
             labels=["pool", "tenant"],
