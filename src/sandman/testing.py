@@ -379,6 +379,7 @@ class FakeProvider:
 
         It stays held (listed, counted in `live`) until deleted, like a pod
         whose node died. Raises `SandboxNotFound` for a sandbox not held.
+        Call it on the event loop the provider runs on (it stops the daemon there).
         """
         sandbox = self._sandboxes.get(sandbox_id)
         if sandbox is None:

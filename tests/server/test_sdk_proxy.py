@@ -81,7 +81,13 @@ async def test_a_vanished_sandbox_is_not_found_through_the_proxy() -> None:
     with serve() as served:
         async with sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client:
             sb = await client.acquire("task", timeout=20)
-            served.provider.lose(sb.id)
+            sandbox_id = sb.id
+
+            async def lose() -> None:
+                # On the server's loop: the fake's daemon task must live there.
+                served.provider.lose(sandbox_id)
+
+            await asyncio.to_thread(served.run, lose())
             with pytest.raises(sandman.SandboxNotFound):
                 await sb.exec("true")
             await sb.release()
