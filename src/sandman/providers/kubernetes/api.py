@@ -120,6 +120,7 @@ class KubeAPI:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def aclose(self) -> None:
+        """Close the connections."""
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -52,12 +52,15 @@ class PodWatch:
         await asyncio.shield(self._synced)
 
     def add(self, name: str, waiter: Waiter) -> None:
+        """Hand every event of pod ``name`` to ``waiter`` (one waiter per pod)."""
         self._waiters[name] = waiter
 
     def remove(self, name: str) -> None:
+        """Stop handing events of pod ``name`` on."""
         self._waiters.pop(name, None)
 
     async def aclose(self) -> None:
+        """Stop watching."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
