@@ -50,6 +50,21 @@ def real_node_spec(cluster: KubeCluster, **fields: Any) -> SandboxSpec:
     )
 
 
+# KWOK's general pod stages wait 1-6 s each; tests about the API need no such wait.
+KWOK_NO_DELAY = {
+    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
+    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
+                  "pod-ready")
+    for key in ("delay", "jitter-delay")
+}  # fmt: skip
+KWOK = KubernetesOptions(
+    cpu_request=0.001,
+    memory_request="1Mi",
+    node_selector={"type": "kwok"},
+    tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+)
+
+
 def config_for(cluster: KubeCluster, **fields: Any) -> KubernetesConfig:
     return KubernetesConfig(kubeconfig=cluster.kubeconfig, namespace=cluster.namespace, **fields)
 
@@ -244,14 +259,10 @@ async def test_list_selects_by_label_page_by_page(
     kube_cluster: KubeCluster, admin: Admin, pool_name: str
 ) -> None:
     # Pod readiness on KWOK nodes: listing needs pods, not running daemons.
-    provider = KubernetesProvider(config_for(kube_cluster, readiness="pod"))
-    kwok = KubernetesOptions(
-        cpu_request=0.001,
-        memory_request="1Mi",
-        node_selector={"type": "kwok"},
-        tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+    provider = KubernetesProvider(
+        config_for(kube_cluster, readiness="pod", annotations=KWOK_NO_DELAY)
     )
-    spec = SandboxSpec(image=BUSYBOX, kubernetes=kwok)
+    spec = SandboxSpec(image=BUSYBOX, kubernetes=KWOK)
     try:
 
         async def create(session: str) -> None:

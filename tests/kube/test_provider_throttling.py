@@ -16,28 +16,15 @@ import anyio
 import pytest
 
 from sandman import errors
-from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
 from sandman.providers.kubernetes import KubernetesProvider
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.test_provider import Admin, config_for
+from tests.kube.test_provider import KWOK, KWOK_NO_DELAY, Admin, config_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 BURST = 800
-# KWOK's general stages wait seconds per pod; the burst is about the API server.
-NO_DELAY = {
-    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
-    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
-                  "pod-ready")
-    for key in ("delay", "jitter-delay")
-}  # fmt: skip
-KWOK = KubernetesOptions(
-    cpu_request=0.001,
-    memory_request="1Mi",
-    node_selector={"type": "kwok"},
-    tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
-)
 
 
 @pytest.fixture
@@ -54,7 +41,9 @@ async def test_a_burst_over_the_limits_waits_instead_of_failing(
     kube_cluster: KubeCluster, admin: Admin
 ) -> None:
     pool_name = f"t7t-{uuid.uuid4().hex[:8]}"
-    config = config_for(kube_cluster, readiness="pod", max_connections=BURST, annotations=NO_DELAY)
+    config = config_for(
+        kube_cluster, readiness="pod", max_connections=BURST, annotations=KWOK_NO_DELAY
+    )
     provider = KubernetesProvider(config)
     # Unlimited to begin with: all of the burst may be sent at once.
     pacing = PacingConfig(rate=5000, burst=BURST, max_rate=5000, window=BURST, max_window=BURST)
@@ -65,7 +54,7 @@ async def test_a_burst_over_the_limits_waits_instead_of_failing(
         async with Pool(
             provider, PoolConfig(name=pool_name, pacing=pacing), hook=events.append
         ) as pool:
-            session = pool.open_session()
+            session = pool.open_session(lease=3600)  # nobody heartbeats here
 
             async def one() -> None:
                 try:
