@@ -298,7 +298,7 @@ async def client_cpu(kubeconfig: Path, count: int, workers: int) -> None:
         await measure("httpx", lambda name: api.create_pod(body(name)))
         try:
             from kubernetes_asyncio import client as k8s_client  # type: ignore[import-not-found,unused-ignore]  # optional
-            from kubernetes_asyncio import config as k8s_config
+            from kubernetes_asyncio import config as k8s_config  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             print("client_cpu kubernetes_asyncio: not installed (pip install kubernetes_asyncio)")
             return
