@@ -22,8 +22,9 @@ from sandman import errors
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import KubernetesOptions, SandboxSpec
 from sandman.pool import Pool, PoolConfig
-from sandman.providers.kubernetes import KubernetesProvider
+from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.api import WatchExpired
+from sandman.providers.kubernetes.watch import PodWatch
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
 
@@ -297,3 +298,39 @@ async def test_a_watch_from_a_compacted_version_says_list_again(
     with pytest.raises(WatchExpired):
         async for _ in provider.api.watch_pods("sandman.io/pool=none", "1", timeout_seconds=5):
             pass
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 120)
+async def test_the_watch_resumes_where_the_server_ended_it(
+    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+) -> None:
+    # A watch the server ends every second: each time it goes on from the last
+    # resourceVersion, without listing again, and still sees every transition.
+    watch = PodWatch(provider.api, f"{POOL}={pool_name}", timeout_seconds=1)
+    seen: list[str] = []
+    try:
+        await watch.ensure_started()
+        assert watch.relists == 1
+
+        async def restarted() -> bool:
+            return watch.restarts >= 2
+
+        await wait_for("the server to end the watch twice", 30, restarted)
+        name = f"{pool_name}-w"
+        watch.add(name, lambda kind, pod: seen.append(kind))
+        spec = SandboxSpec(image=BUSYBOX, kubernetes=KWOK)
+        body = pods.pod_manifest(
+            name=name, spec=spec, labels={POOL: pool_name}, token="t",
+            config=config_for(kube_cluster, annotations=KWOK_NO_DELAY),
+        )  # fmt: skip
+        await provider.api.create_pod(body)
+        await provider.delete(name)
+
+        async def deleted() -> bool:
+            return "DELETED" in seen
+
+        await wait_for("the watch to see the pod come and go", 30, deleted)
+        assert seen[0] == "ADDED"
+        assert watch.relists == 1
+    finally:
+        await watch.aclose()

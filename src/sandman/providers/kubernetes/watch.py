@@ -32,9 +32,10 @@ _BACKOFF_MAX = 10.0
 class PodWatch:
     """Watches pods matching ``selector`` and hands every event to the waiter for that pod."""
 
-    def __init__(self, api: KubeAPI, selector: str) -> None:
+    def __init__(self, api: KubeAPI, selector: str, *, timeout_seconds: int = 300) -> None:
         self._api = api
         self._selector = selector
+        self._timeout = timeout_seconds  # the server ends each stream after this; we resume
         self._waiters: dict[str, Waiter] = {}
         self._task: asyncio.Task[None] | None = None
         self._synced: asyncio.Future[None] | None = None
@@ -90,7 +91,10 @@ class PodWatch:
                     version = await self._list()
                     if not synced.done():
                         synced.set_result(None)
-                async for event in self._api.watch_pods(self._selector, version):
+                events = self._api.watch_pods(
+                    self._selector, version, timeout_seconds=self._timeout
+                )
+                async for event in events:
                     backoff = 0.1
                     pod = event.get("object") or {}
                     version = (pod.get("metadata") or {}).get("resourceVersion") or version
