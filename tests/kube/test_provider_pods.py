@@ -15,6 +15,7 @@ import pytest
 from sandman import errors
 from sandman.models import KubernetesOptions, SandboxSpec
 from sandman.providers.kubernetes import pods
+from sandman.providers.kubernetes.api import raise_for_status
 from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.settings import KubernetesConfig
 
@@ -258,3 +259,26 @@ current-context: ctx
         load_credentials(KubernetesConfig(kubeconfig=kubeconfig, context="other"))
     with pytest.raises(errors.ConfigError, match="cannot read kubeconfig"):
         load_credentials(KubernetesConfig(kubeconfig=tmp_path / "missing"))
+
+
+def test_api_failures_become_typed_errors() -> None:
+    def status(code: int, message: str, headers: dict[str, str] | None = None) -> None:
+        body = f'{{"kind": "Status", "message": "{message}"}}'.encode()
+        raise_for_status(code, headers or {}, body, "create pod sb-1")
+
+    with pytest.raises(errors.ThrottledError, match="429 too many requests") as throttled:
+        status(429, "too many requests", {"Retry-After": "2"})
+    assert throttled.value.retry_after == 2.0
+    with pytest.raises(errors.ThrottledError) as unavailable:
+        status(503, "etcd timeout")
+    assert unavailable.value.retry_after is None
+    quota = 'pods "sb-1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=10'
+    with pytest.raises(errors.CapacityError, match="exceeded quota"):
+        status(403, quota)
+    with pytest.raises(errors.ConfigError, match="Role"):
+        status(403, "pods is forbidden: User cannot create")
+    with pytest.raises(errors.SandboxNotFound):
+        status(404, "not found")
+    with pytest.raises(errors.ConfigError, match="Invalid value"):
+        status(422, "Pod is invalid: Invalid value")
+    status(201, "created")  # a success raises nothing
