@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -94,6 +94,31 @@ def test_config_labels_and_annotations_go_on_every_pod() -> None:
     )
     assert pod["metadata"]["labels"]["team"] == "rl"
     assert pod["metadata"]["annotations"] == {"a/b": "c", "sandman.io/expires-at": "1800000000"}
+
+
+@pytest.mark.parametrize(
+    ("network", "egress"), [("egress", True), ("none", False), ("isolated", False)]
+)
+def test_only_an_egress_sandbox_carries_the_label_the_egress_policy_selects(
+    network: Literal["none", "isolated", "egress"], egress: bool
+) -> None:
+    labels = manifest(SandboxSpec(image="x", network=network))["metadata"]["labels"]
+    if egress:
+        assert labels["sandman.io/egress"] == "allow"
+    else:
+        assert "sandman.io/egress" not in labels
+    # The label deploy/networkpolicy.yaml's egress policy selects is the one set here.
+    policy = (Path(__file__).parents[2] / "deploy" / "networkpolicy.yaml").read_text()
+    assert "{key: sandman.io/egress, operator: In, values: [allow]}" in policy
+
+
+@pytest.mark.parametrize("where", ["spec", "config"])
+def test_egress_cannot_be_had_by_label(where: str) -> None:
+    reserved = {"sandman.io/egress": "allow"}
+    spec = SandboxSpec(image="x", labels=reserved if where == "spec" else {})
+    config = CONFIG.model_copy(update={"labels": reserved if where == "config" else {}})
+    with pytest.raises(errors.ConfigError, match="reserved.*network='egress'"):
+        pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
 
 
 def test_requests_default_to_the_limits() -> None:

@@ -23,6 +23,7 @@ from sandman.settings import KubernetesConfig
 __all__ = [
     "CONTAINER",
     "DAEMON_DIR",
+    "EGRESS",
     "MANAGED_BY",
     "Started",
     "pod_info",
@@ -37,6 +38,9 @@ DAEMON_DIR = "/.sandman"
 TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
+EGRESS = ("sandman.io/egress", "allow")
+"""On pods whose spec asks for ``network="egress"``: deploy/networkpolicy.yaml's second
+policy selects it. No other pod carries the key."""
 
 _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -118,6 +122,13 @@ def pod_manifest(
             f"invalid sandbox id {name!r}: lowercase letters, digits and '-', at most 63"
         )
     all_labels = {**config.labels, **spec.labels, **labels, MANAGED_BY[0]: MANAGED_BY[1]}
+    if EGRESS[0] in all_labels:
+        # Egress is the spec's network mode, not a label anyone can add to a sandbox.
+        raise errors.ConfigError(
+            f"label {EGRESS[0]!r} is reserved: ask for egress with network='egress'"
+        )
+    if spec.network == "egress":
+        all_labels[EGRESS[0]] = EGRESS[1]
     validate_labels(all_labels)
     annotations = dict(config.annotations)
     if EXPIRES in all_labels:
