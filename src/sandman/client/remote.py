@@ -102,9 +102,11 @@ class _LeanWire:
         tls = url.scheme == "https"
         # The URL's own authority (brackets of an IPv6 literal included) as Host.
         fixed = {"Host": url.netloc.decode("ascii"), **headers}
+        # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
+        context = httpx.create_ssl_context() if tls else None
         self._http = HTTPTransport(
             host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
-            prefix=url.path, ssl=ssl.create_default_context() if tls else None,
+            prefix=url.path, ssl=context,
         )  # fmt: skip
 
     async def request(
