@@ -85,3 +85,7 @@ class KubernetesConfig(BaseModel):
     """One API request (not a watch)."""
     max_connections: int = Field(default=64, ge=1)
     """HTTP connections to the API server; bursts are paced by the pool, not here."""
+    prefer_nodes_with_image: bool = False
+    """Steer each pod toward the nodes that already hold its image (a preferred node
+    affinity, added to the spec's own): a cold pull is slower, never a failure. Needs
+    ``list`` on ``nodes`` (``deploy/node-reader/``); without it, a warning and no steering."""

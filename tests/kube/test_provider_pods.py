@@ -17,6 +17,7 @@ from sandman.models import KubernetesOptions, SandboxSpec
 from sandman.providers.kubernetes import pods
 from sandman.providers.kubernetes.api import raise_for_status
 from sandman.providers.kubernetes.credentials import load_credentials
+from sandman.providers.kubernetes.placement import image_affinity
 from sandman.settings import KubernetesConfig
 
 CONFIG = KubernetesConfig(server="https://127.0.0.1:6443", namespace="sandman")
@@ -119,6 +120,40 @@ def test_egress_cannot_be_had_by_label(where: str) -> None:
     config = CONFIG.model_copy(update={"labels": reserved if where == "config" else {}})
     with pytest.raises(errors.ConfigError, match="reserved.*network='egress'"):
         pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+
+
+def test_the_image_preference_joins_the_callers_own_affinity() -> None:
+    own: dict[str, Any] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                "matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]},
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "preference": {"matchExpressions": [
+                    {"key": "zone", "operator": "In", "values": ["a"]}]}}],
+        },
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+    }  # fmt: skip
+    spec = SandboxSpec(image="r.io/task:1", kubernetes=KubernetesOptions(affinity=own))
+    before = copy.deepcopy(own)
+    term = image_affinity("r.io/task:1", [
+        {"metadata": {"name": "n1"}, "status": {"images": [{"names": ["r.io/task:1"]}]}}])  # fmt: skip
+    assert term is not None
+    affinity = manifest(spec, preferred=term)["spec"]["affinity"]
+    node = affinity["nodeAffinity"]
+    assert (
+        node["requiredDuringSchedulingIgnoredDuringExecution"]
+        == (own["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"])
+    )
+    assert node["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        own["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0],
+        term,
+    ]
+    assert affinity["podAntiAffinity"] == own["podAntiAffinity"]
+    assert spec.kubernetes.affinity == before  # the caller's spec is not changed
+    # Without an affinity of its own, the pod gets the preference alone; without one, none.
+    bare = manifest(SandboxSpec(image="r.io/task:1"), preferred=term)["spec"]["affinity"]
+    assert bare == {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [term]}}
+    assert "affinity" not in manifest(SandboxSpec(image="r.io/task:1"), preferred=None)["spec"]
 
 
 def test_requests_default_to_the_limits() -> None:

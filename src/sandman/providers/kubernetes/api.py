@@ -31,12 +31,16 @@ import httpx
 from sandman import errors
 from sandman.providers.kubernetes.credentials import Credentials
 
-__all__ = ["KubeAPI", "WatchExpired", "raise_for", "raise_for_status"]
+__all__ = ["Forbidden", "KubeAPI", "WatchExpired", "raise_for", "raise_for_status"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = 500
 _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far more
+
+
+class Forbidden(errors.ConfigError):
+    """403: the identity lacks the permission (not a quota refusal)."""
 
 
 class WatchExpired(Exception):
@@ -73,8 +77,9 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
     if status == 403 and "exceeded quota" in message:
         raise errors.CapacityError(message)
     if status in (401, 403):
-        raise errors.ConfigError(f"{message} (check the identity's Role: pods create/get/list/"
-                                 "watch/delete in the namespace)")  # fmt: skip
+        error = Forbidden if status == 403 else errors.ConfigError
+        raise error(f"{message} (check the identity's Role: pods create/get/list/"
+                    "watch/delete in the namespace)")  # fmt: skip
     if status == 404:
         raise errors.SandboxNotFound(message)
     if status in (400, 409, 422):
@@ -188,6 +193,21 @@ class KubeAPI:
                 return items, str(metadata.get("resourceVersion", ""))
             params["continue"] = metadata["continue"]
             params.pop("resourceVersion", None)  # a continue token carries its own
+
+    async def list_nodes(self, *, page: int = _PAGE) -> list[dict[str, Any]]:
+        """Every Node of the cluster (a cluster-scoped read: ``nodes`` ``list``), paged,
+        from the API server's watch cache. Forbidden when the identity may not."""
+        url = f"{self._credentials.server}/api/v1/nodes"
+        items: list[dict[str, Any]] = []
+        params: dict[str, str | int] = {"limit": page, "resourceVersion": "0"}
+        while True:
+            body = await self.request("GET", url, "list nodes", params=params)
+            items.extend(body.get("items") or [])
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            params["continue"] = token
+            params.pop("resourceVersion", None)
 
     async def watch_pods(
         self, selector: str, resource_version: str, *, timeout_seconds: int = 300

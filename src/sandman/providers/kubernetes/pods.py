@@ -18,6 +18,7 @@ from typing import Any
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.kubernetes.placement import with_preference
 from sandman.settings import KubernetesConfig
 
 __all__ = [
@@ -108,8 +109,12 @@ def pod_manifest(
     labels: Mapping[str, str],
     token: str,
     config: KubernetesConfig,
+    preferred: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The pod for one sandbox: the unmodified task image runs sandmand from an emptyDir.
+
+    ``preferred`` is a preferred node-affinity term (`placement.image_affinity`),
+    added to the spec's own affinity, which stays as it is.
 
     The token is in the main container's environment: the daemon reads and
     unsets it before it starts anything, so no command in the sandbox sees
@@ -179,7 +184,9 @@ def pod_manifest(
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
     if k8s.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
-    if k8s.affinity:
+    if preferred:
+        pod_spec["affinity"] = with_preference(k8s.affinity, preferred)
+    elif k8s.affinity:
         pod_spec["affinity"] = dict(k8s.affinity)
     return {
         "apiVersion": "v1",

@@ -24,6 +24,7 @@ from sandman.providers.base import DaemonEndpoint, SandboxInfo
 from sandman.providers.kubernetes import pods
 from sandman.providers.kubernetes.api import KubeAPI
 from sandman.providers.kubernetes.credentials import load_credentials
+from sandman.providers.kubernetes.steering import NodeImages
 from sandman.providers.kubernetes.watch import PodWatch
 from sandman.settings import KubernetesConfig
 
@@ -52,6 +53,7 @@ class KubernetesProvider:
         )  # fmt: skip
         self._selector = "=".join(pods.MANAGED_BY)
         self.watch = PodWatch(self.api, self._selector)
+        self.node_images = NodeImages(self.api) if self.config.prefer_nodes_with_image else None
 
     def __repr__(self) -> str:
         return (
@@ -68,9 +70,11 @@ class KubernetesProvider:
         """Create the pod and wait until it runs (``readiness="pod"``: until it is Ready)."""
         name = sandbox_id or new_sandbox_id()
         token = secrets.token_urlsafe(32)
+        preferred = await self.node_images.term(spec.image) if self.node_images else None
         body = pods.pod_manifest(
-            name=name, spec=spec, labels=labels or {}, token=token, config=self.config
-        )
+            name=name, spec=spec, labels=labels or {}, token=token, config=self.config,
+            preferred=preferred,
+        )  # fmt: skip
         await self.watch.ensure_started()
         outcome: asyncio.Future[pods.Started] = asyncio.get_running_loop().create_future()
 
@@ -146,4 +150,6 @@ class KubernetesProvider:
     async def aclose(self) -> None:
         """Stop the watch and close the connections; pods are left as they are."""
         await self.watch.aclose()
+        if self.node_images is not None:
+            await self.node_images.aclose()
         await self.api.aclose()
