@@ -335,6 +335,9 @@ def test_api_failures_become_typed_errors() -> None:
     quota = 'pods "sb-1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=10'
     with pytest.raises(errors.CapacityError, match="exceeded quota"):
         status(403, quota)
+    uncounted = "pods is forbidden: status unknown for quota: q, resources: pods"
+    with pytest.raises(errors.CapacityError, match="status unknown for quota"):
+        status(403, uncounted)
     with pytest.raises(errors.ConfigError, match="Role"):
         status(403, "pods is forbidden: User cannot create")
     with pytest.raises(errors.SandboxNotFound):

@@ -10,8 +10,8 @@ Every failure leaves this module as a Sandman error (`raise_for`):
 
 - 429 (API Priority and Fairness, max-inflight) and 5xx -> ThrottledError with
   the server's Retry-After: the pool's pacer backs off and retries;
-- 403 for an exceeded ResourceQuota -> CapacityError (retryable); other 403s
-  and 401 -> ConfigError (our identity lacks a permission);
+- 403 for an exceeded (or not yet counted) ResourceQuota -> CapacityError
+  (retryable); other 403s and 401 -> ConfigError (our identity lacks a permission);
 - 404 -> SandboxNotFound; 400, 409 and 422 -> ConfigError (a bad name or spec);
 - no answer at all (connect, read timeouts) -> ThrottledError: the API server
   is overloaded or away, and waiting is the right response.
@@ -74,7 +74,8 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
     message = f"{what}: {status} {_message(body)}"
     if status == 429 or status >= 500:
         raise errors.ThrottledError(message, retry_after=_retry_after(headers))
-    if status == 403 and "exceeded quota" in message:
+    # "status unknown": a quota the controller has not counted yet (just made, or lagging).
+    if status == 403 and ("exceeded quota" in message or "status unknown for quota" in message):
         raise errors.CapacityError(message)
     if status in (401, 403):
         error = Forbidden if status == 403 else errors.ConfigError
