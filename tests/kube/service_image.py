@@ -1,7 +1,7 @@
 """The service image for the harness, built offline: what deploy/Dockerfile makes, without docker.
 
 Two layers: the cached Debian rootfs with python3 (`tests.images.debian`) and
-``/opt/sandman``, this checkout with its ``cli`` and ``server`` extras
+``/opt/sandman``, this checkout with its ``cli``, ``server`` and ``kubernetes`` extras
 installed by pip (``--target``). The entrypoint is ``sandman`` (via python3),
 as in the Dockerfile. The archive is written streaming (the base layer is
 ~270 MB) for ``ctr images import`` on the real node (`tests.kube.node_images`).
@@ -42,7 +42,7 @@ def _packages_layer(work: Path) -> Path:
     target = work / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--target",
-         str(target), f"{REPO}[cli,server]", "pyyaml"],
+         str(target), f"{REPO}[cli,server,kubernetes]"],
         check=True, capture_output=True, timeout=900,
     )  # fmt: skip
     layer = work / "packages.tar"

@@ -23,7 +23,6 @@ from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import KubernetesOptions, SandboxSpec
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider, pods
-from sandman.providers.kubernetes.api import WatchExpired
 from sandman.providers.kubernetes.watch import PodWatch
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
@@ -289,15 +288,6 @@ async def test_list_selects_by_label_page_by_page(
         assert await provider.list(labels={POOL: pool_name}) == []
     finally:
         await provider.aclose()
-
-
-@pytest.mark.timeout(SETUP_TIMEOUT + 60)
-async def test_a_watch_from_a_compacted_version_says_list_again(
-    provider: KubernetesProvider,
-) -> None:
-    with pytest.raises(WatchExpired):
-        async for _ in provider.api.watch_pods("sandman.io/pool=none", "1", timeout_seconds=5):
-            pass
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 120)

@@ -1,0 +1,129 @@
+"""410 Gone on a pod watch, both ways the API server says it, against a real HTTP server
+on loopback: the watch says "list again", and PodWatch lists again and goes on.
+
+A fresh harness cluster cannot be made to answer 410 on demand (its watch
+cache still holds every version from its start), so this runs beside the
+cluster tests in tests/kube, which cover the watch's resume and bookmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from sandman.providers.kubernetes.api import KubeAPI, WatchExpired
+from sandman.providers.kubernetes.credentials import Credentials
+from sandman.providers.kubernetes.watch import PodWatch
+
+pytestmark = pytest.mark.anyio
+
+GONE = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old resource version"}
+
+
+def pod(name: str, version: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "resourceVersion": version}}
+
+
+@dataclass
+class PodServer:
+    """Lists answer with `listed` at `list_version`; each watch plays the next script."""
+
+    listed: list[dict[str, Any]] = field(default_factory=list)
+    list_version: str = "10"
+    scripts: list[str] = field(default_factory=list)
+    """Per watch: "http410" (a 410 answer), "event410" (a 200 stream whose first event is a
+    410 ERROR, as the API server sends it), or "hang" (no events until the client leaves)."""
+    watched_from: list[str] = field(default_factory=list)
+    lists: int = 0
+    url: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") != "1":
+            self.lists += 1
+            body = {"kind": "PodList", "items": self.listed,
+                    "metadata": {"resourceVersion": self.list_version}}  # fmt: skip
+            return web.json_response(body)
+        self.watched_from.append(request.query["resourceVersion"])
+        script = self.scripts.pop(0) if self.scripts else "hang"
+        if script == "http410":
+            return web.json_response(GONE, status=410)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        if script == "event410":
+            await response.write(json.dumps({"type": "ERROR", "object": GONE}).encode() + b"\n")
+            return response
+        await self.done.wait()  # "hang": until the test ends
+        return response
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[PodServer]:
+    fake = PodServer()
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/ns/pods", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield fake
+    finally:
+        fake.done.set()
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def api(server: PodServer) -> AsyncIterator[KubeAPI]:
+    credentials = Credentials(
+        server=server.url, namespace="ns", ssl_context=ssl.create_default_context()
+    )
+    client = KubeAPI(credentials, timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("script", ["http410", "event410"])
+async def test_a_watch_from_an_expired_version_says_list_again(
+    server: PodServer, api: KubeAPI, script: str
+) -> None:
+    server.scripts = [script]
+    with pytest.raises(WatchExpired):
+        async for _ in api.watch_pods("sandman.io/pool=p", "1", timeout_seconds=5):
+            pass
+    assert server.watched_from == ["1"]
+
+
+async def test_the_pod_watch_lists_again_on_410_and_hands_the_listed_pods_on(
+    server: PodServer, api: KubeAPI
+) -> None:
+    server.listed = [pod("a", "9")]
+    server.scripts = ["event410", "http410"]
+    watch = PodWatch(api, "sandman.io/pool=p")
+    seen: list[tuple[str, str]] = []
+    watch.add("a", lambda kind, p: seen.append((kind, p["metadata"]["name"])))
+    try:
+        await watch.ensure_started()
+        server.list_version = "20"
+
+        async def relisted_twice() -> None:
+            while watch.relists < 3 or len(server.watched_from) < 3:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(relisted_twice(), 10)
+    finally:
+        await watch.aclose()
+    # Each 410 led to a list, and the next watch began at that list's version.
+    assert server.lists == 3
+    assert server.watched_from == ["10", "20", "20"]
+    assert seen == [("LISTED", "a")] * 3
