@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -246,6 +248,33 @@ async def test_fresh_connection_failure_is_not_retried(tmp_path: Path) -> None:
         with pytest.raises(ConnectionLost):
             await transport.request("POST", "/", body=b"{}")
         await transport.aclose()
+
+
+async def test_a_connect_that_hangs_is_cut_off() -> None:
+    # A listener that never accepts, its one-slot queue already full: the
+    # kernel drops further SYNs, so a connect hangs as to a black-holed address.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    host, port = listener.getsockname()
+    queued: list[socket.socket] = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect((host, port))
+            queued.append(s)
+        transport = HTTPTransport(host=host, port=port, connect_timeout=0.3)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ConnectionError, match="took more than 0.3 s"):
+            await transport.request("GET", "/")
+        assert asyncio.get_running_loop().time() - started < 5
+        await transport.aclose()
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
 
 
 async def test_truncated_body(tmp_path: Path) -> None:

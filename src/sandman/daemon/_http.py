@@ -359,6 +359,8 @@ class HTTPTransport:
 
     ``prefix`` is put before every request target (a daemon reached through a
     gateway such as the service's proxy route); ``ssl`` speaks TLS over TCP.
+    ``connect_timeout`` bounds opening a connection, whatever the request's own
+    deadline (a call without one must not hang on an address that drops SYNs).
     """
 
     def __init__(
@@ -371,9 +373,11 @@ class HTTPTransport:
         max_idle: int = 32,
         prefix: str = "",
         ssl: _ssl.SSLContext | None = None,
+        connect_timeout: float = 10.0,
     ) -> None:
         if (uds is None) == (host is None or port is None):
             raise ValueError("give either uds, or host and port")
+        self._connect_timeout = connect_timeout
         self._uds = uds
         self._tcp = (host, port) if host is not None and port is not None else None
         self._prefix = prefix.rstrip("/")
@@ -487,13 +491,24 @@ class HTTPTransport:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        # asyncio sets TCP_NODELAY on TCP sockets itself.
-        if self._tcp is not None:
-            _, conn = await loop.create_connection(
-                lambda: _Connection(loop), *self._tcp, ssl=self._ssl
-            )
-        else:
-            _, conn = await loop.create_unix_connection(lambda: _Connection(loop), self._uds)
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                # asyncio sets TCP_NODELAY on TCP sockets itself.
+                if self._tcp is not None:
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(loop), *self._tcp, ssl=self._ssl
+                    )
+                else:
+                    _, conn = await loop.create_unix_connection(
+                        lambda: _Connection(loop), self._uds
+                    )
+        except TimeoutError:
+            # A ConnectionError (an OSError), not a TimeoutError: callers report
+            # "cannot reach", not "did not answer within <their deadline>".
+            where = self._uds or "{}:{}".format(*(self._tcp or ("?", "?")))
+            raise ConnectionError(
+                f"connecting to {where} took more than {self._connect_timeout} s"
+            ) from None
         return conn
 
     def _release(self, conn: _Connection) -> None:
