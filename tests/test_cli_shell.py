@@ -3,17 +3,23 @@ embedded local pool and against a ``sandman serve`` process (``--url``)."""
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import anyio
 import httpx
@@ -21,6 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 from sandman.cli import build
+from sandman.client import AsyncSandbox
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
@@ -196,7 +203,7 @@ def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
     tmux("resize-window", "-t", "shell", "-x", "120", "-y", "40")
 
     def resized() -> bool:
-        # The resize travels apart from the keys: ask again until it has landed.
+        # SIGWINCH and the keys reach sandman by different routes: ask until it has landed.
         tmux("send-keys", "-t", "shell", "clear; stty size", "Enter")
         deadline = time.monotonic() + 1
         while time.monotonic() < deadline and not tmux.shows("40 120"):
@@ -278,3 +285,37 @@ def test_shell_without_a_terminal_says_so() -> None:
     assert result.exit_code == 1
     assert "error: sandman shell needs a terminal" in result.output
     assert "hint:" in result.output
+
+
+def test_keys_and_resizes_are_sent_in_the_order_they_happened() -> None:
+    from sandman.cli.shell import _send_input
+
+    calls: list[tuple[object, ...]] = []
+
+    class Recorder:
+        """Stands in for the sandbox's two calls, to see their order."""
+
+        async def write_stdin(self, process_id: str, data: bytes) -> None:
+            calls.append(("keys", data))
+
+        async def resize(self, process_id: str, *, rows: int, cols: int) -> None:
+            calls.append(("resize", rows, cols))
+
+    master, slave = os.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        pending: deque[bytes | None] = deque([b"a", b"b", None, b"c", None, b"d", b""])
+
+        async def go() -> None:
+            ready = asyncio.Event()
+            ready.set()
+            sandbox = cast(AsyncSandbox, Recorder())
+            await asyncio.wait_for(_send_input(sandbox, "p", slave, pending, ready), 5)
+
+        asyncio.run(go())
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert calls == [
+        ("keys", b"ab"), ("resize", 30, 100), ("keys", b"c"), ("resize", 30, 100), ("keys", b"d"),
+    ]  # fmt: skip

@@ -18,6 +18,7 @@ import signal
 import sys
 import termios
 import tty
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,23 +76,26 @@ async def _show_output(sb: AsyncSandbox, process_id: str, fd_out: int) -> int:
             return out.exit_code if out.exit_code is not None else 1
 
 
-async def _send_keys(sb: AsyncSandbox, process_id: str, keys: asyncio.Queue[bytes]) -> None:
-    """Write keystrokes in order, whatever arrived meanwhile in one request."""
+async def _send_input(
+    sb: AsyncSandbox, process_id: str, fd: int, pending: deque[bytes | None], ready: asyncio.Event
+) -> None:
+    """Send keystrokes (bytes) and window-size changes (None) in the order they happened,
+    so that what is typed after a resize sees the new size; b"" ends it (terminal gone).
+    Keystrokes that arrived meanwhile go in one request."""
     while True:
-        data = await keys.get()
-        if not data:
-            return  # the local terminal is gone
-        while not keys.empty() and (more := keys.get_nowait()):
-            data += more
-        await sb.write_stdin(process_id, data)
-
-
-async def _follow_size(sb: AsyncSandbox, process_id: str, fd: int, winch: asyncio.Event) -> None:
-    while True:
-        await winch.wait()
-        winch.clear()
-        size = os.get_terminal_size(fd)
-        await sb.resize(process_id, rows=size.lines, cols=size.columns)
+        await ready.wait()
+        ready.clear()
+        while pending:
+            item = pending.popleft()
+            if item is None:
+                size = os.get_terminal_size(fd)
+                await sb.resize(process_id, rows=size.lines, cols=size.columns)
+                continue
+            if not item:
+                return
+            while pending and pending[0]:  # stops at a resize or the end
+                item += pending.popleft() or b""
+            await sb.write_stdin(process_id, item)
 
 
 async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) -> int:
@@ -101,9 +105,13 @@ async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) 
     hangup would (129 / 143); a lost connection raises.
     """
     loop = asyncio.get_running_loop()
-    keys: asyncio.Queue[bytes] = asyncio.Queue()
-    winch = asyncio.Event()
+    pending: deque[bytes | None] = deque()
+    ready = asyncio.Event()
     hangup: asyncio.Future[int] = loop.create_future()
+
+    def put(item: bytes | None) -> None:
+        pending.append(item)
+        ready.set()
 
     def on_key() -> None:
         try:
@@ -112,21 +120,20 @@ async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) 
             data = b""
         if not data:
             loop.remove_reader(fd_in)
-        keys.put_nowait(data)
+        put(data)
 
     def on_signal(signum: int) -> None:
         if not hangup.done():
             hangup.set_result(128 + signum)
 
     loop.add_reader(fd_in, on_key)
-    loop.add_signal_handler(signal.SIGWINCH, winch.set)
+    loop.add_signal_handler(signal.SIGWINCH, put, None)
     for signum in (signal.SIGHUP, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
-    winch.set()  # the window may have changed since the shell started
+    put(None)  # the window may have changed since the shell started
     output = asyncio.ensure_future(_show_output(sb, process_id, fd_out))
     helpers: list[asyncio.Future[None]] = [
-        asyncio.ensure_future(_send_keys(sb, process_id, keys)),
-        asyncio.ensure_future(_follow_size(sb, process_id, fd_in, winch)),
+        asyncio.ensure_future(_send_input(sb, process_id, fd_in, pending, ready)),
     ]
     watched: set[asyncio.Future[Any]] = {output, hangup, *helpers}
     try:
