@@ -185,7 +185,8 @@ def test_what_a_model_patch_may_not_change() -> None:
         protected=["setup.cfg"],
     )
     for path in ("tests/queries/tests.py", "tests/queries/models.py", "src/pkg/thing_test.py",
-                 "conftest.py", "src/pkg/conftest.py", "pytest.ini", "setup.cfg"):  # fmt: skip
+                 "conftest.py", "src/pkg/conftest.py", "pytest.ini", ".pytest.ini",
+                 "setup.cfg"):  # fmt: skip
         assert is_protected(django_like, path), path
     # A test file next to the code does not protect the code beside it.
     for path in ("src/pkg/thing.py", "tests.py", "docs/conf.py", "testsuite/x.py"):

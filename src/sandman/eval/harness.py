@@ -49,7 +49,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROTECTED = ("conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py")
+DEFAULT_PROTECTED = (
+    "conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py",
+)  # fmt: skip
 """File names a model patch may not add or change anywhere in the repository."""
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it

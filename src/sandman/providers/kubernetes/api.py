@@ -92,6 +92,10 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
 def _transport_errors(what: str) -> Iterator[None]:
     try:
         yield
+    except (aiohttp.ClientSSLError, aiohttp.InvalidURL) as exc:
+        # A wrong CA or server address is configuration, not strain: retrying
+        # would only slow the pacer down for everyone.
+        raise errors.ConfigError(f"{what}: {exc!r}") from exc
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise errors.ThrottledError(f"{what}: API server unreachable: {exc!r}") from exc
 

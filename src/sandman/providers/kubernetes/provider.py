@@ -75,7 +75,13 @@ class KubernetesProvider:
             name=name, spec=spec, labels=labels or {}, token=token, config=self.config,
             preferred=preferred,
         )  # fmt: skip
-        await self.watch.ensure_started()
+        try:
+            async with asyncio.timeout(self.config.start_timeout):
+                await self.watch.ensure_started()
+        except TimeoutError:
+            raise errors.CreateTimeout(
+                f"the pod watch did not list within {self.config.start_timeout} s"
+            ) from None
         outcome: asyncio.Future[pods.Started] = asyncio.get_running_loop().create_future()
 
         def on_event(kind: str, pod: dict[str, Any]) -> None:

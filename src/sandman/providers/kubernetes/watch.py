@@ -104,8 +104,10 @@ class PodWatch:
             except WatchExpired:
                 logger.info("pod watch expired (410 Gone): listing again")
                 version = None
-            except errors.SandboxError as exc:
-                # Throttled or unreachable: the watch waits like any client, then resumes.
+            except (errors.SandboxError, ValueError) as exc:
+                # Throttled or unreachable, or an answer that is not JSON (a proxy's
+                # error page, a garbled line): the watch waits like any client, then
+                # resumes — it must never die and leave its waiters without events.
                 delay = getattr(exc, "retry_after", None) or backoff
                 logger.warning("pod watch failed, again in %.1f s: %s", delay, exc)
                 if not synced.done() and isinstance(exc, errors.ConfigError):

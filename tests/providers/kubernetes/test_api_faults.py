@@ -1,5 +1,6 @@
-"""410 Gone on a pod watch, both ways the API server says it, against a real HTTP server
-on loopback: the watch says "list again", and PodWatch lists again and goes on.
+"""The pod watch and the API client against a real HTTP server on loopback: 410 Gone
+(both ways the API server says it) means "list again" and PodWatch lists and goes on;
+a garbled stream is resumed; a TLS mismatch is a configuration error.
 
 A fresh harness cluster cannot be made to answer 410 on demand (its watch
 cache still holds every version from its start), so this runs beside the
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from sandman import errors
 from sandman.providers.kubernetes.api import KubeAPI, WatchExpired
 from sandman.providers.kubernetes.credentials import Credentials
 from sandman.providers.kubernetes.watch import PodWatch
@@ -39,7 +41,8 @@ class PodServer:
     list_version: str = "10"
     scripts: list[str] = field(default_factory=list)
     """Per watch: "http410" (a 410 answer), "event410" (a 200 stream whose first event is a
-    410 ERROR, as the API server sends it), or "hang" (no events until the client leaves)."""
+    410 ERROR, as the API server sends it), "garbage" (a line that is not JSON), or "hang"
+    (no events until the test ends)."""
     watched_from: list[str] = field(default_factory=list)
     lists: int = 0
     url: str = ""
@@ -59,6 +62,9 @@ class PodServer:
         await response.prepare(request)
         if script == "event410":
             await response.write(json.dumps({"type": "ERROR", "object": GONE}).encode() + b"\n")
+            return response
+        if script == "garbage":
+            await response.write(b"<html>bad gateway</html>\n")
             return response
         await self.done.wait()  # "hang": until the test ends
         return response
@@ -127,3 +133,35 @@ async def test_the_pod_watch_lists_again_on_410_and_hands_the_listed_pods_on(
     assert server.lists == 3
     assert server.watched_from == ["10", "20", "20"]
     assert seen == [("LISTED", "a")] * 3
+
+
+async def test_a_garbled_watch_is_resumed_not_fatal(server: PodServer, api: KubeAPI) -> None:
+    server.scripts = ["garbage"]
+    watch = PodWatch(api, "sandman.io/pool=p")
+    try:
+        await watch.ensure_started()
+
+        async def resumed() -> None:
+            while len(server.watched_from) < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(resumed(), 10)
+        assert watch.restarts >= 1
+        assert watch._task is not None and not watch._task.done()
+    finally:
+        await watch.aclose()
+
+
+async def test_a_tls_mismatch_is_configuration_not_throttling(server: PodServer) -> None:
+    # TLS to a server that speaks plain HTTP: a wrong server URL or CA must be one clear
+    # ConfigError, not a ThrottledError the pool would retry and slow down for.
+    credentials = Credentials(
+        server=server.url.replace("http://", "https://"), namespace="ns",
+        ssl_context=ssl.create_default_context(),
+    )  # fmt: skip
+    client = KubeAPI(credentials, timeout=5)
+    try:
+        with pytest.raises(errors.ConfigError, match="SSL"):
+            await client.list_pods("sandman.io/pool=p")
+    finally:
+        await client.aclose()
