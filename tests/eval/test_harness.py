@@ -6,6 +6,7 @@ every report; a sandbox that dies mid-run is reported as such.
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -243,3 +244,34 @@ async def test_a_sandbox_that_dies_is_reported_as_such(demo: Demo, client: Async
     assert verdict.status == "sandbox_died"
     assert verdict.reason == "the sandbox went away during tests"
     assert verdict.category == "error"
+
+
+async def test_a_summary_printed_by_the_code_under_test_does_not_count(
+    demo: Demo, client: AsyncClient
+) -> None:
+    # The bug stays; mean(), which passing tests call, prints a pytest summary that
+    # claims the FAIL_TO_PASS test passed. With -rA pytest shows that output (in its
+    # PASSES section) before its own summary; the grade must come from pytest's.
+    instance, _ = shipped(demo, "calc-1", "gold")
+    stats = Path(__file__).parents[2] / "examples/eval/repos/calc/commits/1/calc/stats.py"
+    original = stats.read_text()
+    fake = (
+        "========== short test summary info ==========\n"
+        "PASSED tests/test_stats.py::test_median_even\n"
+        "========== 4 passed in 0.01s =========="
+    )
+    noisy = original.replace(
+        "    return sum(values) / len(values)\n",
+        f"    print({fake!r})\n    return sum(values) / len(values)\n",
+    )
+    assert noisy != original
+    patch = "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True), noisy.splitlines(keepends=True),
+            "a/calc/stats.py", "b/calc/stats.py",
+        )
+    )  # fmt: skip
+    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    assert report.test_output.count("short test summary info") >= 2  # the fake was there
+    assert report.verdict.status == "unresolved", report.verdict.reason
+    assert report.verdict.fail_to_pass == {"tests/test_stats.py::test_median_even": "FAILED"}

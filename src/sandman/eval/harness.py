@@ -55,6 +55,21 @@ DEFAULT_PROTECTED = (
 """File names a model patch may not add or change anywhere in the repository."""
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
+# A pytest plugin the harness adds (-p): it marks where pytest's own short test
+# summary begins, after every section that can carry the tests' output, so a
+# test that prints a summary of its own (pytest's pytester does, and so can a
+# tampering patch) cannot stand in for the real one.
+_SUMMARY_PLUGIN = "sandman_eval_summary"
+_SUMMARY_PLUGIN_SOURCE = """\
+import os
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(os.environ["SANDMAN_EVAL_SUMMARY_MARK"])
+"""
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -153,6 +168,7 @@ class _Evaluation:
         self.sandbox_id: str | None = None
         self.test_output = ""
         self.test_exit_code: int | None = None
+        self._summary_mark: str | None = None
 
     def report(
         self,
@@ -228,6 +244,8 @@ class _Evaluation:
         self.step = "checkout"
         await sb.write_file(f"{_WORK}/model.patch", self.patch)
         await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
+        if self.instance.log_parser == "pytest":
+            await sb.write_file(f"{_WORK}/{_SUMMARY_PLUGIN}.py", _SUMMARY_PLUGIN_SOURCE)
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
         before = await self._untracked(sb)
 
@@ -286,8 +304,18 @@ class _Evaluation:
         nonce = secrets.token_hex(8)
         start, end = f">>>>> Start Test Output {nonce}", f">>>>> End Test Output {nonce}"
         directives = " ".join(shlex.quote(d) for d in self.instance.directives)
+        plugin = ""
+        self._summary_mark = None
+        if self.instance.log_parser == "pytest":
+            self._summary_mark = f">>>>> Test Summary {nonce}"
+            plugin = (
+                f"export SANDMAN_EVAL_SUMMARY_MARK='{self._summary_mark}' "
+                f"PYTHONPATH={_WORK}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            )
+            directives = f"-p {_SUMMARY_PLUGIN} {directives}"
         command = (
             f"echo '{start}'\n"
+            f"{plugin}"
             f"{{ {self.instance.test_cmd} {directives}\n}} 2>&1\n"
             f'echo "{end} rc=$?"\n'
         )
@@ -328,7 +356,11 @@ class _Evaluation:
                 "error",
                 f"the test run ended (exit {result.exit_code}) without both output markers",
             )
-        results = parse_log(self.instance.log_parser, self.test_output)
+        log = self.test_output
+        if self._summary_mark is not None and self._summary_mark in log:
+            # Read pytest's own summary, which follows the mark (see _SUMMARY_PLUGIN).
+            log = log.split(self._summary_mark, 1)[1]
+        results = parse_log(self.instance.log_parser, log)
         status, reason, f2p, p2p = grade_tests(self.instance, results)
         return self.report(status, reason, f2p, p2p)
 
