@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.kube.support import Admin
 
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack" / "kube"
@@ -124,3 +129,24 @@ def kube_cluster() -> Iterator[KubeCluster]:
         _run(HACK / "down", env=env)
         leftovers = _leftovers(state_dir)
         assert not leftovers, f"hack/kube/down left: {leftovers}"
+
+
+@pytest.fixture
+async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
+    """The harness's admin identity, for set-up, checks and sweeping (not the provider's)."""
+    from tests.kube.support import Admin  # support imports this module
+
+    admin = Admin(kube_cluster)
+    try:
+        yield admin
+    finally:
+        await admin.http.aclose()
+
+
+@pytest.fixture
+async def pool_name(admin: Admin) -> AsyncIterator[str]:
+    """A pool name of this test only; its pods are swept at the end, and any left fail it."""
+    name = f"t7-{uuid.uuid4().hex[:8]}"
+    yield name
+    left = await admin.sweep(name)
+    assert not left, f"pods left behind: {left}"

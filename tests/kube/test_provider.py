@@ -8,131 +8,31 @@ happens, deletes them as admin at the end, then fails if it had to.
 
 from __future__ import annotations
 
-import ssl
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import anyio
-import httpx
 import pytest
 
 from sandman import errors
 from sandman.client import AsyncClient, InProcessBackend
-from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.watch import PodWatch
-from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-
-pytestmark = [pytest.mark.kube, pytest.mark.anyio]
-
-BUSYBOX = "sandman.local/busybox:1.35"
-POOL = "sandman.io/pool"
-T = TypeVar("T")
-
-
-def real_node_spec(cluster: KubeCluster, **fields: Any) -> SandboxSpec:
-    """A small busybox sandbox pinned to the real node (KWOK nodes run nothing)."""
-    return SandboxSpec(
-        image=BUSYBOX,
-        cpu=0.5,
-        memory="128Mi",
-        kubernetes=KubernetesOptions(
-            cpu_request=0.05,
-            memory_request="32Mi",
-            ephemeral_storage="256Mi",
-            node_selector={"kubernetes.io/hostname": cluster.real_node},
-        ),
-        **fields,
-    )
-
-
-# KWOK's general pod stages wait 1-6 s each; tests about the API need no such wait.
-KWOK_NO_DELAY = {
-    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
-    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
-                  "pod-ready")
-    for key in ("delay", "jitter-delay")
-}  # fmt: skip
-KWOK = KubernetesOptions(
-    cpu_request=0.001,
-    memory_request="1Mi",
-    node_selector={"type": "kwok"},
-    tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+from tests.kube.support import (
+    BUSYBOX,
+    KWOK,
+    KWOK_NO_DELAY,
+    POOL,
+    Admin,
+    config_for,
+    real_node_spec,
+    wait_for,
 )
 
-
-def config_for(cluster: KubeCluster, **fields: Any) -> KubernetesConfig:
-    return KubernetesConfig(kubeconfig=cluster.kubeconfig, namespace=cluster.namespace, **fields)
-
-
-async def wait_for(what: str, timeout: float, check: Callable[[], Awaitable[T | None]]) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await anyio.sleep(0.2)
-
-
-class Admin:
-    """The harness's admin identity: sees and removes whatever a test left."""
-
-    def __init__(self, cluster: KubeCluster) -> None:
-        self.cluster = cluster
-        self.http = httpx.AsyncClient(
-            base_url=cluster.server,
-            verify=ssl.create_default_context(cafile=str(cluster.ca)),
-            headers={"Authorization": f"Bearer {cluster.admin_token}"},
-            timeout=30,
-        )
-        self.pods = f"/api/v1/namespaces/{cluster.namespace}/pods"
-
-    async def names(self, pool: str) -> list[str]:
-        response = await self.http.get(self.pods, params={"labelSelector": f"{POOL}={pool}"})
-        response.raise_for_status()
-        return [p["metadata"]["name"] for p in response.json()["items"]]
-
-    async def pod(self, name: str) -> dict[str, Any] | None:
-        response = await self.http.get(f"{self.pods}/{name}")
-        if response.status_code == 404:
-            return None
-        response.raise_for_status()
-        body: dict[str, Any] = response.json()
-        return body
-
-    async def delete(self, name: str) -> None:
-        await self.http.delete(f"{self.pods}/{name}", params={"gracePeriodSeconds": 0})
-
-    async def sweep(self, pool: str) -> list[str]:
-        """Delete every pod of the pool; returns their names."""
-        left = await self.names(pool)
-        for name in left:
-            await self.delete(name)
-        return left
-
-
-@pytest.fixture
-async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
-    admin = Admin(kube_cluster)
-    try:
-        yield admin
-    finally:
-        await admin.http.aclose()
-
-
-@pytest.fixture
-async def pool_name(admin: Admin) -> AsyncIterator[str]:
-    """A pool name of this test only; its pods are swept at the end, and any left fail it."""
-    name = f"t7-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = await admin.sweep(name)
-    assert not left, f"pods left behind: {left}"
+pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 
 @pytest.fixture

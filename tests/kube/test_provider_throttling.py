@@ -10,7 +10,6 @@ nodes in pod-readiness mode keep the burst cheap.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -20,20 +19,11 @@ from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
 from sandman.providers.kubernetes import KubernetesProvider
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.test_provider import KWOK, KWOK_NO_DELAY, Admin, config_for
+from tests.kube.support import KWOK, KWOK_NO_DELAY, Admin, config_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 BURST = 800
-
-
-@pytest.fixture
-async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
-    admin = Admin(kube_cluster)
-    try:
-        yield admin
-    finally:
-        await admin.http.aclose()
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 600)

@@ -20,28 +20,11 @@ import pytest
 from sandman import errors
 from sandman.providers.kubernetes import KubernetesProvider
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.test_provider import POOL, Admin, config_for, real_node_spec, wait_for
+from tests.kube.support import POOL, Admin, config_for, real_node_spec, wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 START_TIMEOUT = 120.0
-
-
-@pytest.fixture
-async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
-    admin = Admin(kube_cluster)
-    try:
-        yield admin
-    finally:
-        await admin.http.aclose()
-
-
-@pytest.fixture
-async def pool_name(admin: Admin) -> AsyncIterator[str]:
-    name = f"t7q-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = await admin.sweep(name)
-    assert not left, f"pods left behind: {left}"
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -23,7 +22,7 @@ from sandman.pool import Pool, PoolConfig, PoolEvent
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.test_provider import Admin, wait_for
+from tests.kube.support import Admin, wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
@@ -60,15 +59,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-@pytest.fixture
-async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
-    admin = Admin(kube_cluster)
-    try:
-        yield admin
-    finally:
-        await admin.http.aclose()
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 300)

@@ -9,8 +9,6 @@ as the admin identity, standing in for one granted ``deploy/node-reader/``.
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,28 +17,11 @@ from sandman.models import KubernetesOptions, SandboxSpec
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.test_provider import BUSYBOX, POOL, Admin, config_for
+from tests.kube.support import BUSYBOX, POOL, Admin, config_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 STEERING_LOG = "sandman.providers.kubernetes.steering"
-
-
-@pytest.fixture
-async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
-    admin = Admin(kube_cluster)
-    try:
-        yield admin
-    finally:
-        await admin.http.aclose()
-
-
-@pytest.fixture
-async def pool_name(admin: Admin) -> AsyncIterator[str]:
-    name = f"t7s-{uuid.uuid4().hex[:8]}"
-    yield name
-    left = await admin.sweep(name)
-    assert not left, f"pods left behind: {left}"
 
 
 def pinned_by_affinity(cluster: KubeCluster) -> SandboxSpec:
