@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
+from tests.kube.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
@@ -57,17 +58,6 @@ def _pod(name: str, labels: dict[str, str], spec: dict[str, Any]) -> dict[str, A
         "metadata": {"name": name, "labels": labels},
         "spec": {"terminationGracePeriodSeconds": 1, "restartPolicy": "Never", **spec},
     }
-
-
-async def _wait(what: str, timeout: float, check: Any) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(0.5)
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 60)
@@ -143,7 +133,7 @@ async def test_real_node_runs_a_pod_execs_in_it_and_deletes_it(
             return body if body["status"].get("phase") == "Running" else None
 
         try:
-            status = (await _wait("the pod to run", 120, running))["status"]
+            status = (await wait_for("the pod to run", 120, running))["status"]
         except AssertionError:
             events = await user.get(
                 f"/api/v1/namespaces/{ns}/events",
@@ -183,7 +173,7 @@ async def test_real_node_runs_a_pod_execs_in_it_and_deletes_it(
             return r.status_code == 404
 
         # The object goes only once the kubelet has stopped the containers.
-        await _wait("the pod to be deleted", 60, gone)
+        await wait_for("the pod to be deleted", 60, gone)
     finally:
         await admin.delete(f"/api/v1/namespaces/{ns}/pods/{name}", params={"gracePeriodSeconds": 0})
 
@@ -235,7 +225,7 @@ async def test_a_thousand_pods_run_on_kwok_nodes(
             items = r.json()["items"]
             return len(items) == count and all(p["status"].get("phase") == "Running" for p in items)
 
-        await _wait(f"{count} pods to run", 300, all_running)
+        await wait_for(f"{count} pods to run", 300, all_running)
         print(  # noqa: T201
             f"\n{count} pods created in {created:.1f}s ({throttled} x 429), "
             f"all Running after {time.monotonic() - started:.1f}s"
@@ -251,7 +241,7 @@ async def test_a_thousand_pods_run_on_kwok_nodes(
             r = await admin.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector})
             return r.status_code == 200 and not r.json()["items"]
 
-        await _wait("KWOK to delete the pods", 120, none_left)
+        await wait_for("KWOK to delete the pods", 120, none_left)
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 120)
@@ -316,7 +306,7 @@ async def test_priority_and_fairness_throttles_the_identity(
             uid: str = fs.json()["metadata"]["uid"]
             return bool(r.headers.get("X-Kubernetes-PF-FlowSchema-UID") == uid)
 
-        await _wait("the flow schema to apply", 30, classified)
+        await wait_for("the flow schema to apply", 30, classified)
 
         codes: list[int] = []
 
