@@ -85,7 +85,7 @@ def write_overlay(path: Path, namespace: str, extra: str = "") -> Path:
     (path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\n"
         "kind: Kustomization\n"
-        f"namespace: {namespace}\n"
+        f"namespace: {json.dumps(namespace)}\n"
         f"resources: [{base}]\n" + extra
     )
     return path
@@ -215,7 +215,8 @@ def test_node_reader_component_adds_node_reads_only(
     namespace = f"sandman-deploy-test-{suffix}"
     path = write_overlay(
         tmp_path, namespace,
-        f"nameSuffix: -{suffix}\n"  # ClusterRole names are cluster-wide
+        # ClusterRole names are cluster-wide. Quoted: "-123456" is a number in YAML.
+        f"nameSuffix: {json.dumps('-' + suffix)}\n"
         f"components: [{os.path.relpath(DEPLOY / 'node-reader', tmp_path)}]\n"
         "replicas: [{name: sandman, count: 0}]\n",
     )  # fmt: skip
