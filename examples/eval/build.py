@@ -90,11 +90,29 @@ def make_repo(source: Path, target: Path) -> str:
                 path.chmod(0o755 if path.is_dir() else 0o644)
         _git(target, "add", "-A")
         _git(target, "commit", "-q", "-m", f"commit {number}", date=f"2024-01-0{number}T00:00:00Z")
+    _egg_info(target)
     # Packed and garbage-free, so the image holds only what the commits need.
     _git(target, "gc", "-q", "--aggressive", "--prune=now")
     # An index without stat data (git refreshes it on first use): the same bytes every build.
     _git(target, "read-tree", "HEAD")
     return _git(target, "rev-parse", "HEAD")
+
+
+def _egg_info(repo: Path) -> None:
+    """What ``pip install -e .`` leaves in a repository: metadata nobody tracks.
+
+    Task images carry such files; the grader must not let a patch change them
+    (an entry point in them can load a pytest plugin).
+    """
+    info = repo / f"{repo.name}.egg-info"
+    info.mkdir()
+    (info / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {repo.name}\nVersion: 0.1\n")
+    (info / "top_level.txt").write_text(f"{repo.name}\n")
+    (info / "entry_points.txt").write_text("[console_scripts]\n")
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "exclude").write_text("*.egg-info/\n")
+    for path in [info, *info.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def build_tar(out: Path) -> dict[str, str]:

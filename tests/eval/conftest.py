@@ -7,11 +7,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import sandman
+from sandman.client import AsyncClient
+from sandman.eval import Conditions, Instance, load_instances, load_predictions
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+
+# A wall-clock limit far above what the tests need (about a second), so a
+# machine loaded by others cannot turn a verdict into a timeout.
+CONDITIONS = Conditions(timeout=120, memory="1Gi")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "eval"
 
@@ -24,6 +34,15 @@ class Demo:
     image_id: str
     instances: Path
     predictions: Path
+
+    def shipped(self, instance_id: str, model: str) -> tuple[Instance, str]:
+        """The shipped instance and the patch `model` made for it."""
+        instance = next(i for i in load_instances(self.instances) if i.instance_id == instance_id)
+        prediction = next(
+            p for p in load_predictions(self.predictions)
+            if p.instance_id == instance_id and p.model_name_or_path == model
+        )  # fmt: skip
+        return instance, prediction.patch
 
     def expected(self) -> dict[tuple[str, str], str]:
         """(model, instance_id) -> the status each shipped prediction was made to get."""
@@ -48,3 +67,15 @@ def demo() -> Iterator[Demo]:
         yield Demo(state, built["image_id"], Path(built["instances"]), Path(built["predictions"]))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+async def client(demo: Demo) -> AsyncIterator[AsyncClient]:
+    """A local pool on the demo's state dir; afterwards no sandbox may be left."""
+    async with sandman.local(state_dir=demo.state_dir) as client:
+        yield client
+    provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
+    left = await provider.list()
+    for info in left:
+        await provider.delete(info.id)
+    assert left == [], "the evaluation left sandboxes behind"

@@ -6,20 +6,15 @@ every report; a sandbox that dies mid-run is reported as such.
 
 from __future__ import annotations
 
-import difflib
 import json
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-import sandman
 from sandman.client import AsyncClient
 from sandman.eval import (
-    Conditions,
-    Instance,
     Verdict,
     evaluate,
     evaluate_report,
@@ -30,7 +25,7 @@ from sandman.eval import (
 from sandman.images import ImageStore
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
-from tests.eval.conftest import Demo
+from tests.eval.conftest import CONDITIONS, Demo
 from tests.providers.local.conftest import needs_root_and_crun
 
 pytestmark = [
@@ -40,32 +35,8 @@ pytestmark = [
     pytest.mark.timeout(1800),  # the first run on a machine builds the image
 ]
 
-# A wall-clock limit far above what the tests need (about a second), so a
-# machine loaded by others cannot turn a verdict into a timeout. The hanging
-# patch is graded on its own under a short one: it never finishes anyway.
-CONDITIONS = Conditions(timeout=120, memory="1Gi")
+# The hanging patch is graded on its own under a short limit: it never finishes anyway.
 SHORT = CONDITIONS.model_copy(update={"timeout": 4.0})
-
-
-@pytest.fixture
-async def client(demo: Demo) -> AsyncIterator[AsyncClient]:
-    """A local pool on the demo's state dir; afterwards no sandbox may be left."""
-    async with sandman.local(state_dir=demo.state_dir) as client:
-        yield client
-    provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
-    left = await provider.list()
-    for info in left:
-        await provider.delete(info.id)
-    assert left == [], "the evaluation left sandboxes behind"
-
-
-def shipped(demo: Demo, instance_id: str, model: str) -> tuple[Instance, str]:
-    instance = next(i for i in load_instances(demo.instances) if i.instance_id == instance_id)
-    prediction = next(
-        p for p in load_predictions(demo.predictions)
-        if p.instance_id == instance_id and p.model_name_or_path == model
-    )  # fmt: skip
-    return instance, prediction.patch
 
 
 async def test_every_kind_of_patch_gets_its_verdict(
@@ -158,7 +129,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
 
 
 async def test_a_hanging_test_run_is_a_timeout(demo: Demo, client: AsyncClient) -> None:
-    instance, patch = shipped(demo, "calc-1", "hang")
+    instance, patch = demo.shipped("calc-1", "hang")
     report = await evaluate_report(instance, patch, pool=client, conditions=SHORT)
     assert report.verdict.status == "timeout"
     assert report.verdict.category == "error"
@@ -186,7 +157,7 @@ async def test_changed_inputs_are_graded_again(
 
 
 async def test_the_sdk_call_a_reward_function_makes(demo: Demo, client: AsyncClient) -> None:
-    instance, patch = shipped(demo, "textkit-1", "gold")
+    instance, patch = demo.shipped("textkit-1", "gold")
     verdict = await evaluate(instance, patch, pool=client, conditions=CONDITIONS)
     assert verdict.resolved
     assert verdict.pass_to_pass == {
@@ -198,8 +169,8 @@ async def test_the_sdk_call_a_reward_function_makes(demo: Demo, client: AsyncCli
 async def test_a_test_patch_that_does_not_apply_is_a_harness_error(
     demo: Demo, client: AsyncClient
 ) -> None:
-    instance, patch = shipped(demo, "calc-1", "gold")
-    _, stale = shipped(demo, "calc-1", "noapply")
+    instance, patch = demo.shipped("calc-1", "gold")
+    _, stale = demo.shipped("calc-1", "noapply")
     broken = instance.model_copy(update={"test_patch": stale})
     report = await evaluate_report(broken, patch, pool=client, conditions=CONDITIONS)
     assert report.verdict.status == "error"
@@ -226,7 +197,7 @@ def _running_tests(sandbox_id: str) -> bool:
 
 
 async def test_a_sandbox_that_dies_is_reported_as_such(demo: Demo, client: AsyncClient) -> None:
-    instance, patch = shipped(demo, "calc-1", "hang")
+    instance, patch = demo.shipped("calc-1", "hang")
     provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
     slow = CONDITIONS.model_copy(update={"timeout": 300.0})
     verdicts: list[Verdict] = []
@@ -244,34 +215,3 @@ async def test_a_sandbox_that_dies_is_reported_as_such(demo: Demo, client: Async
     assert verdict.status == "sandbox_died"
     assert verdict.reason == "the sandbox went away during tests"
     assert verdict.category == "error"
-
-
-async def test_a_summary_printed_by_the_code_under_test_does_not_count(
-    demo: Demo, client: AsyncClient
-) -> None:
-    # The bug stays; mean(), which passing tests call, prints a pytest summary that
-    # claims the FAIL_TO_PASS test passed. With -rA pytest shows that output (in its
-    # PASSES section) before its own summary; the grade must come from pytest's.
-    instance, _ = shipped(demo, "calc-1", "gold")
-    stats = Path(__file__).parents[2] / "examples/eval/repos/calc/commits/1/calc/stats.py"
-    original = stats.read_text()
-    fake = (
-        "========== short test summary info ==========\n"
-        "PASSED tests/test_stats.py::test_median_even\n"
-        "========== 4 passed in 0.01s =========="
-    )
-    noisy = original.replace(
-        "    return sum(values) / len(values)\n",
-        f"    print({fake!r})\n    return sum(values) / len(values)\n",
-    )
-    assert noisy != original
-    patch = "".join(
-        difflib.unified_diff(
-            original.splitlines(keepends=True), noisy.splitlines(keepends=True),
-            "a/calc/stats.py", "b/calc/stats.py",
-        )
-    )  # fmt: skip
-    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
-    assert report.test_output.count("short test summary info") >= 2  # the fake was there
-    assert report.verdict.status == "unresolved", report.verdict.reason
-    assert report.verdict.fail_to_pass == {"tests/test_stats.py::test_median_even": "FAILED"}

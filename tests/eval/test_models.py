@@ -182,14 +182,17 @@ def test_what_a_model_patch_may_not_change() -> None:
     django_like = instance(
         test_patch="diff --git a/tests/queries/tests.py b/tests/queries/tests.py\n"
         "diff --git a/src/pkg/thing_test.py b/src/pkg/thing_test.py\n",
-        protected=["setup.cfg"],
+        protected=["docs/*.rst"],
     )
     for path in ("tests/queries/tests.py", "tests/queries/models.py", "src/pkg/thing_test.py",
                  "conftest.py", "src/pkg/conftest.py", "pytest.ini", ".pytest.ini",
-                 "setup.cfg"):  # fmt: skip
+                 "setup.cfg", "sub/pyproject.toml", "docs/index.rst",
+                 "evil-1.dist-info/entry_points.txt", "src/pkg.egg-info/entry_points.txt",
+                 "src/x.egg-info/deep/file", "hook.pth"):  # fmt: skip
         assert is_protected(django_like, path), path
     # A test file next to the code does not protect the code beside it.
-    for path in ("src/pkg/thing.py", "tests.py", "docs/conf.py", "testsuite/x.py"):
+    for path in ("src/pkg/thing.py", "tests.py", "docs/conf.py", "testsuite/x.py",
+                 "dist-info.py", "src/egg-info/x.py"):  # fmt: skip
         assert not is_protected(django_like, path), path
 
 

@@ -6,10 +6,11 @@ The steps, each a command in the sandbox (never in the agent's):
 2. apply the patch with ``git apply``, else ``git apply --3way``, else
    ``patch --fuzz``, setting the tree back between tries;
 3. set back the protected paths the patch changed (`is_protected`: the test
-   patch's files and the test directories holding them, ``conftest.py``,
-   ``pytest.ini``, ``tox.ini``, ``sitecustomize.py``, the instance's own
-   globs), then check
-   out the test files at ``base_commit`` and apply the test patch;
+   patch's files and the test directories holding them, pytest's
+   configuration files, ``conftest.py``, ``sitecustomize.py``, package
+   metadata, the instance's own globs) and every file the image held that
+   git does not track (build output, ``pip install -e`` metadata), then
+   check out the test files at ``base_commit`` and apply the test patch;
 4. run the test command under the wall-clock limit, between start and end
    markers that carry a random nonce, and parse what is between them.
 
@@ -28,6 +29,7 @@ import secrets
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
@@ -50,9 +52,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROTECTED = (
-    "conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py",
+    "conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+    "sitecustomize.py", "usercustomize.py",
 )  # fmt: skip
-"""File names a model patch may not add or change anywhere in the repository."""
+"""File names a model patch may not add or change anywhere in the repository.
+
+pytest reads its configuration (``addopts``, ``-p`` plugins, warning filters)
+from all of the ``.ini``, ``.cfg`` and ``.toml`` ones; the test run never
+reinstalls the package, so their other contents cannot matter to it.
+"""
+# Directories of package metadata: an entry point in one on sys.path (the
+# repository root is) makes pytest load a plugin by itself.
+_METADATA_DIRS = (".dist-info", ".egg-info")
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 # A pytest plugin the harness adds (-p): it marks where pytest's own short test
@@ -110,9 +121,14 @@ def is_protected(instance: Instance, path: str) -> bool:
 
     Protected: the test patch's files; everything under a test directory
     (``test``, ``tests``, ``testing``, ``test_*``) holding one of them; the
-    `DEFAULT_PROTECTED` names anywhere; the instance's ``protected`` globs.
+    `DEFAULT_PROTECTED` names anywhere; everything in a ``*.dist-info`` or
+    ``*.egg-info`` directory and ``*.pth`` files; the instance's ``protected``
+    globs.
     """
-    if path in instance.test_files or posixpath.basename(path) in DEFAULT_PROTECTED:
+    name = posixpath.basename(path)
+    if path in instance.test_files or name in DEFAULT_PROTECTED or name.endswith(".pth"):
+        return True
+    if any(part.endswith(_METADATA_DIRS) for part in path.split("/")[:-1]):
         return True
     for test_file in instance.test_files:
         parts = test_file.split("/")[:-1]
@@ -138,6 +154,14 @@ def git_paths(patch: str) -> list[str]:
             if ".git" in path.split("/") and path not in found:
                 found.append(path)
     return found
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The work tree at one moment: a git tree object and the paths in it."""
+
+    tree: str
+    paths: frozenset[str]
 
 
 class _Abort(Exception):
@@ -247,7 +271,8 @@ class _Evaluation:
         if self.instance.log_parser == "pytest":
             await sb.write_file(f"{_WORK}/{_SUMMARY_PLUGIN}.py", _SUMMARY_PLUGIN_SOURCE)
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
-        before = await self._untracked(sb)
+        # Everything the tree holds before the patch, untracked and ignored files too.
+        before = await self._snapshot(sb)
 
         self.step = "apply"
         for method, argv in _APPLY:
@@ -266,27 +291,24 @@ class _Evaluation:
             )
 
         self.step = "protect"
-        tracked = await self._must(
-            sb, [*_GIT, "diff", "--name-only", "--no-renames", "-z", base], "list changes"
-        )
-        changed = sorted(set(_nul(tracked.stdout)) | (await self._untracked(sb) - before))
-        in_base = set(
+        changed = await self._changed(sb, before)
+        tracked = set(
             _nul((await self._must(sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", base],
                                    "list base files")).stdout)
         )  # fmt: skip
-        self.reverted = [path for path in changed if is_protected(self.instance, path)]
-        restore = [p for p in self.reverted if p in in_base]
-        remove = [p for p in self.reverted if p not in in_base]
+        # A file the image held but git does not track is never the patch's to change.
+        self.reverted = [
+            path for path in changed
+            if is_protected(self.instance, path) or (path in before.paths and path not in tracked)
+        ]  # fmt: skip
         if self.reverted:
             logger.info("%s: setting back %s", self.instance.instance_id, self.reverted)
-        if remove:
-            await self._must(sb, ["rm", "-f", "--", *remove], "remove protected files")
-        tests_in_base = [p for p in self.instance.test_files if p in in_base]
-        if restore or tests_in_base:
+            await self._set_back(sb, before, self.reverted)
+        tests_in_base = [p for p in self.instance.test_files if p in tracked]
+        if tests_in_base:
             await self._must(
-                sb, [*_GIT, "checkout", base, "--", *sorted({*restore, *tests_in_base})],
-                "check out the test files",
-            )  # fmt: skip
+                sb, [*_GIT, "checkout", base, "--", *tests_in_base], "check out the test files"
+            )
         applied = await self._exec(sb, [*_GIT, "apply", "--verbose", f"{_WORK}/test.patch"])
         if applied.exit_code != 0:
             raise _Abort("error", f"the test patch does not apply: {_both(applied).strip()}")
@@ -372,32 +394,71 @@ class _Evaluation:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    async def _exec(self, sb: AsyncSandbox, argv: Sequence[str]) -> ExecResult:
+    async def _exec(
+        self, sb: AsyncSandbox, argv: Sequence[str], env: dict[str, str] | None = None
+    ) -> ExecResult:
         result = await sb.exec(
-            list(argv), cwd=self.instance.repo_path, timeout=_STEP_TIMEOUT, max_output=_MAX_OUTPUT
-        )
+            list(argv), cwd=self.instance.repo_path, env=env, timeout=_STEP_TIMEOUT,
+            max_output=_MAX_OUTPUT,
+        )  # fmt: skip
         if result.timed_out:
             raise _Abort("error", f"{argv[0]} ran past {_STEP_TIMEOUT:g} s during {self.step}")
         return result
 
-    async def _must(self, sb: AsyncSandbox, argv: Sequence[str], what: str) -> ExecResult:
-        result = await self._exec(sb, argv)
+    async def _must(
+        self, sb: AsyncSandbox, argv: Sequence[str], what: str, env: dict[str, str] | None = None
+    ) -> ExecResult:
+        result = await self._exec(sb, argv, env)
         if result.exit_code != 0:
             raise _Abort("error", f"could not {what}: {_both(result).strip()}")
         return result
 
-    async def _untracked(self, sb: AsyncSandbox) -> set[str]:
-        # Ignored files too: a patch may hide a new conftest.py behind a .gitignore.
-        listed = await self._must(sb, [*_GIT, "ls-files", "--others", "-z"], "list files")
-        return set(_nul(listed.stdout))
+    async def _snapshot(self, sb: AsyncSandbox) -> _Snapshot:
+        # A tree object of the whole work tree, made in an index of its own so the
+        # repository's is untouched. Starting from a copy of that index, git hashes
+        # only files whose stat data changed, not the whole repository.
+        index = f"{_WORK}/snapshot.index"
+        await self._must(
+            sb, ["sh", "-c", f'cp -- "$("$@" rev-parse --git-path index)" {index}', "sh", *_GIT],
+            "copy the index",
+        )  # fmt: skip
+        env = {"GIT_INDEX_FILE": index}
+        # -f: ignored files too (a patch may hide a new conftest.py behind a .gitignore).
+        await self._must(sb, [*_GIT, "add", "-A", "-f", "--", "."], "snapshot the tree", env)
+        tree = (await self._must(sb, [*_GIT, "write-tree"], "snapshot the tree", env)).stdout
+        listed = await self._must(
+            sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", tree.strip()], "list the snapshot"
+        )
+        return _Snapshot(tree.strip(), frozenset(_nul(listed.stdout)))
 
-    async def _reset(self, sb: AsyncSandbox, before: set[str]) -> None:
+    async def _changed(self, sb: AsyncSandbox, before: _Snapshot) -> list[str]:
+        """Every path added, changed or removed since ``before``, tracked or not."""
+        after = await self._snapshot(sb)
+        diff = await self._must(
+            sb, [*_GIT, "diff-tree", "-r", "-z", "--name-only", "--no-renames", before.tree,
+                 after.tree], "list changes",
+        )  # fmt: skip
+        return sorted(_nul(diff.stdout))
+
+    async def _set_back(self, sb: AsyncSandbox, before: _Snapshot, paths: Sequence[str]) -> None:
+        """Put ``paths`` back as they were in ``before``: restored, or removed if new."""
+        restore = [p for p in paths if p in before.paths]
+        remove = [p for p in paths if p not in before.paths]
+        if remove:
+            await self._must(sb, ["rm", "-f", "--", *remove], "remove files")
+        if restore:
+            # Through an index of its own: the repository's must not learn of untracked files.
+            await self._must(
+                sb, [*_GIT, "checkout", before.tree, "--", *restore], "restore files",
+                {"GIT_INDEX_FILE": f"{_WORK}/restore.index"},
+            )  # fmt: skip
+
+    async def _reset(self, sb: AsyncSandbox, before: _Snapshot) -> None:
+        """The tree as it was before the patch, after a try that failed (maybe halfway)."""
         await self._must(
             sb, [*_GIT, "reset", "-q", "--hard", self.instance.base_commit], "reset the tree"
         )
-        new = sorted(await self._untracked(sb) - before)
-        if new:
-            await self._must(sb, ["rm", "-f", "--", *new], "remove the files a try left")
+        await self._set_back(sb, before, await self._changed(sb, before))
 
 
 def _nul(text: str) -> list[str]:

@@ -1,0 +1,123 @@
+"""Patches that try to grade themselves: the verdict stays the one the code earns.
+
+Each one leaves the calc-1 bug in place and tries to make the test run report
+a pass anyway; each must be graded exactly like a patch that does nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+
+import pytest
+
+from sandman.client import AsyncClient
+from sandman.eval import evaluate_report
+from tests.eval.conftest import CONDITIONS, EXAMPLES, Demo
+from tests.providers.local.conftest import needs_root_and_crun
+
+pytestmark = [
+    pytest.mark.anyio,
+    needs_root_and_crun,
+    pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap"),
+    pytest.mark.timeout(1800),  # the first run on a machine builds the image
+]
+
+F2P = "tests/test_stats.py::test_median_even"
+
+# A pytest plugin that reports every test as passed, and a file that loads it.
+PLUGIN = """\
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome, report.longrepr = "passed", None
+"""
+
+
+def diff(path: str, old: str | None, new: str) -> str:
+    """A git-style diff turning ``old`` (None: no file) into ``new`` at ``path``."""
+    body = "".join(
+        difflib.unified_diff(
+            (old or "").splitlines(keepends=True), new.splitlines(keepends=True),
+            "/dev/null" if old is None else f"a/{path}", f"b/{path}",
+        )
+    )  # fmt: skip
+    header = f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if old is None else "")
+    return header + body
+
+
+# How each patch gets the plugin loaded; the paths that must be set back.
+LOADERS: dict[str, tuple[str, list[str]]] = {
+    # Package metadata in the repository root, which is on sys.path: pytest
+    # loads the entry point's plugin by itself.
+    "dist-info": (
+        diff("evil-1.dist-info/METADATA", None, "Metadata-Version: 2.1\nName: evil\nVersion: 1\n")
+        + diff("evil-1.dist-info/entry_points.txt", None, "[pytest11]\nevil = evil_plugin\n"),
+        ["evil-1.dist-info/METADATA", "evil-1.dist-info/entry_points.txt"],
+    ),
+    # The same through the metadata ``pip install -e`` left in the image,
+    # which git does not track.
+    "egg-info": (
+        diff(
+            "calc.egg-info/entry_points.txt",
+            "[console_scripts]\n",
+            "[console_scripts]\n\n[pytest11]\nevil = evil_plugin\n",
+        ),
+        ["calc.egg-info/entry_points.txt"],
+    ),
+    # pytest's configuration, in the two files that are not pytest's own.
+    "setup.cfg": (
+        diff("setup.cfg", None, "[tool:pytest]\naddopts = -p evil_plugin\n"),
+        ["setup.cfg"],
+    ),
+    "pyproject.toml": (
+        diff("pyproject.toml", None, '[tool.pytest.ini_options]\naddopts = "-p evil_plugin"\n'),
+        ["pyproject.toml"],
+    ),
+}
+
+
+@pytest.mark.parametrize("loader", sorted(LOADERS))
+async def test_a_plugin_the_patch_smuggles_in_is_not_loaded(
+    demo: Demo, client: AsyncClient, loader: str
+) -> None:
+    instance, _ = demo.shipped("calc-1", "gold")
+    loading, loaders = LOADERS[loader]
+    patch = diff("evil_plugin.py", None, PLUGIN) + loading
+    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    verdict = report.verdict
+    assert verdict.applied_with == "git apply", report.apply_attempts
+    assert verdict.reverted == loaders
+    assert verdict.status == "unresolved", verdict.reason
+    assert verdict.fail_to_pass == {F2P: "FAILED"}
+    assert "evil_plugin" not in report.test_output
+
+
+async def test_a_summary_printed_by_the_code_under_test_does_not_count(
+    demo: Demo, client: AsyncClient
+) -> None:
+    # The bug stays; mean(), which passing tests call, prints a pytest summary that
+    # claims the FAIL_TO_PASS test passed. With -rA pytest shows that output (in its
+    # PASSES section) before its own summary; the grade must come from pytest's.
+    instance, _ = demo.shipped("calc-1", "gold")
+    stats = EXAMPLES / "repos/calc/commits/1/calc/stats.py"
+    original = stats.read_text()
+    fake = (
+        "========== short test summary info ==========\n"
+        f"PASSED {F2P}\n"
+        "========== 4 passed in 0.01s =========="
+    )
+    noisy = original.replace(
+        "    return sum(values) / len(values)\n",
+        f"    print({fake!r})\n    return sum(values) / len(values)\n",
+    )
+    assert noisy != original
+    patch = diff("calc/stats.py", original, noisy)
+    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    assert report.test_output.count("short test summary info") >= 2  # the fake was there
+    assert report.verdict.status == "unresolved", report.verdict.reason
+    assert report.verdict.fail_to_pass == {F2P: "FAILED"}
