@@ -23,6 +23,7 @@ from sandman import errors
 from sandman.providers.kubernetes.api import KubeAPI, WatchExpired
 from sandman.providers.kubernetes.credentials import Credentials
 from sandman.providers.kubernetes.watch import PodWatch
+from tests.providers.kubernetes.conftest import kube_api, loopback
 
 pytestmark = pytest.mark.anyio
 
@@ -73,30 +74,17 @@ class PodServer:
 @pytest.fixture
 async def server() -> AsyncIterator[PodServer]:
     fake = PodServer()
-    app = web.Application()
-    app.router.add_get("/api/v1/namespaces/ns/pods", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        yield fake
-    finally:
-        fake.done.set()
-        await runner.cleanup()
+    async with loopback({"/api/v1/namespaces/ns/pods": fake.handle}) as fake.url:
+        try:
+            yield fake
+        finally:
+            fake.done.set()  # the hanging watches end, so the server can stop
 
 
 @pytest.fixture
 async def api(server: PodServer) -> AsyncIterator[KubeAPI]:
-    credentials = Credentials(
-        server=server.url, namespace="ns", ssl_context=ssl.create_default_context()
-    )
-    client = KubeAPI(credentials, timeout=5)
-    try:
+    async with kube_api(server.url) as client:
         yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.parametrize("script", ["http410", "event410"])

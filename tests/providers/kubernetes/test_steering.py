@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from sandman.providers.kubernetes.api import KubeAPI
-from sandman.providers.kubernetes.credentials import Credentials
 from sandman.providers.kubernetes.steering import NodeImages
+from tests.providers.kubernetes.conftest import kube_api, loopback
 
 pytestmark = pytest.mark.anyio
 
@@ -57,20 +56,12 @@ class FakeServer:
 @pytest.fixture
 async def server() -> AsyncIterator[FakeServer]:
     fake = FakeServer()
-    app = web.Application()
-    app.router.add_get("/api/v1/nodes", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    fake.url = f"http://127.0.0.1:{port}"
-    try:
-        yield fake
-    finally:
-        if fake.hold is not None:
-            fake.hold.set()
-        await runner.cleanup()
+    async with loopback({"/api/v1/nodes": fake.handle}) as fake.url:
+        try:
+            yield fake
+        finally:
+            if fake.hold is not None:
+                fake.hold.set()
 
 
 class Clock:
@@ -83,14 +74,8 @@ class Clock:
 
 @pytest.fixture
 async def api(server: FakeServer) -> AsyncIterator[KubeAPI]:
-    credentials = Credentials(
-        server=server.url, namespace="ns", ssl_context=ssl.create_default_context()
-    )
-    client = KubeAPI(credentials, timeout=5)
-    try:
+    async with kube_api(server.url) as client:
         yield client
-    finally:
-        await client.aclose()
 
 
 def nodes_in(term: dict[str, Any] | None) -> list[str]:

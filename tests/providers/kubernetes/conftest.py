@@ -1,0 +1,40 @@
+"""What the Kubernetes unit tests share: a real HTTP server on loopback standing in
+for the API server (a fault injector), and the provider's own client pointed at it."""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Mapping
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from sandman.providers.kubernetes.api import KubeAPI
+from sandman.providers.kubernetes.credentials import Credentials
+
+
+@contextlib.asynccontextmanager
+async def loopback(routes: Mapping[str, Handler]) -> AsyncIterator[str]:
+    """An HTTP server on 127.0.0.1 answering GET ``routes``; yields its URL."""
+    app = web.Application()
+    for path, handle in routes.items():
+        app.router.add_get(path, handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def kube_api(url: str) -> AsyncIterator[KubeAPI]:
+    """The provider's API client for the server at ``url``, namespace ``ns``."""
+    credentials = Credentials(server=url, namespace="ns", ssl_context=ssl.create_default_context())
+    client = KubeAPI(credentials, timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
