@@ -1,13 +1,18 @@
-"""What the local-provider benchmarks share: each run's own cgroup parent, and finding it again.
+"""What the benchmarks share: quantiles and timing, progress for ``sandman bench``, and
+each local-provider run's own cgroup parent.
 
-The run gives the provider a fresh parent under ``/sandman-bench`` so that what it
+A run gives the provider a fresh parent under ``/sandman-bench`` so that what it
 leaves is told apart from any other run's; at the end the benchmark counts and
 removes that parent in every cgroup hierarchy (v1 and hybrid hosts have several).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -21,3 +26,23 @@ def new_cgroup_parent() -> str:
 def cgroup_parent_dirs(parent: str) -> list[Path]:
     """The directories of the cgroup parent ``parent``, one a hierarchy that has it."""
     return [d for h in CGROUP_ROOT.iterdir() if (d := h / parent.strip("/")).is_dir()]
+
+
+def quantile(samples: list[float], q: float) -> float:
+    """The ``q`` quantile of ``samples`` (nearest rank)."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    """Seconds one ``await call()`` takes."""
+    started = time.perf_counter()
+    await call()
+    return time.perf_counter() - started
+
+
+def progress(done: int, total: int) -> None:
+    """``progress DONE TOTAL`` on stderr, for ``sandman bench``'s bar (when it asks)."""
+    if os.environ.get("SANDMAN_BENCH_PROGRESS") == "1":
+        sys.stderr.write(f"progress {done} {total}\n")
+        sys.stderr.flush()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from _common import cgroup_parent_dirs, new_cgroup_parent
+from _common import cgroup_parent_dirs, new_cgroup_parent, progress
 
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
@@ -50,15 +50,6 @@ from sandman.images.busybox import busybox_rootfs_tar
 from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
-
-_PROGRESS = os.environ.get("SANDMAN_BENCH_PROGRESS") == "1"
-
-
-def _progress(done: int, total: int) -> None:
-    """``progress DONE TOTAL`` on stderr, for ``sandman bench``'s bar (when it asks)."""
-    if _PROGRESS:
-        sys.stderr.write(f"progress {done} {total}\n")
-        sys.stderr.flush()
 
 
 def _plot(usable: list[float], path: Path, title: str) -> None:
@@ -122,7 +113,7 @@ async def run(requests: int, clients: int, state: Path, png: Path, pacing: Pacin
             async with client.sandbox("busybox", memory="64Mi", pids=64, timeout=600) as sb:
                 await sb.exec(["true"], check=True)
                 usable.append(time.monotonic() - started)
-                _progress(len(usable), requests)
+                progress(len(usable), requests)
         except SandboxError as exc:
             failures.append(repr(exc))
 
@@ -247,7 +238,7 @@ async def run_processes(
 
     def on_line(client: Client) -> None:
         nonlocal killed_at
-        _progress(sum(len(c.usable) for c in procs), requests)
+        progress(sum(len(c.usable) for c in procs), requests)
         # Mid-burst: once the victim has half its share usable, with the rest in flight.
         half = len(client.usable) >= max(1, client.share // 2)
         if client.index == victim_index and not client.killed and half:

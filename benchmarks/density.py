@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cgroup_parent_dirs, new_cgroup_parent
+from _common import cgroup_parent_dirs, new_cgroup_parent, quantile
 
 from sandman.errors import SandboxError
 from sandman.images.busybox import busybox_rootfs_tar
@@ -41,11 +41,6 @@ def _mem_available() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-def _quantile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _create_ready(provider: LocalProvider) -> tuple[SandboxInfo, float]:
@@ -90,7 +85,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
         await provider.delete(info.id)
     create_p50 = statistics.median(serial) * 1e3
     lines.append(
-        f"serial       create_ready_p50_ms={create_p50:.1f} p95_ms={_quantile(serial, 0.95) * 1e3:.1f}"
+        f"serial       create_ready_p50_ms={create_p50:.1f} p95_ms={quantile(serial, 0.95) * 1e3:.1f}"
     )
 
     gate = asyncio.Semaphore(concurrency)
@@ -123,7 +118,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
         lines.append(
             f"burst        n={n} concurrency={concurrency} all_ready_s={all_ready:.2f} "
             f"rate_per_s={len(infos) / all_ready:.1f} create_ready_p50_ms={statistics.median(latencies) * 1e3:.1f} "
-            f"p95_ms={_quantile(latencies, 0.95) * 1e3:.1f} mem_per_sandbox_mib={mem_per:.2f}"
+            f"p95_ms={quantile(latencies, 0.95) * 1e3:.1f} mem_per_sandbox_mib={mem_per:.2f}"
         )
     if failures:
         lines.append(f"failures     {len(failures)} first={failures[0]}")

@@ -22,30 +22,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from _common import quantile, timed
 
 from sandman.daemon import DaemonClient, daemon_path
 
 TOKEN = "bench-token"
 
 
-def _quantile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _line(name: str, samples: list[float]) -> str:
     return (
         f"{name:<12} median_ms={statistics.median(samples) * 1e3:.3f} "
-        f"p95_ms={_quantile(samples, 0.95) * 1e3:.3f} n={len(samples)}"
+        f"p95_ms={quantile(samples, 0.95) * 1e3:.3f} n={len(samples)}"
     )
-
-
-async def _timed(call: Callable[[], Awaitable[object]]) -> float:
-    started = time.perf_counter()
-    await call()
-    return time.perf_counter() - started
 
 
 def _spawn() -> float:
@@ -78,10 +68,10 @@ async def measure(sock: str, n: int, warmup: int) -> str:
         exec_samples: list[float] = []
         spawn_samples: list[float] = []
         for _ in range(n):
-            exec_samples.append(await _timed(noop))
+            exec_samples.append(await timed(noop))
             spawn_samples.append(_spawn())
-        write_samples = [await _timed(write) for _ in range(n)]
-        read_samples = [await _timed(read) for _ in range(n)]
+        write_samples = [await timed(write) for _ in range(n)]
+        read_samples = [await timed(read) for _ in range(n)]
         await client.remove(target)
 
     lines = [

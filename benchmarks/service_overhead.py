@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
+from _common import progress, quantile, timed
 
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
@@ -61,29 +62,11 @@ WARM = 3
 _BUSY = ("queued", "creating", "starting", "releasing", "failed")
 
 
-def _progress(done: int, total: int) -> None:
-    """``progress DONE TOTAL`` on stderr, for ``sandman bench``'s bar (when it asks)."""
-    if os.environ.get("SANDMAN_BENCH_PROGRESS") == "1":
-        sys.stderr.write(f"progress {done} {total}\n")
-        sys.stderr.flush()
-
-
-def _quantile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _line(name: str, samples: list[float]) -> str:
     return (
         f"{name:<26} median_ms={statistics.median(samples) * 1e3:.2f} "
-        f"p90_ms={_quantile(samples, 0.9) * 1e3:.2f} n={len(samples)}"
+        f"p90_ms={quantile(samples, 0.9) * 1e3:.2f} n={len(samples)}"
     )
-
-
-async def _timed(call: Callable[[], Awaitable[object]]) -> float:
-    started = time.perf_counter()
-    await call()
-    return time.perf_counter() - started
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], timeout: float = 60.0) -> None:
@@ -208,8 +191,8 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
             order = [(embedded, embedded_times), (service, service_times)]
             for client, times in order if i % 2 else reversed(order):
                 await _until(settled, 120)
-                times.append(await _timed(lambda c=client: round_trip(c)))  # type: ignore[misc]
-            _progress(i + 1, n + exec_n)
+                times.append(await timed(lambda c=client: round_trip(c)))  # type: ignore[misc]
+            progress(i + 1, n + exec_n)
 
         # A no-op exec in one sandbox: to its socket, and through the proxy route.
         sb = await service.acquire("busybox", memory="64Mi", pids=64, timeout=120)
@@ -225,8 +208,8 @@ async def measure(config: LocalConfig, n: int, exec_n: int) -> str:
             for i in range(exec_n):
                 pairs = [(direct, direct_times), (proxied, proxy_times)]
                 for daemon, times in pairs if i % 2 else reversed(pairs):
-                    times.append(await _timed(lambda d=daemon: d.exec(["true"])))  # type: ignore[misc]
-                _progress(n + i + 1, n + exec_n)
+                    times.append(await timed(lambda d=daemon: d.exec(["true"])))  # type: ignore[misc]
+                progress(n + i + 1, n + exec_n)
         finally:
             await direct.aclose()
             await proxied.aclose()

@@ -50,30 +50,28 @@ class ApiError(Exception):
         return {"error": {"code": self.code, "message": self.message}}
 
 
+# Most specific first: the tree has subclasses of subclasses.
+_CODES: tuple[tuple[type[errors.SandboxError], str], ...] = (
+    (errors.CreateTimeout, "create_timeout"),
+    (errors.ImageNotFound, "image_not_found"),
+    (errors.ImageError, "image_error"),
+    (errors.ThrottledError, "throttled"),
+    (errors.CapacityError, "capacity"),
+    (errors.ProviderError, "provider_error"),
+    (errors.SandboxNotFound, "sandbox_not_found"),
+    (errors.PoolClosed, "pool_closed"),
+    (errors.ConfigError, "invalid_request"),
+    (errors.DaemonUnavailable, "daemon_unavailable"),
+)
+
+
 def from_exception(exc: errors.SandboxError) -> ApiError:
     """The wire form of a package error raised by the pool or a provider."""
     message = str(exc) or type(exc).__name__
-    # Most specific first: the tree has subclasses of subclasses.
-    if isinstance(exc, errors.CreateTimeout):
-        return ApiError("create_timeout", message)
-    if isinstance(exc, errors.ImageNotFound):
-        return ApiError("image_not_found", message)
-    if isinstance(exc, errors.ImageError):
-        return ApiError("image_error", message)
-    if isinstance(exc, errors.ThrottledError):
-        after = exc.retry_after
-        headers = {"Retry-After": str(max(1, round(after)))} if after is not None else None
-        return ApiError("throttled", message, headers=headers)
-    if isinstance(exc, errors.CapacityError):
-        return ApiError("capacity", message, headers={"Retry-After": "1"})
-    if isinstance(exc, errors.ProviderError):
-        return ApiError("provider_error", message)
-    if isinstance(exc, errors.SandboxNotFound):
-        return ApiError("sandbox_not_found", message)
-    if isinstance(exc, errors.PoolClosed):
-        return ApiError("pool_closed", message)
-    if isinstance(exc, errors.ConfigError):
-        return ApiError("invalid_request", message)
-    if isinstance(exc, errors.DaemonUnavailable):
-        return ApiError("daemon_unavailable", message)
-    return ApiError("internal", message)
+    code = next((code for kind, code in _CODES if isinstance(exc, kind)), "internal")
+    headers = None
+    if isinstance(exc, errors.ThrottledError) and exc.retry_after is not None:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+    elif code == "capacity":
+        headers = {"Retry-After": "1"}
+    return ApiError(code, message, headers=headers)
