@@ -200,12 +200,12 @@ def status(**fields: Any) -> dict[str, Any]:
     return pod
 
 
-def waiting(reason: str, init: bool = False) -> dict[str, Any]:
+def waiting(reason: str, init: bool = False, message: str = "m") -> dict[str, Any]:
     key = "initContainerStatuses" if init else "containerStatuses"
     name = "sandman-install" if init else "sandbox"
     image = "sandman.local/sandmand:0" if init else "x"
-    entry = {"name": name, "image": image, "state": {"waiting": {"reason": reason, "message": "m"}}}
-    return status(**{key: [entry]})
+    state = {"waiting": {"reason": reason, "message": message}}
+    return status(**{key: [{"name": name, "image": image, "state": state}]})
 
 
 def test_a_pending_pod_means_wait_on() -> None:
@@ -222,6 +222,103 @@ def test_image_failures_are_image_errors_naming_which_image() -> None:
     outcome = pods.start_outcome(waiting("ErrImagePull", init=True), "daemon")
     assert isinstance(outcome, errors.ImageError)
     assert "daemon image sandman.local/sandmand:0" in str(outcome)
+
+
+# The kubelet's (1.36) messages for a pull from a fault-injecting registry on 127.0.0.1
+# (containerd 1.6.20), and wordings of other containerd 1.6 releases and registries.
+SICK = "127.0.0.1:5991/sandman-test/sick:1"
+RESOLVE = f'failed to pull and unpack image "{SICK}": failed to resolve reference "{SICK}": '
+STATUS = f"{RESOLVE}pulling from host 127.0.0.1:5991 failed with status code [manifests 1]: "
+HEAD = 'failed to do request: Head "http://127.0.0.1:5999/v2/sandman-test/sick/manifests/1": '
+TRANSIENT = {
+    "503": STATUS + "503 Service Unavailable",
+    "429": STATUS + "429 Too Many Requests",
+    "refused": RESOLVE + HEAD + "dial tcp 127.0.0.1:5999: connect: connection refused",
+    "older 5xx": RESOLVE + "unexpected status from HEAD request to "
+    "http://127.0.0.1:5999/v2/sandman-test/sick/manifests/1: 502 Bad Gateway",
+    "token 503": RESOLVE + "failed to authorize: failed to fetch anonymous token: "
+    "unexpected status: 503 Service Unavailable",
+    "hub limit": "failed to copy: httpReadSeeker: failed open: unexpected status code "
+    "https://registry-1.docker.io/v2/library/python/blobs/sha256:ab: 429 Too Many Requests - "
+    "Server message: toomanyrequests: You have reached your pull rate limit.",
+    "i/o timeout": RESOLVE + HEAD + "dial tcp 10.0.0.7:443: i/o timeout",
+    "tls": RESOLVE + HEAD + "net/http: TLS handshake timeout",
+    "eof": "failed to copy: read tcp 10.0.0.2:51234->10.0.0.7:443: read: unexpected EOF",
+    "reset": "failed to copy: read tcp 10.0.0.2:51234->10.0.0.7:443: connection reset by peer",
+    "dns outage": RESOLVE + HEAD + "dial tcp: lookup r.io on 10.96.0.10:53: server misbehaving",
+    "kubelet qps": "pull QPS exceeded",
+}
+PERMANENT = {
+    "404": f"{RESOLVE}{SICK}: not found",
+    "401": STATUS + "401 Unauthorized",
+    "403": STATUS + "403 Forbidden",
+    "denied": f'failed to pull and unpack image "{SICK}": failed to resolve reference "{SICK}": '
+    "pull access denied, repository does not exist or may require authorization: "
+    "server message: insufficient_scope: authorization failed",
+    "manifest unknown": RESOLVE + "manifest unknown: manifest unknown",
+    "invalid reference": 'failed to pull and unpack image "Bad:Ref": invalid reference format',
+    # The harness's offline registry name: NXDOMAIN, not an outage.
+    "no such host": 'failed to pull and unpack image "sandman.local/no-such-image:1": '
+    'failed to resolve reference "sandman.local/no-such-image:1": failed to do request: '
+    'Head "https://sandman.local/v2/no-such-image/manifests/1": '
+    "dial tcp: lookup sandman.local: no such host",
+    # Unknown: permanent, as every pull failure was before.
+    "x509": RESOLVE + HEAD + "tls: failed to verify certificate: x509: certificate signed by "
+    "unknown authority",
+    "unknown": "m",
+}
+
+
+def back_off(message: str) -> str:
+    return f'Back-off pulling image "{SICK}": ErrImagePull: {message}'
+
+
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff"])
+@pytest.mark.parametrize("case", sorted(TRANSIENT))
+def test_a_transient_pull_failure_waits_on_and_says_why(reason: str, case: str) -> None:
+    message = TRANSIENT[case] if reason == "ErrImagePull" else back_off(TRANSIENT[case])
+    outcome = pods.start_outcome(waiting(reason, message=message), "daemon")
+    assert isinstance(outcome, pods.PullRetrying), outcome
+    assert outcome.detail == f"image x: {reason}: {message}"
+    daemon = pods.start_outcome(waiting(reason, init=True, message=message), "daemon")
+    assert isinstance(daemon, pods.PullRetrying)
+    assert daemon.detail.startswith("daemon image sandman.local/sandmand:0: ")
+
+
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff"])
+@pytest.mark.parametrize("case", sorted(PERMANENT))
+def test_a_permanent_pull_failure_is_an_image_error_at_once(reason: str, case: str) -> None:
+    message = PERMANENT[case] if reason == "ErrImagePull" else back_off(PERMANENT[case])
+    outcome = pods.start_outcome(waiting(reason, message=message), "daemon")
+    assert isinstance(outcome, errors.ImageError), outcome
+    assert str(outcome) == f"pod sb-1: image x: {reason}: {message}"
+
+
+def test_the_status_code_and_the_cause_decide_not_the_image_name() -> None:
+    sick = "r.io/denied/eof:1"
+    refused = f'failed to pull and unpack image "{sick}": {HEAD}connect: connection refused'
+    assert pods.transient_pull_failure("ErrImagePull", refused)
+    x509 = f'failed to pull and unpack image "{sick}": x509: certificate has expired'
+    assert not pods.transient_pull_failure("ErrImagePull", x509)
+    # A 503 whose body says something permanent-sounding is still a 503.
+    body = "Server message: unknown: blob store not found"
+    assert pods.transient_pull_failure("ErrImagePull", f"{STATUS}503 Service Unavailable - {body}")
+
+
+def test_only_pull_reasons_are_judged_by_their_message() -> None:
+    refused = TRANSIENT["refused"]
+    for reason in ("ErrImageNeverPull", "InvalidImageName", "ImageInspectError"):
+        outcome = pods.start_outcome(waiting(reason, message=refused), "daemon")
+        assert isinstance(outcome, errors.ImageError), reason
+    unavailable = pods.start_outcome(waiting("RegistryUnavailable", message="m"), "daemon")
+    assert isinstance(unavailable, pods.PullRetrying)
+
+
+def test_a_back_off_without_its_cause_waits_on() -> None:
+    # Older kubelets do not repeat the failed pull's message; that pull was judged already.
+    bare = waiting("ImagePullBackOff", message=f'Back-off pulling image "{SICK}"')
+    assert isinstance(pods.start_outcome(bare, "daemon"), pods.PullRetrying)
+    assert not pods.transient_pull_failure("ErrImagePull", "")
 
 
 def test_unschedulable_is_a_capacity_error() -> None:

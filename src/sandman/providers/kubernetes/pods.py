@@ -26,10 +26,12 @@ __all__ = [
     "DAEMON_DIR",
     "EGRESS",
     "MANAGED_BY",
+    "PullRetrying",
     "Started",
     "pod_info",
     "pod_manifest",
     "start_outcome",
+    "transient_pull_failure",
     "validate_labels",
 ]
 
@@ -50,11 +52,31 @@ _LABEL_KEY = re.compile(
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _USER = re.compile(r"^(\d+)(?::(\d+))?$")
-# Kubelet reasons for a container that waits on its image: none gets better by waiting.
+# Kubelet reasons for a container that waits on its image; `transient_pull_failure` says
+# which are worth waiting on (a failed pull is judged by its message).
 _IMAGE_REASONS = frozenset(
     {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
      "ImageInspectError", "RegistryUnavailable"}
 )  # fmt: skip
+_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff"})
+# The kubelet's wordings around containerd's (1.6) and Go's errors, e.g. "...: failed to
+# resolve reference "r/i:1": pulling from host r failed with status code [manifests 1]:
+# 503 Service Unavailable" or "...: dial tcp 127.0.0.1:5999: connect: connection refused".
+_BACK_OFF = re.compile(r'^Back-off pulling image ""(: ErrImagePull)?')
+_QUOTED = re.compile(r'"[^"]*"')  # image references and URLs: a name may say "denied" or "eof"
+_RETRY_STATUS = re.compile(r"\b(?:429|5\d\d) [A-Z]|toomanyrequests")  # the registry's answer
+_PERMANENT = re.compile(
+    r"not ?found|manifest unknown|name unknown|unauthorized|denied|forbidden"
+    r"|invalid reference format"
+    r"|no such host",  # NXDOMAIN: a misspelt registry (an outage reads "server misbehaving")
+    re.IGNORECASE,
+)
+_TRANSIENT = re.compile(
+    r"connection refused|connection reset|broken pipe|dial tcp|i/o timeout|handshake timeout"
+    r"|\beof\b|no route to host|network is unreachable|server misbehaving|temporary failure"
+    r"|deadline exceeded|pull qps exceeded",
+    re.IGNORECASE,
+)
 _CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError",
                              "RunContainerError", "CrashLoopBackOff"})  # fmt: skip
 
@@ -203,6 +225,38 @@ class Started:
     pod_ip: str | None
 
 
+@dataclass(frozen=True)
+class PullRetrying:
+    """An image pull that failed in a way the kubelet's retries can get past: wait on."""
+
+    detail: str
+    """Which image and the kubelet's reason and message, for the error at the deadline."""
+
+
+def transient_pull_failure(reason: str, message: str) -> bool:
+    """Whether a container waiting with ``reason`` and the kubelet's ``message`` may yet
+    get its image: the registry answered 429 or 5xx, or could not be reached.
+
+    Not found, unauthorized, denied, an invalid reference: permanent. So is a message
+    this does not know, as every pull failure was before: misread as permanent it fails
+    a sandbox at once, with the kubelet's words; misread as transient it would hold every
+    sandbox of a burst until its deadline, and again, as the pool retries a timeout.
+    """
+    if reason == "RegistryUnavailable":
+        return True
+    if reason not in _PULL_REASONS:
+        return False
+    message = _QUOTED.sub('""', message)
+    cause = _BACK_OFF.sub("", message).strip(": ")
+    if not cause:
+        # A back-off that does not repeat its cause (older kubelets): the failed pull
+        # before it was judged already, and was not permanent.
+        return reason == "ImagePullBackOff"
+    if _RETRY_STATUS.search(cause):
+        return True
+    return not _PERMANENT.search(cause) and bool(_TRANSIENT.search(cause))
+
+
 def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
     status = pod.get("status") or {}
     return [(True, s) for s in status.get("initContainerStatuses") or []] + [
@@ -210,8 +264,11 @@ def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
     ]
 
 
-def start_outcome(pod: Mapping[str, Any], readiness: str) -> Started | errors.SandboxError | None:
-    """What a starting pod's latest state means: started, a typed failure, or None (wait on).
+def start_outcome(
+    pod: Mapping[str, Any], readiness: str
+) -> Started | PullRetrying | errors.SandboxError | None:
+    """What a starting pod's latest state means: started, a typed failure, or wait on
+    (None, or `PullRetrying` while the kubelet retries a transient pull failure).
 
     Failures are known as soon as the status says so: an image that cannot be
     pulled does not wait out the whole deadline.
@@ -236,6 +293,8 @@ def start_outcome(pod: Mapping[str, Any], readiness: str) -> Started | errors.Sa
         detail = f"{reason}: {waiting.get('message', '')}".rstrip(": ")
         if reason in _IMAGE_REASONS:
             which = "daemon image" if is_init else "image"
+            if transient_pull_failure(reason, waiting.get("message", "")):
+                return PullRetrying(f"{which} {image}: {detail}")
             return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
         if reason in _CONFIG_REASONS:
             return errors.ProviderError(f"pod {name}: container {container.get('name')}: {detail}")

@@ -10,7 +10,10 @@ without a shell. The pod's status says how the pull went:
 - the container has an ``imageID``, has run or terminated, or waits for a
   reason the kubelet reaches only after the pull (`AFTER_PULL`): pulled;
 - it waits with ``ErrImagePull``, ``ImagePullBackOff``, ``InvalidImageName``...:
-  failed at the first such report (the kubelet's retries are not waited for);
+  failed at the first such report, unless the failure is transient (the
+  registry's 429 or 5xx, a network error; `pods.transient_pull_failure`): the
+  kubelet retries those, so the pull waits on, and if it is still failing at
+  the deadline its report says so and names the failure;
 - the pod failed before any container (the kubelet refused it): failed.
 
 One watch follows every pull pod of a run (label ``sandman.io/prepare``); each
@@ -36,6 +39,7 @@ from sandman import errors
 from sandman.providers.kubernetes.api import KubeAPI, raise_for
 from sandman.providers.kubernetes.credentials import Credentials
 from sandman.providers.kubernetes.placement import parse_image
+from sandman.providers.kubernetes.pods import transient_pull_failure
 from sandman.providers.kubernetes.watch import PodWatch
 
 __all__ = [
@@ -112,6 +116,11 @@ def pull_outcome(pod: dict[str, Any]) -> tuple[bool, str] | None:
         reason = status.get("reason") or "Failed"
         return False, f"{reason}: {status.get('message', '')}".rstrip(": ")
     return None
+
+
+def _transient(detail: str) -> bool:
+    reason, _, message = detail.partition(": ")  # as pull_outcome writes it
+    return transient_pull_failure(reason, message)
 
 
 def pull_pod(
@@ -225,13 +234,19 @@ async def prepare_images(
         name = names[image, node]
         started = time.monotonic()
         outcome: asyncio.Future[tuple[bool, str]] = asyncio.get_running_loop().create_future()
+        retrying = ""  # the transient failure the kubelet retries, for the report at the deadline
 
         def waiter(kind: str, pod: dict[str, Any]) -> None:
+            nonlocal retrying
             if outcome.done():
                 return
             if kind == "DELETED":
                 outcome.set_result((False, "pull pod deleted by someone else"))
-            elif (settled := pull_outcome(pod)) is not None:
+            elif (settled := pull_outcome(pod)) is None:
+                return
+            elif not settled[0] and _transient(settled[1]):
+                retrying = settled[1]
+            else:
                 outcome.set_result(settled)
 
         watch.add(name, waiter)
@@ -242,6 +257,8 @@ async def prepare_images(
                 ok, detail = await asyncio.wait_for(outcome, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 ok, detail = False, f"timed out after {timeout:g} s (still pulling, or no answer)"
+                if retrying:
+                    detail = f"timed out after {timeout:g} s, still failing (transient): {retrying}"
         except errors.SandboxError as exc:
             ok, detail = False, f"could not create the pull pod: {exc}"
         finally:

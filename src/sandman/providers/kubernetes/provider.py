@@ -3,8 +3,10 @@
 Create posts the pod (its labels are the recorded intent: a crash right
 after leaves a pod that `list` finds by label), then waits on the shared
 namespace watch until the pod runs with an IP, or fails with a typed error
-as soon as its status says why (image, capacity). The pool then waits for
-the daemon's health over the pod IP.
+as soon as its status says why (image, capacity). A transient image pull
+failure (the registry's 429 or 5xx, a network error) waits on while the
+kubelet retries, and the timeout names it. The pool then waits for the
+daemon's health over the pod IP.
 """
 
 from __future__ import annotations
@@ -83,8 +85,12 @@ class KubernetesProvider:
                 f"the pod watch did not list within {self.config.start_timeout} s"
             ) from None
         outcome: asyncio.Future[pods.Started] = asyncio.get_running_loop().create_future()
+        # The pull failure the kubelet retries, while the pod's status shows one: the
+        # timeout names it (a sick registry, not a slow node).
+        retrying: pods.PullRetrying | None = None
 
         def on_event(kind: str, pod: dict[str, Any]) -> None:
+            nonlocal retrying
             if outcome.done():
                 return
             if kind == "DELETED":
@@ -95,8 +101,10 @@ class KubernetesProvider:
             result = pods.start_outcome(pod, self.config.readiness)
             if isinstance(result, pods.Started):
                 outcome.set_result(result)
-            elif result is not None:
+            elif isinstance(result, errors.SandboxError):
                 outcome.set_exception(result)
+            else:
+                retrying = result
 
         # The waiter comes first: the watch may see the pod before the POST returns.
         self.watch.add(name, on_event)
@@ -105,17 +113,19 @@ class KubernetesProvider:
             try:
                 async with asyncio.timeout(self.config.start_timeout):
                     started = await outcome
-            except TimeoutError:
-                raise errors.CreateTimeout(
-                    f"pod {name} did not start within {self.config.start_timeout} s"
-                ) from None
-            except BaseException:
+            except BaseException as exc:
+                # Also at the deadline: a pod whose pull the kubelet retries would stay.
                 with anyio.CancelScope(shield=True):
                     try:
                         await self.api.delete_pod(name)
                     except errors.SandboxError:
                         # The pool deletes failed sandboxes with retries; the reconciler finds the rest.
                         logger.warning("cleanup of pod %s failed", name, exc_info=True)
+                if isinstance(exc, TimeoutError):
+                    late = f"pod {name} did not start within {self.config.start_timeout} s"
+                    if retrying:
+                        late += f"; the kubelet still retries the pull: {retrying.detail}"
+                    raise errors.CreateTimeout(late) from None
                 raise
         finally:
             self.watch.remove(name)
