@@ -96,6 +96,8 @@ async def test_every_kind_of_patch_gets_its_verdict(
 
     # A run cut short has no test results, only the reason.
     assert got["oom", "calc-1"].fail_to_pass == got["oom", "calc-1"].pass_to_pass == {}
+    # Known from the sandbox's cgroup counter, not guessed from the SIGKILL.
+    assert "killed by the OOM killer" in got["oom", "calc-1"].reason
 
     # The conditions are recorded, the image pinned to the id that ran.
     gold = got["gold", "calc-1"]

@@ -121,3 +121,36 @@ async def test_a_summary_printed_by_the_code_under_test_does_not_count(
     assert report.test_output.count("short test summary info") >= 2  # the fake was there
     assert report.verdict.status == "unresolved", report.verdict.reason
     assert report.verdict.fail_to_pass == {F2P: "FAILED"}
+
+
+# What the code under test does after printing a summary that claims a pass:
+# the test process ends before pytest's own summary, in two ways.
+ENDINGS = {
+    # A SIGKILL that is not the OOM killer's: not an "oom" verdict either.
+    "sigkill": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    # A clean exit: pytest's summary never comes.
+    "exit": "import os; os._exit(0)",
+}
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+async def test_a_test_run_ended_by_the_code_under_test_is_graded_on_pytests_word(
+    demo: Demo, client: AsyncClient, ending: str
+) -> None:
+    instance, _ = demo.shipped("calc-1", "gold")
+    stats = EXAMPLES / "repos/calc/commits/1/calc/stats.py"
+    original = stats.read_text()
+    # No newline at the end: the harness's end marker must still be found.
+    fake = f"========== short test summary info ==========\nPASSED {F2P}"
+    # Past pytest's capture: straight to the test command's own output.
+    claim = f"open('/proc/%d/fd/1' % __import__('os').getppid(), 'w').write({fake!r})"
+    ended = original.replace(
+        "    ordered = sorted(values)\n",
+        f"    {claim}\n    {ENDINGS[ending]}\n    ordered = sorted(values)\n",
+    )
+    assert ended != original
+    patch = diff("calc/stats.py", original, ended)
+    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    assert f"PASSED {F2P}" in report.test_output  # the claim was made
+    assert report.verdict.status == "unresolved", report.verdict.reason
+    assert report.verdict.fail_to_pass == {F2P: "MISSING"}

@@ -15,7 +15,9 @@ The steps, each a command in the sandbox (never in the agent's):
    markers that carry a random nonce, and parse what is between them.
 
 A run cut short is reported as what cut it short (``timeout``, ``oom``,
-``sandbox_died``), never as failed tests, and nothing is retried.
+``sandbox_died``), never as failed tests, and nothing is retried. An OOM kill
+is told from any other SIGKILL by the sandbox's own cgroup counter
+(``oom_kill``): a test run that kills itself is graded on what it printed.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ _APPLY: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 _TEST_DIRS = frozenset({"test", "tests", "testing"})
 _KILLED = 128 + 9  # what a shell reports for a child killed by SIGKILL
+# The sandbox's cgroup as it sees it (read-only): v2, then v1. Kernel-kept, so
+# the code under test cannot fake it.
+_OOM_KILLS = "cat /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null"
+_OOM_KILL_LINE = re.compile(r"^oom_kill (\d+)$", re.MULTILINE)
 
 
 async def pin_image(image: str, images: ImageStore | None) -> tuple[str, str | None]:
@@ -193,6 +199,7 @@ class _Evaluation:
         self.test_output = ""
         self.test_exit_code: int | None = None
         self._summary_mark: str | None = None
+        self._oom_kills: tuple[int | None, int | None] = (None, None)
 
     def report(
         self,
@@ -339,8 +346,10 @@ class _Evaluation:
             f"echo '{start}'\n"
             f"{plugin}"
             f"{{ {self.instance.test_cmd} {directives}\n}} 2>&1\n"
-            f'echo "{end} rc=$?"\n'
+            # On a line of its own even if the output did not end one.
+            f'sandman_rc=$?\necho\necho "{end} rc=$sandman_rc"\n'
         )
+        before = await self._oom_kill_count(sb)
         try:
             result = await sb.exec(
                 command, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
@@ -349,7 +358,13 @@ class _Evaluation:
         except errors.ExecTimeout as exc:
             # The daemon did not even answer within the limit plus its grace.
             raise _Abort("timeout", self._timeout_reason()) from exc
+        self._oom_kills = (before, await self._oom_kill_count(sb))
         return result, start, end
+
+    async def _oom_kill_count(self, sb: AsyncSandbox) -> int | None:
+        """How many processes the OOM killer took in this sandbox so far; None: cannot tell."""
+        found = _OOM_KILL_LINE.search((await self._exec(sb, ["sh", "-c", _OOM_KILLS])).stdout)
+        return int(found.group(1)) if found else None
 
     def _judge(self, run: tuple[ExecResult, str, str]) -> Report:
         result, start, end = run
@@ -361,27 +376,45 @@ class _Evaluation:
             None,
         )  # fmt: skip
         if first is not None:
-            self.test_output = "\n".join(lines[first + 1 : last]) + "\n"
+            body = lines[first + 1 : last]
+            if last is not None and body and body[-1] == "":
+                body.pop()  # the newline put before the end marker
+            self.test_output = "\n".join(body) + "\n"
         if last is not None:
             self.test_exit_code = int(lines[last].rsplit("rc=", 1)[1])
         if result.timed_out:
             return self.report("timeout", self._timeout_reason())
-        # In a fresh sandbox nothing but the OOM killer sends SIGKILL (a timeout is caught above).
-        if self.test_exit_code == _KILLED or (last is None and result.signal == "KILL"):
-            return self.report(
-                "oom",
-                f"the test run was killed (SIGKILL) at the memory limit of "
-                f"{self.conditions.memory} bytes",
-            )
-        if first is None or last is None:
+        killed = self.test_exit_code == _KILLED or (last is None and result.signal == "KILL")
+        if killed:
+            before, after = self._oom_kills
+            if before is None or after is None:
+                # No counter to read (a sandbox without its cgroup): SIGKILL
+                # without a timeout is most likely the OOM killer.
+                return self.report(
+                    "oom",
+                    f"the test run was killed (SIGKILL), presumably at the memory limit "
+                    f"of {self.conditions.memory} bytes",
+                )
+            if after > before:
+                return self.report(
+                    "oom",
+                    f"the test run was killed by the OOM killer at the memory limit of "
+                    f"{self.conditions.memory} bytes",
+                )
+            # Killed by something else (the code under test can SIGKILL itself):
+            # graded on what it printed; the tests it never reported fail.
+        elif first is None or last is None:
             return self.report(
                 "error",
                 f"the test run ended (exit {result.exit_code}) without both output markers",
             )
         log = self.test_output
-        if self._summary_mark is not None and self._summary_mark in log:
-            # Read pytest's own summary, which follows the mark (see _SUMMARY_PLUGIN).
-            log = log.split(self._summary_mark, 1)[1]
+        if self._summary_mark is not None:
+            # Only pytest's own summary, which follows the mark (see _SUMMARY_PLUGIN).
+            # No mark: pytest never got to it (the code under test exited or was
+            # killed), and what the output says instead is not pytest's word.
+            _, marked, log = log.partition(self._summary_mark)
+            log = log if marked else ""
         results = parse_log(self.instance.log_parser, log)
         status, reason, f2p, p2p = grade_tests(self.instance, results)
         return self.report(status, reason, f2p, p2p)

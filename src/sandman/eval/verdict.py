@@ -30,7 +30,8 @@ __all__ = [
     "inputs_hash",
 ]
 
-# 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree.
+# 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
+# the cgroup counter, no summary but pytest's.
 HARNESS_VERSION = "3"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 

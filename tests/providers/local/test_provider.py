@@ -143,6 +143,13 @@ async def test_limits_contain_a_fork_bomb_and_a_memory_hog(provider: LocalProvid
         oom = await sb.exec("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}", timeout=30)
         assert oom.exit_code == 137, oom
         assert "oom_kill 1" in _cgroup_file(provider, victim.id, "memory", "memory.oom_control")
+        # The sandbox sees the same count in its own cgroup, read-only (as in a pod).
+        inside = await sb.exec(
+            "cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events"
+            " 2>/dev/null; echo 0 > /sys/fs/cgroup/memory/memory.oom_control"
+        )
+        assert "oom_kill 1" in inside.stdout.splitlines()
+        assert "Read-only file system" in inside.stderr
         assert (await sb.health()).status == "ok"  # the daemon (PID 1) survives
         assert (await nb.exec("seq 1 100 | wc -l")).stdout.strip() == "100"
 

@@ -145,6 +145,14 @@ def config(
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
             {
+                # The sandbox's own cgroup, read-only (as in a Kubernetes pod): its
+                # OOM kill count tells an OOM kill from any other SIGKILL.
+                "destination": "/sys/fs/cgroup",
+                "type": "cgroup",
+                "source": "cgroup",
+                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            },
+            {
                 "destination": DAEMON_IN_SANDBOX,
                 "type": "bind",
                 "source": layout.daemon,
@@ -177,6 +185,7 @@ def config(
                 {"type": "ipc"},
                 {"type": "uts"},
                 {"type": "mount"},
+                {"type": "cgroup"},
                 namespace_net,
             ],
             "maskedPaths": MASKED_PATHS,
