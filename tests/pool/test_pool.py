@@ -10,7 +10,7 @@ import pytest
 import sandman
 from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
-from sandman.testing import FakeProvider
+from sandman.testing import FakeProvider, Faults
 
 pytestmark = pytest.mark.anyio
 
@@ -61,9 +61,29 @@ async def test_a_caller_who_gives_up_leaks_nothing(fake: FakeProvider) -> None:
     fake.faults.create_latency = 0.2
     async with pool_of(fake) as pool:
         session = pool.open_session()
-        with pytest.raises(sandman.CreateTimeout):
+        with pytest.raises(sandman.CreateTimeout, match=r"being created for \d+\.\d s"):
             await pool.acquire(SPEC, session=session, timeout=0.05)
         await eventually(lambda: fake.created_total == 1 and fake.live == 0)
+
+
+async def test_a_timeout_says_where_the_request_had_got_to(fake: FakeProvider) -> None:
+    # Queued behind a full window: the cluster is busy, not the image.
+    fake.faults.create_latency = 5.0
+    config = PacingConfig(window=1, min_window=1, max_window=1, rate=100.0)
+    async with Pool(fake, PoolConfig(name="t", pacing=config)) as pool:
+        session = pool.open_session()
+        first = asyncio.ensure_future(pool.acquire(SPEC, session=session))
+        await eventually(lambda: fake.creating == 1)
+        with pytest.raises(sandman.CreateTimeout, match="still queued, 1 requests waiting") as e:
+            await pool.acquire(SPEC, session=session, timeout=0.1)
+        assert "1 of 1 creates in flight" in str(e.value)
+        first.cancel()
+    # Every try refused and retried: the last refusal is named.
+    fake.faults = Faults(throttle=1.0, throttle_retry_after=0.01)
+    async with pool_of(fake, retry_limit=1000) as pool:
+        session = pool.open_session()
+        with pytest.raises(sandman.CreateTimeout, match=r"try \d+ failed: .*too many requests"):
+            await pool.acquire(SPEC, session=session, timeout=0.5)
 
 
 async def test_a_sandbox_nobody_waits_for_goes_to_the_next_waiter(fake: FakeProvider) -> None:

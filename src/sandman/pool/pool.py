@@ -79,6 +79,8 @@ class _Request:
     warm: bool = False
     attempts: int = 0
     key: str = ""
+    creating_since: float | None = None  # monotonic; None while queued
+    last_error: Exception | None = None  # of the last failed try, when it is retried
 
     def __post_init__(self) -> None:
         self.key = _key(self.spec)
@@ -269,7 +271,8 @@ class Pool:
                 return await request.future
         except TimeoutError:
             raise errors.CreateTimeout(
-                f"no sandbox of {spec.image!r} within {timeout} s (pool {self.config.name!r})"
+                f"no sandbox of {spec.image!r} within {timeout} s (pool {self.config.name!r}): "
+                + self._whereabouts(request)
             ) from None
         finally:
             if not request.future.done():
@@ -277,6 +280,21 @@ class Pool:
             # Dropped before any create if it was still queued.
             if self._pacer.cancel(request):
                 self._wake.set()
+
+    def _whereabouts(self, request: _Request) -> str:
+        """Where a request that timed out had got to, for its error: the pacer's queue
+        (the cluster is busy), a create (slow), or retries (what failed)."""
+        if request.creating_since is None:
+            where = (
+                f"still queued, {self._pacer.queued()} requests waiting to be created "
+                f"at {self._pacer.rate:.3g}/s with {self._pacer.in_flight} of "
+                f"{self._pacer.window} creates in flight"
+            )
+        else:
+            where = f"its sandbox was being created for {time.monotonic() - request.creating_since:.1f} s"
+        if request.last_error is not None:
+            where += f"; try {request.attempts} failed: {request.last_error}"
+        return where
 
     def release(self, sandbox_id: str) -> None:
         """Give a sandbox back; it is deleted in the background. Idempotent."""
@@ -371,7 +389,7 @@ class Pool:
         # The intent is recorded before the backend is called.
         self._records[record.id] = record
         self._emit("create.started", record)
-        started = time.monotonic()
+        started = request.creating_since = time.monotonic()
         try:
             info = await self.provider.create(
                 request.spec, sandbox_id=record.id, labels=record.labels
@@ -406,6 +424,7 @@ class Pool:
         self._pacer.on_failed(time.monotonic(), kind, retry_after)
         self._wake.set()
         record.error = exc
+        request.last_error, request.creating_since = exc, None
         self._emit("create.failed", record, error=repr(exc), kind=kind)
         # The backend may hold something even after an error: delete it too.
         self._release(record, reason="create failed", state="failed", force=True)
