@@ -61,8 +61,16 @@ class KubernetesConfig(BaseModel):
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     """Where the pods go; default: the kubeconfig context's namespace, in-cluster the pod's own."""
     daemon_image: str = f"sandman.local/sandmand:{__version__}"
-    """The daemon image (``daemon/Dockerfile``) its init container copies sandmand from.
-    Build and push it, then name it here; its version must match this package's."""
+    """The daemon image (``daemon/Dockerfile``): sandmand at its root, delivered into each
+    pod as ``daemon_delivery`` says. Build and push it, then name it here; its version
+    must match this package's."""
+    daemon_delivery: Literal["init-container", "image-volume"] = "init-container"
+    """How sandmand gets into each pod, at ``/.sandman/sandmand``. ``init-container``: an
+    init container copies it from ``daemon_image`` into an emptyDir (works on any
+    cluster). ``image-volume``: ``daemon_image`` is mounted read-only as an image volume,
+    no init container and no copy; needs the ``ImageVolume`` feature (on by default from
+    Kubernetes 1.35, GA in 1.36) and a runtime that mounts image volumes (containerd >= 2.1,
+    CRI-O >= 1.31): on a node whose runtime cannot, create fails at once with a ConfigError."""
     daemon_port: int = Field(default=8731, ge=1, le=65535)
     """The TCP port sandmand listens on, on the pod IP."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

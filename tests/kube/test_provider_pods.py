@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from pydantic import ValidationError
 
 from sandman import errors
 from sandman.models import KubernetesOptions, SandboxSpec
@@ -442,3 +443,186 @@ def test_api_failures_become_typed_errors() -> None:
     with pytest.raises(errors.ConfigError, match="Invalid value"):
         status(422, "Pod is invalid: Invalid value")
     status(201, "created")  # a success raises nothing
+
+
+# -- daemon delivery by an image volume ------------------------------------------------
+
+VOLUME_CONFIG = CONFIG.model_copy(update={"daemon_delivery": "image-volume"})
+DAEMON_IMAGE = "sandman.local/nope:0"
+NODE = "sandman-node"
+
+
+def test_the_init_container_is_the_default_delivery() -> None:
+    assert KubernetesConfig().daemon_delivery == "init-container"
+    assert "initContainers" in manifest(SandboxSpec(image="x"))["spec"]
+
+
+@pytest.mark.parametrize("policy", ["Always", "IfNotPresent", "Never"])
+def test_the_image_volume_mounts_the_daemon_image_instead_of_an_init_container(
+    policy: Literal["Always", "IfNotPresent", "Never"],
+) -> None:
+    spec = SandboxSpec(image="python:3.12", env={"A": "1"}, workdir="/work", user="1000")
+    config = VOLUME_CONFIG.model_copy(update={"image_pull_policy": policy})
+    with_volume = pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+    pod_spec = with_volume["spec"]
+    assert "initContainers" not in pod_spec
+    assert pod_spec["volumes"] == [
+        {"name": "sandman", "image": {"reference": CONFIG.daemon_image, "pullPolicy": policy}}
+    ]
+    (main,) = pod_spec["containers"]
+    # The image's root is the mount: its /sandmand runs as /.sandman/sandmand, no subPath.
+    assert main["command"] == ["/.sandman/sandmand"]
+    assert main["volumeMounts"] == [{"name": "sandman", "mountPath": "/.sandman", "readOnly": True}]
+    # Everything else is what the init-container delivery makes.
+    by_init = pods.pod_manifest(
+        name="sb-1", spec=spec, labels=LABELS, token="t",
+        config=config.model_copy(update={"daemon_delivery": "init-container"}),
+    )  # fmt: skip
+    assert by_init["spec"].pop("initContainers")[0]["imagePullPolicy"] == policy
+    assert by_init["spec"].pop("volumes") == [
+        {"name": "sandman", "emptyDir": {"sizeLimit": "64Mi"}}
+    ]
+    pod_spec.pop("volumes")
+    assert with_volume == by_init
+
+
+@pytest.mark.parametrize("value", ["volume", "image_volume", "", None])
+def test_an_unknown_delivery_is_refused_naming_the_choices(value: object) -> None:
+    with pytest.raises(ValidationError, match="'init-container' or 'image-volume'"):
+        KubernetesConfig(daemon_delivery=value)
+    # The service reads the provider's settings as JSON (SANDMAN_KUBERNETES).
+    with pytest.raises(ValidationError, match="daemon_delivery"):
+        KubernetesConfig.model_validate_json(f'{{"daemon_delivery": "{value}"}}')
+    config = KubernetesConfig.model_validate_json('{"daemon_delivery": "image-volume"}')
+    assert config.daemon_delivery == "image-volume"
+
+
+def by_volume(pod: dict[str, Any], reference: str = DAEMON_IMAGE) -> dict[str, Any]:
+    """``pod`` as the image-volume delivery makes it, scheduled to the real node."""
+    pod["spec"]["volumes"] = [
+        {"name": "sandman", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
+    ]
+    pod["spec"]["nodeName"] = NODE
+    return pod
+
+
+# The kubelet (1.36) pulls an image volume before the container's own image and reports
+# a failure on the container that mounts it (hack/kube real node, containerd 1.6.20).
+NO_HOST = (
+    f'failed to pull and unpack image "{DAEMON_IMAGE}": failed to resolve reference '
+    f'"{DAEMON_IMAGE}": failed to do request: Head "https://sandman.local/v2/nope/manifests/0": '
+    "dial tcp: lookup sandman.local: no such host"
+)
+VOLUME_PULL_FAILURES = {
+    "ErrImagePull": NO_HOST,
+    "ImagePullBackOff": f'Back-off pulling image "{DAEMON_IMAGE}": ErrImagePull: {NO_HOST}',
+    "ErrImageNeverPull": f'Container image "{DAEMON_IMAGE}" is not present with pull policy of '
+    "Never",
+}
+
+
+@pytest.mark.parametrize("reason", sorted(VOLUME_PULL_FAILURES))
+def test_a_daemon_image_the_volume_cannot_pull_is_named_as_the_daemon_image(reason: str) -> None:
+    pod = by_volume(waiting(reason, message=VOLUME_PULL_FAILURES[reason]))
+    outcome = pods.start_outcome(pod, "daemon")
+    assert isinstance(outcome, errors.ImageError), outcome
+    assert str(outcome).startswith(f"pod sb-1: daemon image {DAEMON_IMAGE}: {reason}: ")
+    # The task image's own pull failure on the same pod is still the task image's.
+    task = by_volume(waiting(reason, message=PERMANENT["404"]))
+    assert str(pods.start_outcome(task, "daemon")).startswith("pod sb-1: image x: ")
+
+
+def test_a_transient_pull_of_the_daemon_image_volume_waits_on_naming_it() -> None:
+    message = TRANSIENT["503"].replace(SICK, "127.0.0.1:5991/sandmand:1")
+    pod = by_volume(waiting("ErrImagePull", message=message), "127.0.0.1:5991/sandmand:1")
+    outcome = pods.start_outcome(pod, "daemon")
+    assert isinstance(outcome, pods.PullRetrying)
+    assert outcome.detail.startswith("daemon image 127.0.0.1:5991/sandmand:1: ErrImagePull: ")
+
+
+def test_the_daemon_image_is_recognised_however_the_runtime_spells_it() -> None:
+    # containerd spells references out in full; the kubelet adds :latest to a bare name.
+    for reference, message in [
+        ("sandmand", 'failed to pull and unpack image "docker.io/library/sandmand:latest": x'),
+        ("sandmand", 'Back-off pulling image "sandmand:latest"'),
+        (
+            "docker.io/sandmand",
+            'failed to pull and unpack image "docker.io/library/sandmand:latest"',
+        ),
+        (
+            "r.io/s/sandmand@sha256:ab",
+            'failed to pull and unpack image "r.io/s/sandmand@sha256:ab"',
+        ),
+        ("r.io/sandmand:1", "image pull failed for r.io/sandmand:1 because the registry is down"),
+    ]:
+        pod = by_volume(waiting("ErrImagePull", message=message), reference)
+        assert f"daemon image {reference}:" in str(pods.start_outcome(pod, "daemon")), reference
+    # A name that only begins like the daemon image's is another image.
+    other = by_volume(
+        waiting("ErrImagePull", message='image "r.io/sandmand:10"'), "r.io/sandmand:1"
+    )
+    assert "pod sb-1: image x:" in str(pods.start_outcome(other, "daemon"))
+
+
+# What the main container shows on a node whose runtime cannot mount image volumes: the
+# hack/kube real node (containerd 1.6.20) and CRI-O before 1.31 refuse a mount without a
+# host path; a runtime that ignored the mount would start the container without the daemon.
+CONTAINERD_16 = (
+    'failed to generate container "5ed50a980ed3efb6bbf3b378d849397a7e6c115647a336681c8a52d2a4877919" '
+    'spec: failed to generate spec: failed to mkdir "": mkdir : no such file or directory'
+)
+CRIO_130 = "mount.HostPath is empty"
+EMPTY_MOUNT = (
+    "failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+    'runc create failed: unable to start container process: exec: "/.sandman/sandmand": '
+    "stat /.sandman/sandmand: no such file or directory: unknown"
+)
+
+
+@pytest.mark.parametrize(
+    ("reason", "message"),
+    [("CreateContainerError", CONTAINERD_16), ("CreateContainerError", CRIO_130),
+     ("RunContainerError", EMPTY_MOUNT)],
+)  # fmt: skip
+def test_a_runtime_that_cannot_mount_image_volumes_is_a_config_error_naming_the_fix(
+    reason: str, message: str
+) -> None:
+    outcome = pods.start_outcome(by_volume(waiting(reason, message=message)), "daemon")
+    assert isinstance(outcome, errors.ConfigError), outcome
+    text = str(outcome)
+    assert f"the container runtime of node {NODE} cannot mount image volumes" in text
+    assert "daemon_delivery='init-container'" in text
+    assert message in text  # the runtime's own words, for whoever digs further
+    # With the init container, the same words are the runtime's failure, not our setting.
+    plain = pods.start_outcome(waiting(reason, message=message), "daemon")
+    assert type(plain) is errors.ProviderError
+
+
+def test_a_daemon_that_cannot_start_from_an_empty_mount_is_the_same_config_error() -> None:
+    failed = by_volume(status(containerStatuses=[{"name": "sandbox", "image": "x", "state": {
+        "terminated": {"exitCode": 128, "reason": "StartError", "message": EMPTY_MOUNT}}}]))  # fmt: skip
+    outcome = pods.start_outcome(failed, "daemon")
+    assert isinstance(outcome, errors.ConfigError)
+    assert "cannot mount image volumes" in str(outcome)
+    # Any other failure of an image-volume pod stays what it was.
+    other = by_volume(waiting("CreateContainerConfigError", message='secret "s" not found'))
+    assert type(pods.start_outcome(other, "daemon")) is errors.ProviderError
+
+
+def test_a_pod_stored_without_its_image_volume_is_a_config_error() -> None:
+    # An API server whose ImageVolume feature is off drops the volume and its mounts.
+    pod = pods.pod_manifest(
+        name="sb-1", spec=SandboxSpec(image="x"), labels=LABELS, token="t", config=VOLUME_CONFIG
+    )
+    assert pods.daemon_volume(pod) == CONFIG.daemon_image
+    pods.check_delivery(pod, VOLUME_CONFIG)  # kept: fine
+    dropped = copy.deepcopy(pod)
+    del dropped["spec"]["volumes"]
+    del dropped["spec"]["containers"][0]["volumeMounts"]
+    with pytest.raises(
+        errors.ConfigError, match="dropped the daemon's image volume.*init-container"
+    ):
+        pods.check_delivery(dropped, VOLUME_CONFIG)
+    # The init-container delivery has no image volume to lose.
+    assert pods.daemon_volume(manifest(SandboxSpec(image="x"))) is None
+    pods.check_delivery(manifest(SandboxSpec(image="x")), CONFIG)

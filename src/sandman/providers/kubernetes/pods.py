@@ -28,6 +28,8 @@ __all__ = [
     "MANAGED_BY",
     "PullRetrying",
     "Started",
+    "check_delivery",
+    "daemon_volume",
     "pod_info",
     "pod_manifest",
     "start_outcome",
@@ -38,6 +40,7 @@ __all__ = [
 CONTAINER = "sandbox"
 INIT_CONTAINER = "sandman-install"
 DAEMON_DIR = "/.sandman"
+DAEMON_VOLUME = "sandman"
 TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
@@ -79,6 +82,18 @@ _TRANSIENT = re.compile(
 )
 _CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError",
                              "RunContainerError", "CrashLoopBackOff"})  # fmt: skip
+# What a runtime that cannot mount image volumes says about the daemon's: the kubelet
+# sends the mount with an image and no host path, which older runtimes do not read.
+_NO_IMAGE_VOLUME = re.compile(
+    r'mkdir "": '  # containerd < 2.1 (seen on 1.6.20): 'failed to mkdir "": mkdir : ...'
+    r"|mount\.HostPath is empty"  # CRI-O < 1.31
+    r'|"/\.sandman/sandmand": (?:stat \S+: )?no such file',  # one that mounted nothing
+    re.IGNORECASE,
+)
+_UNSUPPORTED = (
+    "the container runtime of node {node} cannot mount image volumes (containerd >= 2.1 "
+    "and CRI-O >= 1.31 can): use daemon_delivery='init-container'"
+)
 
 
 def validate_labels(labels: Mapping[str, str]) -> None:
@@ -133,7 +148,9 @@ def pod_manifest(
     config: KubernetesConfig,
     preferred: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The pod for one sandbox: the unmodified task image runs sandmand from an emptyDir.
+    """The pod for one sandbox: the unmodified task image runs sandmand from ``/.sandman``,
+    an emptyDir an init container copies it into, or the daemon image itself mounted as
+    an image volume (``config.daemon_delivery``).
 
     ``preferred`` is a preferred node-affinity term (`placement.image_affinity`),
     added to the spec's own affinity, which stays as it is.
@@ -162,7 +179,7 @@ def pod_manifest(
         annotations[EXPIRES] = all_labels[EXPIRES]
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != TOKEN_ENV]
     env.append({"name": TOKEN_ENV, "value": token})
-    mount = {"name": "sandman", "mountPath": DAEMON_DIR}
+    mount = {"name": DAEMON_VOLUME, "mountPath": DAEMON_DIR}
     main: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -179,24 +196,33 @@ def pod_manifest(
     }
     if spec.workdir:
         main["workingDir"] = spec.workdir
-    init = {
-        "name": INIT_CONTAINER,
-        "image": config.daemon_image,
-        "imagePullPolicy": config.image_pull_policy,
-        "command": ["/sandmand", "install", f"{DAEMON_DIR}/sandmand"],
-        "volumeMounts": [mount],
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
-                      "limits": {"cpu": "500m", "memory": "64Mi"}},
-    }  # fmt: skip
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": config.termination_grace,
-        "initContainers": [init],
-        "containers": [main],
-        "volumes": [{"name": "sandman", "emptyDir": {"sizeLimit": "64Mi"}}],
     }
+    if config.daemon_delivery == "image-volume":
+        # The volume is the image's root filesystem, whose /sandmand is then
+        # /.sandman/sandmand: the same command, no subPath. Read-only by definition.
+        pod_spec["containers"] = [main]
+        pod_spec["volumes"] = [{
+            "name": DAEMON_VOLUME,
+            "image": {"reference": config.daemon_image, "pullPolicy": config.image_pull_policy},
+        }]  # fmt: skip
+    else:
+        init = {
+            "name": INIT_CONTAINER,
+            "image": config.daemon_image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": ["/sandmand", "install", f"{DAEMON_DIR}/sandmand"],
+            "volumeMounts": [mount],
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                          "limits": {"cpu": "500m", "memory": "64Mi"}},
+        }  # fmt: skip
+        pod_spec["initContainers"] = [init]
+        pod_spec["containers"] = [main]
+        pod_spec["volumes"] = [{"name": DAEMON_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}]
     k8s = spec.kubernetes
     if config.service_account:
         pod_spec["serviceAccountName"] = config.service_account
@@ -257,6 +283,53 @@ def transient_pull_failure(reason: str, message: str) -> bool:
     return not _PERMANENT.search(cause) and bool(_TRANSIENT.search(cause))
 
 
+def daemon_volume(pod: Mapping[str, Any]) -> str | None:
+    """The daemon image a pod mounts as its image volume, or None (init-container delivery)."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if volume.get("name") == DAEMON_VOLUME and volume.get("image"):
+            reference = volume["image"].get("reference")
+            return str(reference) if reference else None
+    return None
+
+
+def check_delivery(pod: Mapping[str, Any], config: KubernetesConfig) -> None:
+    """ConfigError if the API server stored the pod without the daemon's image volume.
+
+    An API server whose ``ImageVolume`` feature is off (off by default before 1.35)
+    drops the volume and its mounts without a word, and the pod would then fail on a
+    missing /.sandman/sandmand.
+    """
+    if config.daemon_delivery == "image-volume" and daemon_volume(pod) is None:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        raise errors.ConfigError(
+            f"pod {name}: the API server dropped the daemon's image volume (its ImageVolume "
+            "feature is off; on by default from Kubernetes 1.35): use "
+            "daemon_delivery='init-container'"
+        )
+
+
+def _full_reference(image: str) -> str:
+    """An image reference spelt out as runtimes do: ``busybox`` is
+    ``docker.io/library/busybox:latest``."""
+    name, at, digest = image.partition("@")
+    domain, slash, path = name.partition("/")
+    if not slash or not ("." in domain or ":" in domain or domain == "localhost"):
+        domain, path = "docker.io", name
+    if domain == "docker.io" and "/" not in path:
+        path = f"library/{path}"
+    if not at and ":" not in path.rsplit("/", 1)[-1]:
+        path += ":latest"
+    return f"{domain}/{path}{at}{digest}"
+
+
+def _mentions(message: str, image: str) -> bool:
+    """Whether the kubelet's or runtime's message names ``image`` (as given, defaulted
+    to ``:latest``, or spelt out in full)."""
+    wanted = _full_reference(image)
+    words = (w.rstrip(":,;.") for w in re.split(r'[\s"]+', message))
+    return any(w and _full_reference(w) == wanted for w in words)
+
+
 def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
     status = pod.get("status") or {}
     return [(True, s) for s in status.get("initContainerStatuses") or []] + [
@@ -276,6 +349,9 @@ def start_outcome(
     name = (pod.get("metadata") or {}).get("name", "?")
     status = pod.get("status") or {}
     phase = status.get("phase")
+    # With the image volume, the daemon image is pulled for the main container (before
+    # its own image) and a failure is reported on it, naming the daemon image.
+    volume = daemon_volume(pod)
     if phase in ("Failed", "Succeeded"):
         return errors.ProviderError(f"pod {name} {phase.lower()} while starting: {_why(status)}")
     for condition in status.get("conditions") or []:
@@ -293,12 +369,20 @@ def start_outcome(
         detail = f"{reason}: {waiting.get('message', '')}".rstrip(": ")
         if reason in _IMAGE_REASONS:
             which = "daemon image" if is_init else "image"
+            if volume and not is_init and _mentions(waiting.get("message", ""), volume):
+                which, image = "daemon image", volume
             if transient_pull_failure(reason, waiting.get("message", "")):
                 return PullRetrying(f"{which} {image}: {detail}")
             return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
+        terminated = state.get("terminated")
+        if volume and (reason in _CONFIG_REASONS or terminated):
+            said = waiting.get("message", "") or (terminated or {}).get("message", "")
+            if _NO_IMAGE_VOLUME.search(said):
+                node = (pod.get("spec") or {}).get("nodeName", "?")
+                unsupported = _UNSUPPORTED.format(node=node)
+                return errors.ConfigError(f"pod {name}: {unsupported} ({said})")
         if reason in _CONFIG_REASONS:
             return errors.ProviderError(f"pod {name}: container {container.get('name')}: {detail}")
-        terminated = state.get("terminated")
         if terminated and not (is_init and terminated.get("exitCode") == 0):
             return errors.ProviderError(
                 f"pod {name}: container {container.get('name')} exited "

@@ -7,6 +7,11 @@ as soon as its status says why (image, capacity). A transient image pull
 failure (the registry's 429 or 5xx, a network error) waits on while the
 kubelet retries, and the timeout names it. The pool then waits for the
 daemon's health over the pod IP.
+
+The daemon comes from an init container or, with ``daemon_delivery="image-volume"``,
+an image volume; where the cluster cannot deliver it that way (the API server
+dropped the volume, or the node's runtime cannot mount it), create fails at once
+with a ConfigError that says to use the init container.
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ class KubernetesProvider:
         try:
             created = await self.api.create_pod(body)
             try:
+                pods.check_delivery(created, self.config)
                 async with asyncio.timeout(self.config.start_timeout):
                     started = await outcome
             except BaseException as exc:
