@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from _common import cgroup_parent_dirs, new_cgroup_parent
+from _common import new_cgroup_parent
 
 from sandman.images.busybox import busybox_rootfs_tar
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
 
 TENANT = "bench"
@@ -108,7 +109,5 @@ async def local_service(
         for info in await provider.list():  # only if the service failed to release them
             await provider.delete(info.id)
         await provider.aclose()
-        for target in cgroup_parent_dirs(config.cgroup_parent):
-            with contextlib.suppress(OSError):
-                target.rmdir()
+        remove_cgroup_parent(config.cgroup_parent)
         shutil.rmtree(state, ignore_errors=True)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from _common import cgroup_parent_dirs, new_cgroup_parent, progress
+from _common import new_cgroup_parent, progress
 
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
@@ -49,6 +49,7 @@ from sandman.errors import SandboxError
 from sandman.images.busybox import busybox_rootfs_tar
 from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
 
 
@@ -123,8 +124,7 @@ async def run(requests: int, clients: int, state: Path, png: Path, pacing: Pacin
         await client.aclose()
     await pool.aclose()
     leftover = len(await provider.list())
-    for target in cgroup_parent_dirs(config.cgroup_parent):
-        target.rmdir()
+    remove_cgroup_parent(config.cgroup_parent)
 
     usable.sort()
     title = f"{requests} sandboxes, {clients} clients, one embedded pool"

@@ -31,6 +31,7 @@ from sandman.images.busybox import busybox_rootfs_tar
 from sandman.models import SandboxSpec
 from sandman.providers.base import SandboxInfo
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
 
 SPEC = SandboxSpec(image="busybox", memory="64Mi", pids=64, cpu=0.5)
@@ -132,8 +133,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
     deleted = time.perf_counter() - started
     leftover = _leftover(provider)
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
-    for target in cgroup_parent_dirs(cgroup_parent):
-        target.rmdir()
+    remove_cgroup_parent(cgroup_parent)
     lines.append(
         f"ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
         f"mem_per_sandbox_mib={mem_per:.2f} leftover={leftover}"

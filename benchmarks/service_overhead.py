@@ -53,6 +53,7 @@ from sandman.images.busybox import busybox_rootfs_tar
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
 
 TENANT = "bench"
@@ -251,11 +252,7 @@ async def run(n: int, exec_n: int) -> str:
         for info in await provider.list():
             await provider.delete(info.id)
         await provider.aclose()
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
-            target = hierarchy / config.cgroup_parent.strip("/")
-            with contextlib.suppress(OSError):
-                if target.is_dir():
-                    target.rmdir()
+        remove_cgroup_parent(config.cgroup_parent)
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -55,5 +56,7 @@ async def assert_nothing_left(provider: LocalProvider) -> None:
     while (left := leftovers(provider)) and time.monotonic() < deadline:
         await anyio.sleep(0.02)
     assert not left, left
-    for parent in _cgroup_parents(provider):
-        parent.rmdir()
+    # Its own parent must go; the shared /sandman-test stays only while another run uses it.
+    own = set(_cgroup_parents(provider))
+    busy = remove_cgroup_parent(provider.config.cgroup_parent)
+    assert not own & set(busy), busy

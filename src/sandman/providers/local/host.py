@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Finding", "check_host", "prepare_cgroups"]
+__all__ = ["Finding", "check_host", "prepare_cgroups", "remove_cgroup_parent"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -46,6 +46,25 @@ def prepare_cgroups() -> None:
         ["mount", "-t", "cgroup", "-o", "hugetlb", "cgroup", str(target)],
         check=True, capture_output=True, timeout=30,
     )  # fmt: skip
+
+
+def remove_cgroup_parent(parent: str) -> list[Path]:
+    """Remove the cgroup parent ``parent`` (``/a/b``) and each ancestor left empty,
+    in every hierarchy; returns the directories that are still busy (they hold
+    sandboxes or other runs' parents), which are left alone."""
+    parts = parent.strip("/").split("/")
+    busy: list[Path] = []
+    for hierarchy in CGROUP_ROOT.iterdir():
+        for depth in range(len(parts), 0, -1):
+            target = hierarchy.joinpath(*parts[:depth])
+            try:
+                target.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:  # EBUSY, ENOTEMPTY: in use; so are its ancestors
+                busy.append(target)
+                break
+    return busy
 
 
 def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
