@@ -243,6 +243,10 @@ class FakeProvider:
 
     # -- the Provider protocol -------------------------------------------------
 
+    def progress(self, sandbox_id: str) -> str | None:
+        """``"fake: waiting out create_latency"`` while that create is in flight."""
+        return "fake: waiting out create_latency" if sandbox_id in self._pending else None
+
     async def create(
         self,
         spec: SandboxSpec,

@@ -215,6 +215,22 @@ def test_a_pending_pod_means_wait_on() -> None:
     assert pods.start_outcome(waiting("PodInitializing"), "daemon") is None
 
 
+def test_what_a_starting_pod_waits_on_in_a_few_words() -> None:
+    assert pods.waiting_on(PENDING) == "the pod waits to be scheduled"
+
+    def on_node(pod: dict[str, Any]) -> dict[str, Any]:
+        pod["spec"]["nodeName"] = "n1"
+        return pod
+
+    assert pods.waiting_on(on_node(status())) == "the pod is Pending on n1"
+    assert (
+        pods.waiting_on(on_node(waiting("ErrImagePull", init=True, message="503 x")))
+        == "init container sandman-install on n1: ErrImagePull: 503 x"
+    )
+    long = pods.waiting_on(on_node(waiting("ContainerCreating", message="y" * 1000)))
+    assert long.startswith("container sandbox on n1: ContainerCreating: yyy") and len(long) < 400
+
+
 def test_image_failures_are_image_errors_naming_which_image() -> None:
     for reason in ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"):
         outcome = pods.start_outcome(waiting(reason), "daemon")

@@ -133,6 +133,8 @@ async def test_a_sick_registry_is_waited_out_and_the_timeout_names_its_answer(
             # ...and it waited on while the kubelet retried.
             await wait_for("a second pull", START_TIMEOUT, pulled_again)
             assert not create.done(), f"create ended after a 503: {create.exception()!r}"
+            # What the start waits on, for the pool's timeout error, names it too.
+            assert "503 Service Unavailable" in (provider.progress(name) or "")
             with pytest.raises(errors.CreateTimeout) as caught:
                 await create
         finally:
@@ -146,6 +148,7 @@ async def test_a_sick_registry_is_waited_out_and_the_timeout_names_its_answer(
     assert f"image {registry.image}" in message
     assert "503 Service Unavailable" in message
     assert registry.pulls >= 2
+    assert provider.progress(name) is None
     await wait_gone(admin, name)
 
 

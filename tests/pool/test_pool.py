@@ -61,7 +61,9 @@ async def test_a_caller_who_gives_up_leaks_nothing(fake: FakeProvider) -> None:
     fake.faults.create_latency = 0.2
     async with pool_of(fake) as pool:
         session = pool.open_session()
-        with pytest.raises(sandman.CreateTimeout, match=r"being created for \d+\.\d s"):
+        # The provider's word on what the create waits on is passed on.
+        pattern = r"being created for \d+\.\d s \(fake: waiting out create_latency\)"
+        with pytest.raises(sandman.CreateTimeout, match=pattern):
             await pool.acquire(SPEC, session=session, timeout=0.05)
         await eventually(lambda: fake.created_total == 1 and fake.live == 0)
 

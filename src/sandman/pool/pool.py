@@ -80,6 +80,7 @@ class _Request:
     attempts: int = 0
     key: str = ""
     creating_since: float | None = None  # monotonic; None while queued
+    creating: str | None = None  # the id of the sandbox being created for it
     last_error: Exception | None = None  # of the last failed try, when it is retried
 
     def __post_init__(self) -> None:
@@ -292,6 +293,9 @@ class Pool:
             )
         else:
             where = f"its sandbox was being created for {time.monotonic() - request.creating_since:.1f} s"
+            detail = self.provider.progress(request.creating) if request.creating else None
+            if detail:
+                where += f" ({detail})"
         if request.last_error is not None:
             where += f"; try {request.attempts} failed: {request.last_error}"
         return where
@@ -390,6 +394,7 @@ class Pool:
         self._records[record.id] = record
         self._emit("create.started", record)
         started = request.creating_since = time.monotonic()
+        request.creating = record.id
         try:
             info = await self.provider.create(
                 request.spec, sandbox_id=record.id, labels=record.labels

@@ -73,6 +73,11 @@ class Provider(Protocol):
         """Remove the sandbox and everything it holds; a missing sandbox is not an error."""
         ...
 
+    def progress(self, sandbox_id: str) -> str | None:
+        """What a create still in flight waits on, in a few words (for a timeout's
+        error); None when it is not in flight or there is nothing to say."""
+        ...
+
     async def list(self, *, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
         """Every sandbox this provider owns whose labels include ``labels``."""
         ...

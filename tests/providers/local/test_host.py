@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 from sandman.providers.local.host import CGROUP_ROOT, remove_cgroup_parent
 from tests.providers.local.conftest import needs_root_and_crun

@@ -35,6 +35,7 @@ __all__ = [
     "start_outcome",
     "transient_pull_failure",
     "validate_labels",
+    "waiting_on",
 ]
 
 CONTAINER = "sandbox"
@@ -335,6 +336,23 @@ def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
     return [(True, s) for s in status.get("initContainerStatuses") or []] + [
         (False, s) for s in status.get("containerStatuses") or []
     ]
+
+
+def waiting_on(pod: Mapping[str, Any]) -> str:
+    """What a starting pod waits on, in a few words: the scheduler, a container's
+    waiting reason (and the kubelet's message), or its phase on its node."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    if not node:
+        return "the pod waits to be scheduled"
+    for is_init, container in _statuses(pod):
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting:
+            which = "init container" if is_init else "container"
+            message = waiting.get("message", "")
+            said = f": {message[:300]}" if message else ""
+            return f"{which} {container.get('name')} on {node}: {waiting.get('reason', '')}{said}"
+    phase = (pod.get("status") or {}).get("phase", "Pending")
+    return f"the pod is {phase} on {node}"
 
 
 def start_outcome(

@@ -60,6 +60,7 @@ class KubernetesProvider:
         )  # fmt: skip
         self._selector = "=".join(pods.MANAGED_BY)
         self.watch = PodWatch(self.api, self._selector)
+        self._progress: dict[str, str] = {}  # sandbox id -> what its start waits on
         self.node_images = NodeImages(self.api) if self.config.prefer_nodes_with_image else None
 
     def __repr__(self) -> str:
@@ -104,6 +105,9 @@ class KubernetesProvider:
                 )
                 return
             result = pods.start_outcome(pod, self.config.readiness)
+            self._progress[name] = (
+                result.detail if isinstance(result, pods.PullRetrying) else pods.waiting_on(pod)
+            )
             if isinstance(result, pods.Started):
                 outcome.set_result(result)
             elif isinstance(result, errors.SandboxError):
@@ -113,6 +117,7 @@ class KubernetesProvider:
 
         # The waiter comes first: the watch may see the pod before the POST returns.
         self.watch.add(name, on_event)
+        self._progress[name] = "the pod is being created"
         try:
             created = await self.api.create_pod(body)
             try:
@@ -135,6 +140,7 @@ class KubernetesProvider:
                 raise
         finally:
             self.watch.remove(name)
+            self._progress.pop(name, None)
         info = self._info(created)
         endpoint = None
         if self.config.readiness == "daemon":
@@ -142,6 +148,10 @@ class KubernetesProvider:
                 host=started.pod_ip, port=self.config.daemon_port, token=token
             )
         return info.model_copy(update={"state": "running", "endpoint": endpoint})
+
+    def progress(self, sandbox_id: str) -> str | None:
+        """What the pod of a create in flight waits on, from the latest watch event."""
+        return self._progress.get(sandbox_id)
 
     async def delete(self, sandbox_id: str) -> None:
         """Delete the pod at once (grace 0); a missing pod is not an error."""

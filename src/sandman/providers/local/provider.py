@@ -223,6 +223,10 @@ class LocalProvider:
 
     # -- delete -------------------------------------------------------------
 
+    def progress(self, sandbox_id: str) -> str | None:
+        """Nothing to say: a local create is one runtime call, no waiting on others."""
+        return None
+
     async def delete(self, sandbox_id: str) -> None:
         """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
         directory = self._dir(sandbox_id)
