@@ -3,24 +3,52 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
 
 import sandman
-from sandman.client.remote import ProxiedEndpoint, RemoteBackend, reachable
+from sandman.client.remote import ProxiedEndpoint, RemoteBackend
 from sandman.providers.base import DaemonEndpoint
 from tests.server.conftest import KEY_A, KEY_B, eventually, serve
 
 pytestmark = pytest.mark.anyio
 
 
-def test_an_endpoint_is_reachable_only_if_its_socket_is_here(tmp_path: Path) -> None:
+async def test_an_endpoint_is_reachable_only_if_its_socket_is_here(tmp_path: Path) -> None:
+    backend = RemoteBackend("http://127.0.0.1:1", api_key="k")
     here = tmp_path / "sock"
     here.touch()
-    assert reachable(DaemonEndpoint(uds=str(here), token="t"))
-    assert not reachable(DaemonEndpoint(uds=str(tmp_path / "elsewhere"), token="t"))
-    assert reachable(DaemonEndpoint(host="10.0.0.7", port=8080, token="t"))
+    assert await backend._reachable(DaemonEndpoint(uds=str(here), token="t"))
+    assert not await backend._reachable(DaemonEndpoint(uds=str(tmp_path / "gone"), token="t"))
+    await backend.aclose()
+
+
+async def test_tcp_endpoints_are_tried_once_and_the_answer_kept() -> None:
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: refused at once
+    open_port = listening.getsockname()[1]
+    try:
+        refused = RemoteBackend("http://127.0.0.1:1", api_key="k")
+        assert not await refused._reachable(
+            DaemonEndpoint(host="127.0.0.1", port=closed_port, token="t")
+        )
+        # Kept: a pod IP that would connect is not tried any more.
+        assert not await refused._reachable(
+            DaemonEndpoint(host="127.0.0.1", port=open_port, token="t")
+        )
+        direct = RemoteBackend("http://127.0.0.1:1", api_key="k")
+        assert await direct._reachable(DaemonEndpoint(host="127.0.0.1", port=open_port, token="t"))
+        assert await direct._reachable(
+            DaemonEndpoint(host="127.0.0.1", port=closed_port, token="t")
+        )
+        for backend in (refused, direct):
+            await backend.aclose()
+    finally:
+        listening.close()
 
 
 def test_the_proxied_endpoint_is_the_route_under_the_services_url() -> None:

@@ -217,11 +217,23 @@ class ProxiedEndpoint(DaemonEndpoint):
         )  # fmt: skip
 
 
-def reachable(endpoint: DaemonEndpoint) -> bool:
-    """Whether this process can plausibly reach ``endpoint`` itself: a unix socket must
-    exist here; a TCP address is assumed routable (say ``via_proxy=True`` when not)."""
-    if endpoint.uds is not None:
-        return os.path.exists(endpoint.uds)
+_PROBE_TIMEOUT = 1.0
+"""Seconds a first TCP connect to a sandbox may take before the proxy route is used."""
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+async def _connects(host: str, port: int) -> bool:
+    try:
+        async with asyncio.timeout(_PROBE_TIMEOUT):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
     return True
 
 
@@ -231,7 +243,9 @@ class RemoteBackend:
     ``transport`` is an httpx transport to use instead of the network (e.g.
     ``httpx.ASGITransport(app)`` in tests). ``via_proxy``: reach daemons through
     the service's proxy route always (True), never (False), or when their
-    endpoint is not reachable from here (None: a unix socket of another machine).
+    endpoint is not reachable from here (None): a unix socket of another
+    machine, or pod IPs this process cannot connect to (tried once, within a
+    second, and the answer kept for every sandbox after).
     """
 
     def __init__(
@@ -252,6 +266,7 @@ class RemoteBackend:
             # It goes into a header as is: nothing that could end the header line.
             raise errors.ConfigError("the API key must be printable ASCII")
         self._via_proxy = via_proxy
+        self._tcp_direct: bool | None = None  # whether sandboxes' TCP endpoints connect
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._transport = transport
@@ -329,9 +344,23 @@ class RemoteBackend:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
         self._timelines[sandbox_id] = dict(data.get("timeline") or {})
-        if self._via_proxy or (self._via_proxy is None and not reachable(endpoint)):
+        if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
             endpoint = self.proxied(sandbox_id)
         return Lease(sandbox_id, endpoint, float(data["expires_at"]))
+
+    async def _reachable(self, endpoint: DaemonEndpoint) -> bool:
+        """Whether this process can reach ``endpoint`` itself: a unix socket must exist
+        here; TCP is tried on the first sandbox and the answer kept (they share a network)."""
+        if endpoint.uds is not None:
+            return _exists(endpoint.uds)
+        if self._tcp_direct is None and endpoint.host is not None and endpoint.port is not None:
+            self._tcp_direct = await _connects(endpoint.host, endpoint.port)
+            if not self._tcp_direct:
+                logger.info(
+                    "sandbox endpoints such as %s:%s do not connect from here: using the "
+                    "service's proxy route", endpoint.host, endpoint.port,
+                )  # fmt: skip
+        return self._tcp_direct is not False
 
     def proxied(self, sandbox_id: str) -> ProxiedEndpoint:
         """The endpoint of a sandbox's daemon through the service's proxy route."""
@@ -364,7 +393,7 @@ class RemoteBackend:
             uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
             token=where.get("token", ""),
         )  # fmt: skip
-        if self._via_proxy or (self._via_proxy is None and not reachable(direct)):
+        if self._via_proxy or (self._via_proxy is None and not await self._reachable(direct)):
             return self.proxied(sandbox_id)
         return direct
 
