@@ -123,7 +123,11 @@ def config_for(kubeconfig: Path, **fields: Any) -> KubernetesConfig:
 
 
 async def count_left(api: KubeAPI, run: str) -> int:
-    items, _ = await api.list_pods(f"{RUN_LABEL}={run}")
+    # Consistent: right after thousands of deletes the watch cache still lists some.
+    items, _ = await api.list_pods(f"{RUN_LABEL}={run}", consistent=True)
+    cached, _ = await api.list_pods(f"{RUN_LABEL}={run}")
+    if len(cached) != len(items):
+        log(f"  the API server's watch cache still lists {len(cached)} of them")
     return len(items)
 
 

@@ -46,12 +46,14 @@ class PodServer:
     (no events until the test ends)."""
     watched_from: list[str] = field(default_factory=list)
     lists: int = 0
+    listed_from: list[str | None] = field(default_factory=list)
     url: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("watch") != "1":
             self.lists += 1
+            self.listed_from.append(request.query.get("resourceVersion"))
             body = {"kind": "PodList", "items": self.listed,
                     "metadata": {"resourceVersion": self.list_version}}  # fmt: skip
             return web.json_response(body)
@@ -153,3 +155,13 @@ async def test_a_tls_mismatch_is_configuration_not_throttling(server: PodServer)
             await client.list_pods("sandman.io/pool=p")
     finally:
         await client.aclose()
+
+
+async def test_a_consistent_list_is_not_served_from_the_cache_as_it_is(
+    server: PodServer, api: KubeAPI
+) -> None:
+    server.listed = [pod("a", "9")]
+    assert [p["metadata"]["name"] for p in (await api.list_pods("x=y"))[0]] == ["a"]
+    await api.list_pods("x=y", consistent=True)
+    # "0": whatever the watch cache holds; none: the current state.
+    assert server.listed_from == ["0", None]

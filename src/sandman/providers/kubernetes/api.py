@@ -175,21 +175,21 @@ class KubeAPI:
         )
 
     async def list_pods(
-        self, selector: str, *, page: int = _PAGE
+        self, selector: str, *, page: int = _PAGE, consistent: bool = False
     ) -> tuple[list[dict[str, Any]], str]:
         """Every pod matching the label selector, ``page`` at a time; and the list's
         resourceVersion (where a watch continues).
 
-        Served from the API server's watch cache (``resourceVersion=0``): a
+        Served from the API server's watch cache as it is (``resourceVersion=0``): a
         reconcile of thousands of pods must not read them all from etcd every
         time, and a pod a few milliseconds too new is found on the next round.
+        The cache can lag seconds behind a burst of deletes, though: ``consistent``
+        asks for the current state (the cache once it has caught up, or etcd).
         """
         items: list[dict[str, Any]] = []
-        params: dict[str, str | int] = {
-            "labelSelector": selector,
-            "limit": page,
-            "resourceVersion": "0",
-        }
+        params: dict[str, str | int] = {"labelSelector": selector, "limit": page}
+        if not consistent:
+            params["resourceVersion"] = "0"
         while True:
             body = await self.request("GET", self._pods, "list pods", params=params)
             items.extend(body.get("items") or [])
