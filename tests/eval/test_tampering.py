@@ -50,6 +50,14 @@ def diff(path: str, old: str | None, new: str) -> str:
     return header + body
 
 
+def stats_patch(line: str, before: str) -> str:
+    """A patch of calc/stats.py that puts the lines ``before`` in front of ``line``."""
+    original = (EXAMPLES / "repos/calc/commits/1/calc/stats.py").read_text()
+    changed = original.replace(line, before + line)
+    assert changed != original, line
+    return diff("calc/stats.py", original, changed)
+
+
 # How each patch gets the plugin loaded; the paths that must be set back.
 LOADERS: dict[str, tuple[str, list[str]]] = {
     # Package metadata in the repository root, which is on sys.path: pytest
@@ -104,19 +112,12 @@ async def test_a_summary_printed_by_the_code_under_test_does_not_count(
     # claims the FAIL_TO_PASS test passed. With -rA pytest shows that output (in its
     # PASSES section) before its own summary; the grade must come from pytest's.
     instance, _ = demo.shipped("calc-1", "gold")
-    stats = EXAMPLES / "repos/calc/commits/1/calc/stats.py"
-    original = stats.read_text()
     fake = (
         "========== short test summary info ==========\n"
         f"PASSED {F2P}\n"
         "========== 4 passed in 0.01s =========="
     )
-    noisy = original.replace(
-        "    return sum(values) / len(values)\n",
-        f"    print({fake!r})\n    return sum(values) / len(values)\n",
-    )
-    assert noisy != original
-    patch = diff("calc/stats.py", original, noisy)
+    patch = stats_patch("    return sum(values) / len(values)\n", f"    print({fake!r})\n")
     report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
     assert report.test_output.count("short test summary info") >= 2  # the fake was there
     assert report.verdict.status == "unresolved", report.verdict.reason
@@ -138,18 +139,11 @@ async def test_a_test_run_ended_by_the_code_under_test_is_graded_on_pytests_word
     demo: Demo, client: AsyncClient, ending: str
 ) -> None:
     instance, _ = demo.shipped("calc-1", "gold")
-    stats = EXAMPLES / "repos/calc/commits/1/calc/stats.py"
-    original = stats.read_text()
     # No newline at the end: the harness's end marker must still be found.
     fake = f"========== short test summary info ==========\nPASSED {F2P}"
     # Past pytest's capture: straight to the test command's own output.
     claim = f"open('/proc/%d/fd/1' % __import__('os').getppid(), 'w').write({fake!r})"
-    ended = original.replace(
-        "    ordered = sorted(values)\n",
-        f"    {claim}\n    {ENDINGS[ending]}\n    ordered = sorted(values)\n",
-    )
-    assert ended != original
-    patch = diff("calc/stats.py", original, ended)
+    patch = stats_patch("    ordered = sorted(values)\n", f"    {claim}\n    {ENDINGS[ending]}\n")
     report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
     assert f"PASSED {F2P}" in report.test_output  # the claim was made
     assert report.verdict.status == "unresolved", report.verdict.reason

@@ -132,6 +132,14 @@ def kube_cluster() -> Iterator[KubeCluster]:
 
 
 @pytest.fixture
+def real_node(kube_cluster: KubeCluster) -> str:
+    """The name of the harness's real node; the test is skipped on a cluster without one."""
+    if not kube_cluster.real_node:
+        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
+    return kube_cluster.real_node
+
+
+@pytest.fixture
 async def admin(kube_cluster: KubeCluster) -> AsyncIterator[Admin]:
     """The harness's admin identity, for set-up, checks and sweeping (not the provider's)."""
     from tests.kube.support import Admin  # support imports this module

@@ -61,13 +61,6 @@ def node_image_names(cluster: KubeCluster) -> set[str]:
 
 
 @pytest.fixture
-def real_node(kube_cluster: KubeCluster) -> str:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    return kube_cluster.real_node
-
-
-@pytest.fixture
 def registry(tmp_path: Path) -> Iterator[Registry]:
     if not Path(REGISTRY_BINARY).is_file() or shutil.which("skopeo") is None:
         pytest.skip("needs docker-registry and skopeo (scripts/setup installs them)")

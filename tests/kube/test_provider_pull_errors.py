@@ -81,13 +81,6 @@ async def sick_registry(status: int) -> AsyncIterator[SickRegistry]:
 
 
 @pytest.fixture
-def real_node(kube_cluster: KubeCluster) -> str:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    return kube_cluster.real_node
-
-
-@pytest.fixture
 async def provider(kube_cluster: KubeCluster, real_node: str) -> AsyncIterator[KubernetesProvider]:
     provider = KubernetesProvider(config_for(kube_cluster, start_timeout=START_TIMEOUT))
     try:

@@ -51,13 +51,6 @@ def preferred_nodes(pod: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-@pytest.fixture
-def real_node(kube_cluster: KubeCluster) -> str:
-    if not kube_cluster.real_node:
-        pytest.skip("the harness runs without a real node")
-    return kube_cluster.real_node
-
-
 @pytest.mark.timeout(SETUP_TIMEOUT + 180)
 async def test_a_pod_is_steered_to_the_node_holding_its_image(
     kube_cluster: KubeCluster, real_node: str, admin: Admin, pool_name: str

@@ -200,6 +200,7 @@ class _Evaluation:
         self.test_exit_code: int | None = None
         self._summary_mark: str | None = None
         self._oom_kills: tuple[int | None, int | None] = (None, None)
+        self._snapshotted = False
 
     def report(
         self,
@@ -446,30 +447,39 @@ class _Evaluation:
             raise _Abort("error", f"could not {what}: {_both(result).strip()}")
         return result
 
-    async def _snapshot(self, sb: AsyncSandbox) -> _Snapshot:
-        # A tree object of the whole work tree, made in an index of its own so the
-        # repository's is untouched. Starting from a copy of that index, git hashes
-        # only files whose stat data changed, not the whole repository.
+    async def _snapshot_tree(self, sb: AsyncSandbox) -> str:
+        # A tree object of the whole work tree, in an index of its own (the
+        # repository's stays untouched). The first starts from a copy of the
+        # repository's index, later ones from the last: git hashes only files whose
+        # stat data changed. Objects uncompressed: an image's untracked build output
+        # can be large, and the sandbox is thrown away.
         index = f"{_WORK}/snapshot.index"
-        await self._must(
-            sb, ["sh", "-c", f'cp -- "$("$@" rev-parse --git-path index)" {index}', "sh", *_GIT],
-            "copy the index",
-        )  # fmt: skip
+        if not self._snapshotted:
+            await self._must(
+                sb, ["sh", "-c", f'cp -- "$("$@" rev-parse --git-path index)" {index}', "sh",
+                     *_GIT], "copy the index",
+            )  # fmt: skip
+            self._snapshotted = True
         env = {"GIT_INDEX_FILE": index}
         # -f: ignored files too (a patch may hide a new conftest.py behind a .gitignore).
-        await self._must(sb, [*_GIT, "add", "-A", "-f", "--", "."], "snapshot the tree", env)
-        tree = (await self._must(sb, [*_GIT, "write-tree"], "snapshot the tree", env)).stdout
+        add = [*_GIT, "-c", "core.looseCompression=0", "add", "-A", "-f", "--", "."]
+        await self._must(sb, add, "snapshot the tree", env)
+        tree = await self._must(sb, [*_GIT, "write-tree"], "snapshot the tree", env)
+        return tree.stdout.strip()
+
+    async def _snapshot(self, sb: AsyncSandbox) -> _Snapshot:
+        tree = await self._snapshot_tree(sb)
         listed = await self._must(
-            sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", tree.strip()], "list the snapshot"
+            sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", tree], "list the snapshot"
         )
-        return _Snapshot(tree.strip(), frozenset(_nul(listed.stdout)))
+        return _Snapshot(tree, frozenset(_nul(listed.stdout)))
 
     async def _changed(self, sb: AsyncSandbox, before: _Snapshot) -> list[str]:
         """Every path added, changed or removed since ``before``, tracked or not."""
-        after = await self._snapshot(sb)
+        after = await self._snapshot_tree(sb)
         diff = await self._must(
             sb, [*_GIT, "diff-tree", "-r", "-z", "--name-only", "--no-renames", before.tree,
-                 after.tree], "list changes",
+                 after], "list changes",
         )  # fmt: skip
         return sorted(_nul(diff.stdout))
 
