@@ -7,7 +7,11 @@ a pass anyway; each must be graded exactly like a patch that does nothing.
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +152,52 @@ async def test_a_test_run_ended_by_the_code_under_test_is_graded_on_pytests_word
     assert f"PASSED {F2P}" in report.test_output  # the claim was made
     assert report.verdict.status == "unresolved", report.verdict.reason
     assert report.verdict.fail_to_pass == {F2P: "MISSING"}
+
+
+def git_patch(work: Path, change: Callable[[Path], None]) -> str:
+    """The patch (as git writes it, symlinks and renames too) that ``change`` makes to
+    a copy of calc at its base commit."""
+    repo = work / "calc"
+    shutil.copytree(EXAMPLES / "repos/calc/commits/1", repo)
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(work), "PATH": os.environ["PATH"]}  # fmt: skip
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    change(repo)
+    git("add", "-A")
+    return git("diff", "--cached", "--binary", "HEAD")
+
+
+async def test_test_files_swapped_for_a_symlink_are_set_back(
+    demo: Demo, client: AsyncClient, tmp_path: Path
+) -> None:
+    # tests/ becomes a symlink to a directory of tests that all pass.
+    def swap(repo: Path) -> None:
+        fake = repo / "faketests"
+        fake.mkdir()
+        (fake / "__init__.py").write_text("")
+        (fake / "test_stats.py").write_text(
+            "".join(f"def {name}():\n    assert True\n\n\n" for name in
+                    ("test_mean", "test_mean_empty", "test_median_odd", "test_median_even"))
+        )  # fmt: skip
+        shutil.rmtree(repo / "tests")
+        (repo / "tests").symlink_to("faketests")
+
+    instance, _ = demo.shipped("calc-1", "gold")
+    patch = git_patch(tmp_path, swap)
+    assert "new file mode 120000" in patch
+    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    verdict = report.verdict
+    assert verdict.applied_with is not None, report.apply_attempts
+    assert "tests" in verdict.reverted
+    assert verdict.status == "unresolved", verdict.reason
+    assert verdict.fail_to_pass == {F2P: "FAILED"}

@@ -305,10 +305,14 @@ class _Evaluation:
                                    "list base files")).stdout)
         )  # fmt: skip
         # A file the image held but git does not track is never the patch's to change.
-        self.reverted = [
+        reverted = {
             path for path in changed
             if is_protected(self.instance, path) or (path in before.paths and path not in tracked)
-        ]  # fmt: skip
+        }  # fmt: skip
+        # What now stands where a set-back file's directory was (a symlink to other
+        # tests in place of tests/) goes too.
+        parents = {"/".join(p.split("/")[:i]) for p in reverted for i in range(1, p.count("/") + 1)}
+        self.reverted = sorted(reverted | (parents & set(changed)))
         if self.reverted:
             logger.info("%s: setting back %s", self.instance.instance_id, self.reverted)
             await self._set_back(sb, before, self.reverted)
