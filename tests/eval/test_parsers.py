@@ -94,6 +94,27 @@ def test_unittest_names_are_stable_across_python_versions() -> None:
     }
 
 
+def test_the_unittest_runners_failure_report_overrules_an_ok_printed_by_the_code() -> None:
+    # slugify() printed "ok" (and a newline) right after the runner wrote the test's
+    # name; the runner's own FAIL line then stands alone, and its report names it.
+    log = (
+        "test_fine (tests.test_slug.SlugifyTest) ... ok\n"
+        "test_punct (tests.test_slug.SlugifyTest) ... ok\n"
+        "FAIL\n"
+        "test_spaces (tests.test_slug.SlugifyTest) ... ok\n"
+        "\n" + "=" * 70 + "\n"
+        "FAIL: test_punct (tests.test_slug.SlugifyTest.test_punct)\n" + "-" * 70 + "\n"
+        "Traceback (most recent call last):\n"
+        "AssertionError: 'a--b' != 'a-b'\n" + "-" * 70 + "\n"
+        "Ran 3 tests in 0.001s\n\nFAILED (failures=1)\n"
+    )
+    assert parse_log("unittest", log) == {
+        "test_fine (tests.test_slug.SlugifyTest)": "PASSED",
+        "test_punct (tests.test_slug.SlugifyTest)": "FAILED",
+        "test_spaces (tests.test_slug.SlugifyTest)": "PASSED",
+    }
+
+
 DJANGO_LOG = """\
 Testing against Django installed in '/testbed/django' with up to 2 processes
 Importing application queries

@@ -5,7 +5,8 @@ line that ends the run, so output a test (or the code under test) prints
 elsewhere, before or after it, cannot add or overturn a result: pytest's
 ``-rA`` short summary, up to its final ``== N passed in Xs ==`` line; the
 unittest and Django runners' verbose ``name (module.Class) ... ok`` lines, up
-to the first failure report or the ``Ran N tests`` line.
+to the first failure report or the ``Ran N tests`` line, overruled by the
+failure report's own ``FAIL:``/``ERROR:`` headers.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ _TEST_HEAD = re.compile(r"^(\w+) \(([\w.]+)\)")
 _OUTCOME = re.compile(r" \.\.\. (ok|FAIL|ERROR|expected failure|unexpected success|skipped\b.*)$")
 _BARE_OUTCOME = re.compile(r"^(ok|FAIL|ERROR|expected failure|unexpected success|skipped\b.*)$")
 _UNITTEST_END = re.compile(r"^(=|-){70}$|^Ran \d+ tests? in ")
+_REPORT_HEAD = re.compile(r"^(FAIL|ERROR): (\w+) \(([\w.]+)\)")
 
 
 def _unittest_name(method: str, where: str) -> str:
@@ -87,12 +89,18 @@ def parse_unittest(log: str) -> dict[str, TestStatus]:
     """Results from ``python -m unittest -v``: ``test_x (module.Class) ... ok`` lines.
 
     A test that printed, or has a docstring, ends its line later: the name
-    is remembered until a line ends in (or is) an outcome.
+    is remembered until a line ends in (or is) an outcome. The runner's own
+    ``FAIL: test_x (module.Class)`` and ``ERROR: ...`` headers after the run
+    have the last word: an "ok" the code under test printed right after the
+    runner's ``test_x (module.Class) ... `` does not turn its failure into a pass.
     """
     results: dict[str, TestStatus] = {}
     pending: str | None = None
-    for line in log.splitlines():
+    lines = log.splitlines()
+    end = len(lines)
+    for i, line in enumerate(lines):
         if _UNITTEST_END.match(line):
+            end = i
             break
         head = _TEST_HEAD.match(line)
         if head:
@@ -101,6 +109,10 @@ def parse_unittest(log: str) -> dict[str, TestStatus]:
         if outcome and pending is not None:
             results[pending] = _outcome(outcome[1])
             pending = None
+    for line in lines[end:]:
+        report = _REPORT_HEAD.match(line)
+        if report:
+            results[_unittest_name(report[2], report[3])] = _UNITTEST_STATUSES[report[1]]
     return results
 
 

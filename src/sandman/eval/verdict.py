@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
-# the cgroup counter, no summary but pytest's.
+# the cgroup counter, no summary but pytest's, unittest's FAIL/ERROR headers overrule.
 HARNESS_VERSION = "3"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
