@@ -18,7 +18,7 @@ from typing import Any
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
-from sandman.providers.kubernetes.placement import with_preference
+from sandman.providers.kubernetes.placement import parse_image, with_preference
 from sandman.settings import KubernetesConfig
 
 __all__ = [
@@ -309,26 +309,17 @@ def check_delivery(pod: Mapping[str, Any], config: KubernetesConfig) -> None:
         )
 
 
-def _full_reference(image: str) -> str:
-    """An image reference spelt out as runtimes do: ``busybox`` is
-    ``docker.io/library/busybox:latest``."""
-    name, at, digest = image.partition("@")
-    domain, slash, path = name.partition("/")
-    if not slash or not ("." in domain or ":" in domain or domain == "localhost"):
-        domain, path = "docker.io", name
-    if domain == "docker.io" and "/" not in path:
-        path = f"library/{path}"
-    if not at and ":" not in path.rsplit("/", 1)[-1]:
-        path += ":latest"
-    return f"{domain}/{path}{at}{digest}"
-
-
 def _mentions(message: str, image: str) -> bool:
     """Whether the kubelet's or runtime's message names ``image`` (as given, defaulted
     to ``:latest``, or spelt out in full)."""
-    wanted = _full_reference(image)
-    words = (w.rstrip(":,;.") for w in re.split(r'[\s"]+', message))
-    return any(w and _full_reference(w) == wanted for w in words)
+    wanted = parse_image(image)
+    for word in re.split(r'[\s"]+', message):
+        try:
+            if parse_image(word.rstrip(":,;.")) == wanted:
+                return True
+        except ValueError:  # most words are not image references
+            continue
+    return False
 
 
 def _statuses(pod: Mapping[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
