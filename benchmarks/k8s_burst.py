@@ -106,19 +106,9 @@ class Burst:
         )
 
 
-# KWOK's general pod stages wait 1-6 s each (4 stages with the init container)
-# to imitate slow nodes; a burst of creates measures the API server, not that.
-NO_KWOK_DELAY = {
-    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
-    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
-                  "pod-ready")
-    for key in ("delay", "jitter-delay")
-}  # fmt: skip
-
-
 def config_for(kubeconfig: Path, **fields: Any) -> KubernetesConfig:
     return KubernetesConfig(
-        kubeconfig=kubeconfig, readiness="pod", annotations=NO_KWOK_DELAY, **fields
+        kubeconfig=kubeconfig, readiness="pod", annotations=pod_specs.KWOK_NO_DELAY, **fields
     )
 
 

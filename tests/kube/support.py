@@ -36,13 +36,6 @@ def real_node_spec(cluster: KubeCluster, **fields: Any) -> SandboxSpec:
     )
 
 
-# KWOK's general pod stages wait 1-6 s each; tests about the API need no such wait.
-KWOK_NO_DELAY = {
-    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
-    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
-                  "pod-ready")
-    for key in ("delay", "jitter-delay")
-}  # fmt: skip
 KWOK = KubernetesOptions(
     cpu_request=0.001,
     memory_request="1Mi",

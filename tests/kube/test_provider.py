@@ -19,12 +19,12 @@ from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider, pods
+from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from sandman.providers.kubernetes.watch import PodWatch
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
 from tests.kube.support import (
     BUSYBOX,
     KWOK,
-    KWOK_NO_DELAY,
     POOL,
     Admin,
     config_for,

@@ -20,11 +20,11 @@ import pytest
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.kubernetes import KubernetesProvider
+from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
 from tests.kube.support import (
     BUSYBOX,
     KWOK,
-    KWOK_NO_DELAY,
     POOL,
     Admin,
     config_for,

@@ -18,8 +18,9 @@ from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
 from sandman.providers.kubernetes import KubernetesProvider
+from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import KWOK, KWOK_NO_DELAY, Admin, config_for
+from tests.kube.support import KWOK, Admin, config_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.models import SandboxSpec
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import BUSYBOX, POOL, Admin, config_for
+from tests.kube.support import POOL, Admin, config_for, real_node_spec
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
@@ -29,16 +29,11 @@ def pinned_by_affinity(cluster: KubeCluster) -> SandboxSpec:
     required affinity: the one steering must keep."""
     required = {"nodeSelectorTerms": [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [cluster.real_node]}]}]}  # fmt: skip
-    return SandboxSpec(
-        image=BUSYBOX,
-        cpu=0.5,
-        memory="128Mi",
-        kubernetes=KubernetesOptions(
-            cpu_request=0.05,
-            memory_request="32Mi",
-            affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}},
-        ),
-    )
+    spec = real_node_spec(cluster)
+    assert spec.kubernetes is not None
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    kubernetes = spec.kubernetes.model_copy(update={"node_selector": {}, "affinity": affinity})
+    return spec.model_copy(update={"kubernetes": kubernetes})
 
 
 def preferred_nodes(pod: dict[str, Any]) -> list[list[str]]:

@@ -25,6 +25,7 @@ __all__ = [
     "CONTAINER",
     "DAEMON_DIR",
     "EGRESS",
+    "KWOK_NO_DELAY",
     "MANAGED_BY",
     "PullRetrying",
     "Started",
@@ -48,6 +49,16 @@ EXPIRES = "sandman.io/expires-at"
 EGRESS = ("sandman.io/egress", "allow")
 """On pods whose spec asks for ``network="egress"``: deploy/networkpolicy.yaml's second
 policy selects it. No other pod carries the key."""
+
+KWOK_NO_DELAY: dict[str, str] = {
+    f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
+    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
+                  "pod-ready")
+    for key in ("delay", "jitter-delay")
+}  # fmt: skip
+"""Pod annotations (`KubernetesConfig.annotations`) for simulated KWOK nodes: their
+general pod stages wait 1-6 s each to imitate slow nodes; a benchmark or test of the
+API server (``readiness="pod"``) needs no such wait."""
 
 _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
