@@ -38,3 +38,25 @@ def test_spec_is_frozen_and_hashable_by_value() -> None:
     with pytest.raises(ValidationError):
         spec.cpu = 3  # type: ignore[misc]
     assert spec == SandboxSpec(image="x", cpu=2.0)
+
+
+@pytest.mark.parametrize("key", ["sandman.io/client", "sandman.io/tenant", "sandman.io/pool"])
+def test_reserved_labels_are_refused(key: str) -> None:
+    # A tenant's sandman.io/client label would let the NetworkPolicy admit
+    # its sandbox to every other sandbox's daemon port.
+    with pytest.raises(ValidationError, match="reserved for Sandman"):
+        SandboxSpec(image="x", labels={key: "true"})
+    assert SandboxSpec(image="x", labels={"team": "a"}).labels == {"team": "a"}
+
+
+@pytest.mark.parametrize("value", ["", "relative/profile.json", "strict"])
+def test_seccomp_must_name_a_kind_or_an_absolute_path(value: str) -> None:
+    with pytest.raises(ValidationError, match="seccomp must be"):
+        SandboxSpec(image="x", seccomp=value)
+    assert SandboxSpec(image="x", seccomp="/etc/p.json").seccomp == "/etc/p.json"
+
+
+def test_disk_takes_quantities() -> None:
+    assert SandboxSpec(image="x", disk="1Gi").disk == 2**30
+    with pytest.raises(ValidationError):
+        SandboxSpec(image="x", disk="1Ki")

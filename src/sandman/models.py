@@ -9,7 +9,7 @@ import base64
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 __all__ = [
     "ArchiveResult",
@@ -53,6 +53,9 @@ def _parse_bytes(value: object) -> object:
 
 Bytes = Annotated[int, BeforeValidator(_parse_bytes)]
 
+RESERVED_LABEL_PREFIX = "sandman.io/"
+"""Labels Sandman sets itself (pool, session, tenant, expiry); a spec may not."""
+
 
 class _Value(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -88,7 +91,13 @@ class SandboxSpec(BaseModel):
 
     Resources are hard limits: ``cpu`` in cores (a CFS quota), ``memory`` in
     bytes (``"2Gi"`` works; no swap beyond it), ``pids`` the most tasks.
-    ``env``, ``workdir`` and ``user`` override the image's own.
+    ``env``, ``workdir`` and ``user`` override the image's own. ``disk``
+    bounds what the sandbox can write (its own layer over the image): past it,
+    writes fail with ENOSPC. ``seccomp`` is the system-call filter:
+    ``"default"`` (Docker's default profile semantics: no new user
+    namespaces, no mount, no kernel keyring, no io_uring, ...),
+    ``"unconfined"``, or the absolute path of an OCI ``linux.seccomp`` JSON
+    profile. Labels under ``sandman.io/`` are Sandman's own and refused here.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -102,7 +111,29 @@ class SandboxSpec(BaseModel):
     workdir: str | None = None
     user: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    disk: Bytes | None = Field(default=None, ge=16 * 2**20)
+    """Bytes the sandbox may write; None: the provider's default."""
+    seccomp: str = "default"
     kubernetes: KubernetesOptions = Field(default_factory=KubernetesOptions)
+
+    @field_validator("labels")
+    @classmethod
+    def _no_reserved_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        reserved = sorted(key for key in labels if key.startswith(RESERVED_LABEL_PREFIX))
+        if reserved:
+            raise ValueError(
+                f"labels under {RESERVED_LABEL_PREFIX} are reserved for Sandman: {reserved}"
+            )
+        return labels
+
+    @field_validator("seccomp")
+    @classmethod
+    def _seccomp_kind(cls, value: str) -> str:
+        if value not in ("default", "unconfined") and not value.startswith("/"):
+            raise ValueError(
+                f"seccomp must be 'default', 'unconfined' or an absolute path to a profile, got {value!r}"
+            )
+        return value
 
 
 class Health(_Value):
