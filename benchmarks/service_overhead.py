@@ -92,7 +92,8 @@ async def serve_child(port: int, config_json: str, key: str, pool_name: str) -> 
     app = create_app(pool, ServerSettings(api_keys=[ApiKey(tenant=TENANT, key=key)]))
     await pool.start()
     # The service labels every spec with its tenant: the spares must carry it too.
-    pool.warm(SandboxSpec.model_validate({**SPEC, "labels": {LABEL_TENANT: TENANT}}), WARM)
+    spec = SandboxSpec.model_validate(SPEC)  # labelled as the service labels a tenant's spec
+    pool.warm(spec.model_copy(update={"labels": {LABEL_TENANT: TENANT}}), WARM)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none")
     await uvicorn.Server(config).serve()
 

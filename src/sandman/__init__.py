@@ -46,6 +46,7 @@ from sandman.errors import (
     ThrottledError,
     Unauthorized,
     UnsafeArchive,
+    UntrustedDaemon,
 )
 from sandman.models import (
     ArchiveResult,
@@ -105,6 +106,7 @@ __all__ = [
     "ThrottledError",
     "Unauthorized",
     "UnsafeArchive",
+    "UntrustedDaemon",
     "__version__",
     "connect",
     "connect_sync",

@@ -11,6 +11,7 @@ SandboxError
 ├── SandboxNotFound             released, expired, evicted
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
+│   ├── UntrustedDaemon         the peer at the daemon's socket is another process
 │   ├── ProtocolVersionError    the daemon speaks another protocol
 │   ├── Unauthorized            wrong or missing token
 │   ├── InvalidRequest          (ValueError)  the daemon refused the request
@@ -69,6 +70,7 @@ __all__ = [
     "ThrottledError",
     "Unauthorized",
     "UnsafeArchive",
+    "UntrustedDaemon",
 ]
 
 
@@ -142,6 +144,16 @@ class DaemonUnavailable(DaemonError):
 
     default_code = "unavailable"
     retryable = True
+
+
+class UntrustedDaemon(DaemonError):
+    """The process answering at the sandbox's socket is not the sandbox's daemon.
+
+    Never retried: something took its place, and nothing (the token least of
+    all) is sent to it.
+    """
+
+    default_code = "untrusted_daemon"
 
 
 class ProtocolVersionError(DaemonError):

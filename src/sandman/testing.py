@@ -424,7 +424,9 @@ class FakeProvider:
             state = "stopped"  # the daemon died on its own
         endpoint = None
         if state == "running" and sandbox.socket is not None and sandbox.token is not None:
-            endpoint = DaemonEndpoint(uds=str(sandbox.socket), token=sandbox.token)
+            # The daemon calls listen(2) itself: connections check it is the peer.
+            pid = sandbox.process.pid if sandbox.process is not None else None
+            endpoint = DaemonEndpoint(uds=str(sandbox.socket), token=sandbox.token, pid=pid)
         return SandboxInfo(
             id=sandbox.id, provider=self.name, state=state, labels=dict(sandbox.labels),
             created_at=sandbox.created_at, image=sandbox.image, endpoint=endpoint,

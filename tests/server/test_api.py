@@ -150,10 +150,13 @@ async def test_a_tenant_never_sees_or_touches_another_tenants_things(
         # Acquiring into another tenant's session is refused too.
         response = await acquire(b, session)
         assert response.status_code == 404 and error_code(response) == "session_expired"
-        # A spec that claims another tenant's label is relabelled as its own.
+        # A spec that claims another tenant's label (any sandman.io/ label) is refused.
         own = await open_session(b)
         body = {"spec": {"image": "task", "labels": {LABEL_TENANT: "a"}}, "session": own}
-        mine = (await b.post("/v1/sandboxes", json=body)).json()
+        claimed = await b.post("/v1/sandboxes", json=body)
+        assert claimed.status_code == 422 and error_code(claimed) == "invalid_request"
+        assert "reserved" in claimed.json()["error"]["message"]
+        mine = (await b.post("/v1/sandboxes", json={**body, "spec": {"image": "task"}})).json()
         assert mine["spec"]["labels"][LABEL_TENANT] == "b"
         assert [s["id"] for s in (await api.get("/v1/sandboxes")).json()["sandboxes"]] == [sid]
     assert pool.get(sid).state == "leased"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -64,4 +68,43 @@ async def test_requests_in_flight_survive_their_client_falling_out_of_the_cache(
                 gone = await http.post(f"/{first.id}/v1/exec", json={"argv": ["true"]})
                 assert gone.status_code == 404 and gone.text == "sandbox_not_found"
         finally:
+            await forwarder.aclose()
+
+
+async def test_the_route_reaches_only_the_sandboxs_own_daemon(tmp_path: Path) -> None:
+    """Whatever else answers at a sandbox's socket path is refused before a byte
+    (the daemon's token least of all) is sent to it."""
+    async with FakeProvider(daemon=True, seed=6) as fake, Pool(fake, PoolConfig(name="g")) as pool:
+        record = await pool.acquire(
+            SandboxSpec(image="task"), session=pool.open_session(), timeout=20
+        )
+        assert record.info is not None and record.info.endpoint is not None
+        socket_path = record.info.endpoint.uds
+        assert socket_path is not None and record.info.endpoint.pid is not None
+        forwarder = Forwarder(max_body=1 << 20, connect_timeout=5)
+        transport = httpx.ASGITransport(app=_app(pool, forwarder))
+        received = bytearray()
+        impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        impostor.bind(str(tmp_path / "impostor.sock"))
+        impostor.listen()
+        impostor.setblocking(False)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                ok = await http.post(f"/{record.id}/v1/exec", json={"argv": ["echo", "a"]})
+                assert ok.status_code == 200
+                await forwarder.aclose()  # no kept connection to the real daemon
+                os.replace(tmp_path / "impostor.sock", socket_path)
+                refused = await http.post(f"/{record.id}/v1/exec", json={"argv": ["true"]})
+                assert refused.status_code == 502 and refused.text == "untrusted_daemon"
+            # The impostor may have seen the connection, never a byte of the request.
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    conn, _ = impostor.accept()
+                    with conn:
+                        conn.setblocking(False)
+                        with contextlib.suppress(BlockingIOError):
+                            received += conn.recv(65536)
+            assert bytes(received) == b""
+        finally:
+            impostor.close()
             await forwarder.aclose()

@@ -46,14 +46,14 @@ func main() {
 		}
 		return
 	}
-	// Taken before anything else so no child (or crash dump) sees it.
-	envToken := os.Getenv("SANDMAND_TOKEN")
-	for _, kv := range os.Environ() {
-		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "SANDMAND_") {
-			os.Unsetenv(k)
-		}
+	// The token in the environment stays readable in /proc/self/environ
+	// after Unsetenv (the kernel keeps the original block): run again without
+	// it, the token handed over on a pipe.
+	if err := reexecWithoutSecrets(); err != nil {
+		logger.Print(err)
+		os.Exit(2)
 	}
-	cfg, err := parseFlags(os.Args[1:], envToken)
+	cfg, err := parseFlags(os.Args[1:], "")
 	if errors.Is(err, flag.ErrHelp) {
 		return
 	}
@@ -77,8 +77,10 @@ func parseFlags(args []string, envToken string) (config, error) {
 	var cfg config
 	var listen listFlag
 	fs := flag.NewFlagSet("sandmand", flag.ContinueOnError)
-	fs.Var(&listen, "listen", "address to serve on, unix:/path or tcp:host:port (repeatable)")
-	tokenFile := fs.String("token-file", "", "file holding the bearer token (else $SANDMAND_TOKEN)")
+	fs.Var(&listen, "listen", "address to serve on, unix:/path, tcp:host:port or fd:N (a bound unix socket passed by the host) (repeatable)")
+	tokenFile := fs.String("token-file", "", "file holding the bearer token (else --token-fd, else $SANDMAND_TOKEN)")
+	tokenFD := fs.Int("token-fd", -1, "descriptor to read the bearer token from (then closed), as the local provider passes it")
+	envTokenFD := fs.Int("env-token-fd", -1, "internal: where a re-executed daemon finds $SANDMAND_TOKEN")
 	fs.BoolVar(&cfg.noAuth, "no-auth", false, "serve without a token (only for tests)")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	fs.DurationVar(&cfg.killGrace, "kill-grace", 2*time.Second, "default SIGTERM-to-SIGKILL grace on timeouts")
@@ -112,6 +114,16 @@ func parseFlags(args []string, envToken string) (config, error) {
 	}
 	cfg.listen = listen
 	cfg.token = envToken
+	for _, fd := range []int{*envTokenFD, *tokenFD} {
+		if fd < 0 {
+			continue
+		}
+		token, err := readTokenFD(fd)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.token = token
+	}
 	if *tokenFile != "" {
 		data, err := os.ReadFile(*tokenFile)
 		if err != nil {
@@ -120,7 +132,7 @@ func parseFlags(args []string, envToken string) (config, error) {
 		cfg.token = strings.TrimSpace(string(data))
 	}
 	if cfg.token == "" && !cfg.noAuth {
-		return cfg, errors.New("no token: use --token-file or SANDMAND_TOKEN (or --no-auth)")
+		return cfg, errors.New("no token: use --token-file, --token-fd or SANDMAND_TOKEN (or --no-auth)")
 	}
 	if cfg.killGrace < 0 || cfg.shutdownGrace < 0 {
 		return cfg, errors.New("grace durations must be >= 0")

@@ -11,6 +11,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -25,19 +26,27 @@ func parseAddr(a string) (network, addr string, err error) {
 	switch {
 	case strings.HasPrefix(a, "unix:") && len(a) > len("unix:"):
 		return "unix", a[len("unix:"):], nil
+	case strings.HasPrefix(a, "fd:"):
+		if n, err := strconv.Atoi(a[len("fd:"):]); err != nil || n < 3 {
+			return "", "", fmt.Errorf("bad --listen %q: want fd:N with N >= 3", a)
+		}
+		return "fd", a[len("fd:"):], nil
 	case strings.HasPrefix(a, "tcp:"):
 		if _, _, err := net.SplitHostPort(a[len("tcp:"):]); err != nil {
 			return "", "", fmt.Errorf("bad --listen %q: %v", a, err)
 		}
 		return "tcp", a[len("tcp:"):], nil
 	}
-	return "", "", fmt.Errorf("bad --listen %q: want unix:/path or tcp:host:port", a)
+	return "", "", fmt.Errorf("bad --listen %q: want unix:/path, tcp:host:port or fd:N", a)
 }
 
 func listen(a string) (net.Listener, string, error) {
 	network, addr, err := parseAddr(a)
 	if err != nil {
 		return nil, "", err
+	}
+	if network == "fd" {
+		return listenFD(addr)
 	}
 	if network == "unix" {
 		// A socket left by an earlier run would make bind fail; anything
@@ -61,7 +70,28 @@ func listen(a string) (net.Listener, string, error) {
 	return ln, "tcp:" + ln.Addr().String(), nil
 }
 
+// listenFD serves on a socket the host created and bound where no sandbox
+// can write (socket activation): the host then never follows a path the
+// workload controls. listen(2) is ours, so the kernel records this process
+// as the peer that the host checks with SO_PEERCRED.
+func listenFD(num string) (net.Listener, string, error) {
+	fd, _ := strconv.Atoi(num)
+	if err := syscall.Listen(fd, 4096); err != nil {
+		return nil, "", fmt.Errorf("listen on descriptor %d: %w", fd, err)
+	}
+	f := os.NewFile(uintptr(fd), "listen-fd")
+	defer f.Close() // FileListener holds its own (close-on-exec) copy
+	ln, err := net.FileListener(f)
+	if err != nil {
+		return nil, "", fmt.Errorf("descriptor %d: %w", fd, err)
+	}
+	return ln, "fd:" + num + " (" + ln.Addr().String() + ")", nil
+}
+
 func run(cfg config, logger *log.Logger) error {
+	if err := becomeUndumpable(); err != nil {
+		return fmt.Errorf("prctl(PR_SET_DUMPABLE, 0): %w", err)
+	}
 	if os.Getenv("GOMAXPROCS") == "" {
 		// One P unless told otherwise: the daemon mostly waits, and on the
 		// small VMs sandboxes run in, idle Ps spinning for work steal the

@@ -57,6 +57,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "tenant_pending_limit": errors.CapacityError,
     "provider_error": errors.ProviderError,
     "daemon_unavailable": errors.DaemonUnavailable,
+    "untrusted_daemon": errors.UntrustedDaemon,
     "capacity": errors.CapacityError,
     "throttled": errors.ThrottledError,
     "pool_closed": errors.PoolClosed,
@@ -338,7 +339,7 @@ class RemoteBackend:
         where = data.get("endpoint") or {}
         endpoint = DaemonEndpoint(
             uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
-            token=where.get("token", ""),
+            token=where.get("token", ""), pid=where.get("pid"),
         )  # fmt: skip
         if endpoint.uds is None and endpoint.host is None:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
@@ -391,7 +392,7 @@ class RemoteBackend:
         where = data.get("endpoint") or {}
         direct = DaemonEndpoint(
             uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
-            token=where.get("token", ""),
+            token=where.get("token", ""), pid=where.get("pid"),
         )  # fmt: skip
         if self._via_proxy or (self._via_proxy is None and not await self._reachable(direct)):
             return self.proxied(sandbox_id)

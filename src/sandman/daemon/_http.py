@@ -18,13 +18,21 @@ client maps those to the package's errors.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl as _ssl
+import struct
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-__all__ = ["ConnectionLost", "HTTPResponse", "HTTPTransport", "StreamingResponse"]
+__all__ = [
+    "ConnectionLost",
+    "HTTPResponse",
+    "HTTPTransport",
+    "StreamingResponse",
+    "UntrustedPeer",
+]
 
 _MAX_HEAD = 64 * 1024
 # Unread body bytes a connection buffers before it stops reading the socket
@@ -45,6 +53,27 @@ _DONE = 8  # the whole response arrived
 
 class ConnectionLost(Exception):
     """The connection closed or broke before a whole response arrived."""
+
+
+class UntrustedPeer(ConnectionError):
+    """The process at the other end of a unix socket is not the one expected."""
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def check_peer(sock: socket.socket, expected_pid: int, where: str) -> None:
+    """Raise UntrustedPeer unless ``sock``'s peer (SO_PEERCRED) is process ``expected_pid``.
+
+    For a unix stream socket the kernel records the process that called
+    listen(2); only the daemon itself does that on a sandbox's socket.
+    """
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    if pid != expected_pid:
+        raise UntrustedPeer(
+            f"the peer at {where} is process {pid} (uid {uid}), not the sandbox's daemon "
+            f"(pid {expected_pid}): refusing to talk to it"
+        )
 
 
 @dataclass(slots=True)
@@ -361,6 +390,8 @@ class HTTPTransport:
     gateway such as the service's proxy route); ``ssl`` speaks TLS over TCP.
     ``connect_timeout`` bounds opening a connection, whatever the request's own
     deadline (a call without one must not hang on an address that drops SYNs).
+    With ``peer_pid``, a unix-socket connection whose peer is another process
+    is closed at once (UntrustedPeer).
     """
 
     def __init__(
@@ -374,10 +405,12 @@ class HTTPTransport:
         prefix: str = "",
         ssl: _ssl.SSLContext | None = None,
         connect_timeout: float = 10.0,
+        peer_pid: int | None = None,
     ) -> None:
         if (uds is None) == (host is None or port is None):
             raise ValueError("give either uds, or host and port")
         self._connect_timeout = connect_timeout
+        self._peer_pid = peer_pid
         self._uds = uds
         self._tcp = (host, port) if host is not None and port is not None else None
         self._prefix = prefix.rstrip("/")
@@ -499,9 +532,17 @@ class HTTPTransport:
                         lambda: _Connection(loop), *self._tcp, ssl=self._ssl
                     )
                 else:
-                    _, conn = await loop.create_unix_connection(
+                    transport, conn = await loop.create_unix_connection(
                         lambda: _Connection(loop), self._uds
                     )
+                    if self._peer_pid is not None:
+                        try:
+                            check_peer(
+                                transport.get_extra_info("socket"), self._peer_pid, str(self._uds)
+                            )
+                        except BaseException:
+                            transport.close()
+                            raise
         except TimeoutError:
             # A ConnectionError (an OSError), not a TimeoutError: callers report
             # "cannot reach", not "did not answer within <their deadline>".

@@ -15,7 +15,7 @@ from pydantic_core import to_json
 
 from sandman import errors
 from sandman.daemon import protocol
-from sandman.daemon._http import ConnectionLost, HTTPResponse, HTTPTransport
+from sandman.daemon._http import ConnectionLost, HTTPResponse, HTTPTransport, UntrustedPeer
 from sandman.models import (
     ArchiveResult,
     Encoding,
@@ -42,8 +42,10 @@ _M = TypeVar("_M", bound=BaseModel)
 _GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found"})
 
 
-def _unavailable(address: str, exc: Exception) -> errors.DaemonUnavailable:
+def _unavailable(address: str, exc: Exception) -> errors.DaemonError:
     """The one place where transport failures become package errors."""
+    if isinstance(exc, UntrustedPeer):
+        return errors.UntrustedDaemon(str(exc))
     if isinstance(exc, ConnectionLost):
         return errors.DaemonUnavailable(f"connection to {address} lost: {exc}")
     return errors.DaemonUnavailable(f"cannot reach sandmand at {address}: {exc}")
@@ -63,6 +65,8 @@ class DaemonClient:
     Calls may run concurrently; each uses its own kept-alive connection.
     ``request_timeout`` bounds calls that do not run a command; command calls
     are bounded by their own ``timeout`` (plus the kill grace and some slack).
+    With ``peer_pid`` (a unix socket on this host), every connection's peer
+    must be that process, else `UntrustedDaemon` and nothing is sent.
     """
 
     def __init__(
@@ -76,14 +80,16 @@ class DaemonClient:
         base_path: str = "",
         headers: Mapping[str, str] | None = None,
         ssl: SSLContext | None = None,
+        peer_pid: int | None = None,
     ) -> None:
         if (uds is None) == (host is None or port is None):
             raise errors.ConfigError("DaemonClient needs either uds=, or host= and port=")
         fixed = {"Authorization": f"Bearer {token}"} if token is not None else {}
         fixed.update(headers or {})
         self._transport = HTTPTransport(
-            uds=uds, host=host, port=port, default_headers=fixed, prefix=base_path, ssl=ssl
-        )
+            uds=uds, host=host, port=port, default_headers=fixed, prefix=base_path, ssl=ssl,
+            peer_pid=peer_pid,
+        )  # fmt: skip
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
         self._address += base_path.rstrip("/")
         # Behind a gateway (``base_path``, e.g. the service's proxy route), the

@@ -51,6 +51,8 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     # Resizing a process without a terminal is the caller's mistake.
     "not_a_tty": errors.InvalidRequest,
     "pty_unavailable": errors.DaemonError,
+    # From the service's proxy route: what answers at the sandbox's socket is not its daemon.
+    "untrusted_daemon": errors.UntrustedDaemon,
 }
 
 

@@ -26,12 +26,14 @@ class DaemonEndpoint(BaseModel):
     host: str | None = None
     port: int | None = None
     token: str
+    pid: int | None = None
+    """The daemon's pid on this host: a unix-socket peer must be this process."""
 
     def client(self, *, request_timeout: float = 60.0) -> DaemonClient:
         """A new client for this daemon; close it with ``aclose``."""
         return DaemonClient(
             uds=self.uds, host=self.host, port=self.port, token=self.token,
-            request_timeout=request_timeout,
+            request_timeout=request_timeout, peer_pid=self.pid,
         )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ STATUS: dict[str, int] = {
     "tenant_pending_limit": 429,
     "provider_error": 502,
     "daemon_unavailable": 502,
+    "untrusted_daemon": 502,
     "capacity": 503,
     "throttled": 503,
     "pool_closed": 503,

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
+import httpcore
 import httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from sandman.daemon._http import UntrustedPeer, check_peer
 from sandman.pool import Record
 from sandman.providers.base import DaemonEndpoint
 from sandman.server.errors import ApiError
@@ -59,12 +61,19 @@ class Forwarder:
         self.max_body = max_body
         self._timeout = httpx.Timeout(None, connect=connect_timeout)
         self._max_sockets = max_sockets
-        self._sockets: OrderedDict[str, _Upstream] = OrderedDict()
+        self._sockets: OrderedDict[tuple[str, int | None], _Upstream] = OrderedDict()
         self._tcp: _Upstream | None = None
 
-    def _new(self, uds: str | None) -> _Upstream:
+    def _new(self, uds: str | None, peer_pid: int | None = None) -> _Upstream:
         # No TLS to daemons: verify=False skips loading a CA bundle.
         transport = httpx.AsyncHTTPTransport(uds=uds, verify=False)
+        if uds is not None and peer_pid is not None:
+            # httpx takes no network backend; its pool is rebuilt with ours,
+            # with httpx's own defaults (tests/server prove the check holds).
+            transport._pool = httpcore.AsyncConnectionPool(
+                uds=uds, max_connections=100, max_keepalive_connections=20,
+                keepalive_expiry=5.0, network_backend=_PeerChecked(peer_pid),
+            )  # fmt: skip
         return _Upstream(httpx.AsyncClient(transport=transport, timeout=self._timeout))
 
     def _acquire(self, endpoint: DaemonEndpoint) -> _Upstream:
@@ -73,15 +82,16 @@ class Forwarder:
                 self._tcp = self._new(None)
             upstream = self._tcp
         else:
-            found = self._sockets.get(endpoint.uds)
+            key = (endpoint.uds, endpoint.pid)
+            found = self._sockets.get(key)
             if found is None:
-                found = self._sockets[endpoint.uds] = self._new(endpoint.uds)
+                found = self._sockets[key] = self._new(endpoint.uds, endpoint.pid)
                 while len(self._sockets) > self._max_sockets:
                     _, old = self._sockets.popitem(last=False)
                     old.evicted = True
                     if old.users == 0:
                         self._close_later(old)
-            self._sockets.move_to_end(endpoint.uds)
+            self._sockets.move_to_end(key)
             upstream = found
         upstream.users += 1
         return upstream
@@ -131,6 +141,9 @@ class Forwarder:
         )  # fmt: skip
         try:
             answer = await client.send(outgoing, stream=True)
+        except UntrustedPeer as exc:
+            await self._release(upstream)
+            raise ApiError("untrusted_daemon", str(exc)) from exc
         except httpx.TransportError as exc:
             await self._release(upstream)
             raise ApiError(
@@ -162,6 +175,41 @@ class Forwarder:
         return StreamingResponse(
             body(), status_code=answer.status_code, headers=out, background=BackgroundTask(close)
         )
+
+
+class _PeerChecked(httpcore.AsyncNetworkBackend):
+    """httpcore's backend, refusing a unix-socket peer other than the daemon's process."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._inner.connect_unix_socket(path, timeout, socket_options)
+        try:
+            check_peer(stream.get_extra_info("socket"), self._pid, path)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
 
 
 # Closes of evicted clients in flight (a reference, so they are not collected early).

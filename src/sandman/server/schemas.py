@@ -72,6 +72,8 @@ class Endpoint(_Out):
     host: str | None = None
     port: int | None = None
     token: str
+    pid: int | None = None
+    """With ``uds``: the daemon's pid on the service's host; the socket's peer must be it."""
     proxy: str
     """The service's proxy route to the same daemon (path relative to the service URL)."""
 
@@ -209,7 +211,7 @@ def sandbox_out(
     if endpoint and info is not None and info.endpoint is not None:
         e = info.endpoint
         where = Endpoint(
-            uds=e.uds, host=e.host, port=e.port, token=e.token,
+            uds=e.uds, host=e.host, port=e.port, token=e.token, pid=e.pid,
             proxy=f"/v1/sandboxes/{record.id}/daemon",
         )  # fmt: skip
     return SandboxOut(

@@ -10,17 +10,18 @@ from sandman.models import SandboxSpec
 
 __all__ = [
     "DAEMON_IN_SANDBOX",
-    "SOCKET_DIR_IN_SANDBOX",
-    "SOCKET_NAME",
-    "TOKEN_IN_SANDBOX",
+    "LISTEN_FD",
+    "TOKEN_FD",
     "BundleLayout",
     "config",
 ]
 
 DAEMON_IN_SANDBOX = "/.sandman/sandmand"
-TOKEN_IN_SANDBOX = "/.sandman/token"
-SOCKET_DIR_IN_SANDBOX = "/run/sandman"
-SOCKET_NAME = "sandmand.sock"
+# The host binds the daemon's socket in a directory no sandbox sees and hands
+# it over with the token (on a pipe) as these descriptors (``--preserve-fds``):
+# no path inside the sandbox leads to either.
+LISTEN_FD = 3
+TOKEN_FD = 4
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
 NOFILE = 20_000  # no CAP_SYS_RESOURCE here: cannot exceed our own hard limit
@@ -44,8 +45,6 @@ class BundleLayout:
     """Host paths the container config refers to."""
 
     daemon: str
-    token_file: str
-    socket_dir: str
     netns: str | None = None
     """A named network namespace to join; None makes a new, loopback-only one."""
 
@@ -86,9 +85,9 @@ def config(
             "args": [
                 DAEMON_IN_SANDBOX,
                 "--listen",
-                f"unix:{SOCKET_DIR_IN_SANDBOX}/{SOCKET_NAME}",
-                "--token-file",
-                TOKEN_IN_SANDBOX,
+                f"fd:{LISTEN_FD}",
+                "--token-fd",
+                str(TOKEN_FD),
             ],
             "env": _env(image_env, spec.env),
             "cwd": workdir,
@@ -157,18 +156,6 @@ def config(
                 "type": "bind",
                 "source": layout.daemon,
                 "options": ["rbind", "ro", "nosuid", "nodev"],
-            },
-            {
-                "destination": TOKEN_IN_SANDBOX,
-                "type": "bind",
-                "source": layout.token_file,
-                "options": ["rbind", "ro", "nosuid", "nodev", "noexec"],
-            },
-            {
-                "destination": SOCKET_DIR_IN_SANDBOX,
-                "type": "bind",
-                "source": layout.socket_dir,
-                "options": ["rbind", "rw", "nosuid", "nodev", "noexec"],
             },
         ],
         "annotations": dict(annotations),

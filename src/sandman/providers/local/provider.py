@@ -4,8 +4,10 @@ On disk, under ``<state_dir>/sandboxes/<id>/``: ``meta.json`` (written
 first: the record that makes even a half-created sandbox findable),
 ``config.json`` (the OCI bundle), ``upper/`` and ``work/`` (the sandbox's
 overlay layer over the shared, read-only image), ``rootfs/`` (the mount
-point, mounted only inside the container's mount namespace), ``run/`` (the
-daemon's socket, shared with the host), ``token`` and ``log``.
+point, mounted only inside the container's mount namespace),
+``sandmand.sock`` (the daemon's socket: bound here by the host, handed to
+the daemon as a descriptor; the sandbox sees no path to it), ``token``,
+``pid`` and ``log``. The directory is root's alone (0700).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +38,7 @@ from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
 from sandman.providers.local import oci
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.network import NetworkManager
-from sandman.providers.local.runtime import OCIRuntime
+from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.settings import LocalConfig
 
 __all__ = ["LocalProvider"]
@@ -44,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
+_SOCKET_NAME = "sandmand.sock"
 _IMAGE_TTL = 2.0
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _STATES: dict[str, SandboxState] = {
@@ -130,7 +134,7 @@ class LocalProvider:
         return self._sandboxes / sandbox_id
 
     def _socket(self, directory: Path) -> Path:
-        return directory / "run" / oci.SOCKET_NAME
+        return directory / _SOCKET_NAME
 
     # -- create -------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class LocalProvider:
         _write(directory / "meta.json", json.dumps(meta))
         try:
             token = secrets.token_urlsafe(32)
-            await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
+            pid = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 try:
@@ -180,7 +184,7 @@ class LocalProvider:
         return SandboxInfo(
             id=sid, provider=self.name, state="running", labels=all_labels,
             created_at=created_at, image=spec.image,
-            endpoint=DaemonEndpoint(uds=str(socket), token=token),
+            endpoint=DaemonEndpoint(uds=str(socket), token=token, pid=pid),
         )  # fmt: skip
 
     async def _start(
@@ -193,21 +197,17 @@ class LocalProvider:
         gid: int,
         token: str,
         labels: Mapping[str, str],
-    ) -> None:
-        for sub in ("upper", "work", "rootfs", "run"):
+    ) -> int:
+        """Create and start the container; returns its init's (the daemon's) pid."""
+        for sub in ("upper", "work", "rootfs"):
             (directory / sub).mkdir()
-        os.chown(directory / "run", uid, gid)
-        token_file = directory / "token"
-        _write(token_file, token, mode=0o400)
-        os.chown(token_file, uid, gid)
+        # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
+        _write(directory / "token", token, mode=0o400)
         netns = None
         if spec.network != "none":
             # The namespace must exist before the runtime creates the container in it.
             netns = (await self.network.setup(sid, spec.network)).netns_path
-        layout = oci.BundleLayout(
-            daemon=str(self._daemon), token_file=str(token_file),
-            socket_dir=str(directory / "run"), netns=netns,
-        )  # fmt: skip
+        layout = oci.BundleLayout(daemon=str(self._daemon), netns=netns)
         config = oci.config(
             sandbox_id=sid, spec=spec, image_env=image.config.env,
             workdir=spec.workdir or image.config.working_dir or "/",
@@ -216,10 +216,28 @@ class LocalProvider:
         )  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
         overlay = (image.rootfs, directory / "upper", directory / "work", directory / "rootfs")
-        await self._runtime.create(
-            sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
-        )
+        # The host binds the socket where no sandbox can write, so it never
+        # connects through a path the workload could swap for a symlink or a
+        # server of its own; the daemon calls listen(2) on it, which makes
+        # it the peer SO_PEERCRED reports.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        token_read, token_write = os.pipe()
+        try:
+            listener.bind(str(self._socket(directory)))
+            os.write(token_write, token.encode())  # far below the pipe's buffer
+            os.close(token_write)
+            token_write = -1
+            pid = await self._runtime.create(
+                sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon,
+                pass_fds=(listener.fileno(), token_read),
+            )  # fmt: skip
+        finally:
+            listener.close()
+            os.close(token_read)
+            if token_write >= 0:
+                os.close(token_write)
         await self._runtime.start(sid)
+        return pid
 
     # -- delete -------------------------------------------------------------
 
@@ -287,7 +305,9 @@ class LocalProvider:
             token = (directory / "token").read_text()
         state = _STATES.get(states.get(sid, ""), "creating" if meta else "unknown")
         endpoint = (
-            DaemonEndpoint(uds=str(self._socket(directory)), token=token)
+            DaemonEndpoint(
+                uds=str(self._socket(directory)), token=token, pid=read_pid(directory / "pid")
+            )
             if token is not None and state == "running"
             else None
         )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -34,9 +35,11 @@ class OCIRuntime:
         self.kind = kind
         self.timeout = timeout
 
-    async def _spawn(self, argv: list[str], what: str, log: Path | None = None) -> spawn.Completed:
+    async def _spawn(
+        self, argv: list[str], what: str, log: Path | None = None, pass_fds: Sequence[int] = ()
+    ) -> spawn.Completed:
         try:
-            return await spawn.run(argv, log=log, timeout=self.timeout)
+            return await spawn.run(argv, log=log, timeout=self.timeout, pass_fds=pass_fds)
         except TimeoutError:
             raise errors.ProviderError(
                 f"{self.kind} {what} did not finish within {self.timeout} s"
@@ -67,20 +70,26 @@ class OCIRuntime:
         log: Path,
         overlay: tuple[Path, Path, Path, Path],
         helper: Path,
-    ) -> None:
+        pass_fds: Sequence[int] = (),
+    ) -> int:
         """``create`` run through ``helper overlay-exec``, which mounts the overlay
-        (lower, upper, work, target) in a private mount namespace first."""
+        (lower, upper, work, target) in a private mount namespace first.
+
+        ``pass_fds`` are the container process's descriptors 3, 4, ...
+        Returns the pid of the container's init (on this host).
+        """
         pid_file = bundle / "pid"
+        preserve = ["--preserve-fds", str(len(pass_fds))] if pass_fds else []
         argv = [
             str(helper), "overlay-exec", *(str(p) for p in overlay), "--",
-            self.binary, "--root", str(self.root),
-            "create", "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
+            self.binary, "--root", str(self.root), "create", *preserve,
+            "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
         ]  # fmt: skip
         # Both streams go to the log: the container's PID 1 inherits them as its stdio.
         # Not interrupted by cancellation: a create killed half-way leaves a
         # container the runtime does not know. It is short (and bounded by the
         # timeout); on cancellation we let it finish, then the caller deletes.
-        running = asyncio.ensure_future(self._spawn(argv, "create", log))
+        running = asyncio.ensure_future(self._spawn(argv, "create", log, pass_fds))
         try:
             done = await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -92,6 +101,12 @@ class OCIRuntime:
             raise errors.ProviderError(
                 f"{self.kind} create {sandbox_id} failed ({done.returncode}): {tail}"
             )
+        pid = read_pid(pid_file)
+        if pid is None:
+            raise errors.ProviderError(
+                f"{self.kind} create {sandbox_id} wrote no pid to {pid_file}"
+            )
+        return pid
 
     async def start(self, sandbox_id: str) -> None:
         code, message = await self._run("start", sandbox_id)
@@ -113,6 +128,15 @@ class OCIRuntime:
             raise errors.ProviderError(f"{self.kind} list failed: {out.strip()}")
         entries = json.loads(out or "[]") or []
         return {entry["id"]: entry["status"] for entry in entries}
+
+
+def read_pid(pid_file: Path) -> int | None:
+    """The container init's pid the runtime wrote, or None when there is none (yet)."""
+    try:
+        text = pid_file.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _is_missing(message: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 from collections.abc import Sequence
@@ -72,17 +73,31 @@ async def _wait(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-async def run(argv: Sequence[str], *, log: Path | None = None, timeout: float) -> Completed:
+async def run(
+    argv: Sequence[str],
+    *,
+    log: Path | None = None,
+    timeout: float,
+    pass_fds: Sequence[int] = (),
+) -> Completed:
     """Run ``argv``; stdout and stderr are captured, or both appended to ``log``.
 
-    The child is killed (SIGKILL) and reaped if ``timeout`` passes or the
-    caller is cancelled; TimeoutError is raised in the first case.
+    ``pass_fds`` become the child's descriptors 3, 4, ... in that order (the
+    caller keeps and closes its own). The child is killed (SIGKILL) and
+    reaped if ``timeout`` passes or the caller is cancelled; TimeoutError is
+    raised in the first case.
     """
     actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = [
         (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
     ]
     readers: list[int] = []
     closers: list[int] = []
+    for target, fd in enumerate(pass_fds, start=3):
+        # Copied above every target first, so that no dup2 overwrites a
+        # descriptor another one still has to be copied from.
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(pass_fds))
+        closers.append(high)
+        actions.append((os.POSIX_SPAWN_DUP2, high, target))
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         closers.append(fd)

@@ -1,0 +1,154 @@
+"""The workload plays the attacker against the host, from inside a real sandbox.
+
+Root in the sandbox, it may rewrite anything it can write: nothing it does
+may redirect the host's connections to the daemon, impersonate the daemon,
+or read the daemon's memory, environment or descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandman
+from sandman.models import SandboxSpec
+from sandman.providers.base import DaemonEndpoint, SandboxInfo
+from sandman.providers.local import LocalProvider
+from tests.providers.local.conftest import needs_root_and_crun
+
+pytestmark = [pytest.mark.anyio, needs_root_and_crun]
+
+SPEC = SandboxSpec(image="busybox", memory="256Mi", pids=128, cpu=1)
+
+
+async def _ready(info: SandboxInfo) -> sandman.DaemonClient:
+    assert info.endpoint is not None
+    client = info.endpoint.client()
+    await client.wait_ready(timeout=10)
+    return client
+
+
+async def test_no_path_in_the_sandbox_leads_to_the_hosts_socket(provider: LocalProvider) -> None:
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None and info.endpoint.uds is not None
+    host_socket = os.stat(info.endpoint.uds)
+    async with await _ready(info) as sb:
+        # Every socket file the sandbox can see, by device and inode.
+        found = await sb.exec(
+            "find / -path /proc -prune -o -type s -exec stat -c '%d %i %n' {} + 2>/dev/null"
+        )
+        seen = {tuple(line.split()[:2]) for line in found.stdout.splitlines()}
+        assert (str(host_socket.st_dev), str(host_socket.st_ino)) not in seen
+        # The old route: the daemon's socket directory bound read-write. Gone;
+        # and whatever the workload does to its own tree, the host still
+        # reaches its daemon.
+        wreck = await sb.exec("ls /run/sandman; rm -rf /run /.sandman/* /tmp; echo done")
+        assert "done" in wreck.stdout
+        assert (await sb.exec("echo still here")).stdout == "still here\n"
+
+
+async def test_the_daemon_cannot_be_read_or_traced_by_the_workload(
+    provider: LocalProvider,
+) -> None:
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None
+    async with await _ready(info) as sb:
+        for path in ("/proc/1/environ", "/proc/1/mem", "/proc/1/fd/3", "/proc/1/maps"):
+            result = await sb.exec(["head", "-c", "64", path])
+            assert result.exit_code != 0, f"{path} is readable: {result.stdout!r}"
+            assert "Permission denied" in result.stderr, result.stderr
+        # Its descriptors (the listening socket among them) cannot be opened.
+        fds = (await sb.exec(["ls", "/proc/1/fd"])).stdout.split()
+        opened = await sb.exec(
+            ["sh", "-c", " ".join(f"cat /proc/1/fd/{n} </dev/null;" for n in fds)]
+        )
+        assert opened.stderr.count("Permission denied") == len(fds) > 0, opened.stderr
+        # The token is nowhere in the sandbox's files.
+        token = info.endpoint.token
+        grep = await sb.exec(
+            ["grep", "-rlF", token, "/", "--exclude-dir=proc", "--exclude-dir=sys"]
+        )
+        assert grep.stdout == ""
+        # The workload's own processes stay inspectable (execve resets the flag).
+        own = await sb.exec("sleep 30 & head -c 5 /proc/$!/environ >/dev/null && echo readable")
+        assert own.stdout == "readable\n"
+
+
+class _FakeDaemon:
+    """A unix-socket server that records every byte it is sent (and answers 200)."""
+
+    def __init__(self, path: Path) -> None:
+        self.received = bytearray()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received += conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def fake_daemon(tmp_path: Path) -> Iterator[tuple[Path, _FakeDaemon]]:
+    path = tmp_path / "fake.sock"
+    fake = _FakeDaemon(path)
+    try:
+        yield path, fake
+    finally:
+        fake.close()
+
+
+async def test_an_impostor_at_the_socket_gets_nothing(
+    provider: LocalProvider, fake_daemon: tuple[Path, _FakeDaemon]
+) -> None:
+    """Were anything else ever to answer at a sandbox's socket path, the host
+    would refuse it before sending a byte (the bearer token least of all)."""
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None and info.endpoint.uds is not None
+    assert info.endpoint.pid is not None
+    path, fake = fake_daemon
+    os.replace(path, info.endpoint.uds)  # the impostor takes the daemon's place
+    impostor = DaemonEndpoint(
+        uds=info.endpoint.uds, token=info.endpoint.token, pid=info.endpoint.pid
+    )
+    async with impostor.client() as client:
+        with pytest.raises(sandman.UntrustedDaemon, match="not the sandbox's daemon"):
+            await client.health()
+        with pytest.raises(sandman.UntrustedDaemon):
+            await client.wait_ready(timeout=5)  # not retried as if the daemon were starting
+    assert bytes(fake.received) == b""
+    # Listing again reports the same pid: a restarted pool checks the same way.
+    (again,) = [i for i in await provider.list() if i.id == info.id]
+    assert again.endpoint is not None and again.endpoint.pid == info.endpoint.pid
+
+
+async def test_the_peer_check_passes_for_the_real_daemon(provider: LocalProvider) -> None:
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None and info.endpoint.pid is not None
+    async with await _ready(info) as sb:
+        assert (await sb.exec("echo ok")).stdout == "ok\n"
+    wrong = info.endpoint.model_copy(update={"pid": info.endpoint.pid + 1})
+    async with wrong.client() as client:
+        with pytest.raises(sandman.UntrustedDaemon):
+            await client.health()
