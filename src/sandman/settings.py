@@ -21,8 +21,22 @@ class LocalConfig(BaseModel):
     kind: Literal["local"] = "local"
     state_dir: Path = Path("/var/lib/sandman")
     """Images, sandboxes and the runtime's state live under here."""
-    runtime: Literal["crun", "runc"] = "crun"
-    """Which OCI runtime runs the containers."""
+    runtime: Literal["crun", "runc", "runsc"] = "crun"
+    """Which OCI runtime runs the containers. ``runsc`` is gVisor: a user-space
+    kernel between the workload and the host's (a second wall, at a cost per
+    system call); its daemon is reached over TCP on the sandbox's own network
+    namespace, which every runsc sandbox then has (``network="none"`` acts as
+    ``"isolated"``: the sandbox can reach nothing, the host reaches it)."""
+    runsc_platform: str = Field(default="ptrace", pattern=r"^[a-z0-9]+$")
+    """gVisor's platform (``--platform``): ``ptrace`` works everywhere, ``kvm``
+    or ``systrap`` are faster where available."""
+    runsc_network: Literal["host", "sandbox"] = "host"
+    """gVisor's network stack (``--network``) inside the sandbox's own network
+    namespace. ``sandbox``: gVisor's user-space stack. ``host``: socket calls
+    served by the host kernel, in that namespace only — the default, because
+    Debian 12's runsc (2022) mistakes every namespace for the root one on
+    kernels >= 6.x (``net.core.rmem_default`` became per-namespace) and
+    refuses to start with ``sandbox``."""
     runtime_path: str | None = None
     """The runtime binary; default: ``runtime`` looked up on PATH."""
     cgroup_parent: str = Field(default="/sandman", pattern=r"^/[A-Za-z0-9_./-]*$")

@@ -46,6 +46,12 @@ class BundleLayout:
 
     daemon: str
     netns: str | None = None
+    listen: str = f"fd:{LISTEN_FD}"
+    """Where the daemon serves: the host's socket handed over (crun, runc), or
+    ``tcp:0.0.0.0:PORT`` in the sandbox's network namespace (runsc)."""
+    token_env: str | None = None
+    """The token in the daemon's environment (runsc cannot take descriptors);
+    None: on descriptor TOKEN_FD. The daemon re-executes itself without it."""
     """A named network namespace to join; None makes a new, loopback-only one."""
 
 
@@ -85,11 +91,11 @@ def config(
             "args": [
                 DAEMON_IN_SANDBOX,
                 "--listen",
-                f"fd:{LISTEN_FD}",
-                "--token-fd",
-                str(TOKEN_FD),
+                layout.listen,
+                *(["--token-fd", str(TOKEN_FD)] if layout.token_env is None else []),
             ],
-            "env": _env(image_env, spec.env),
+            "env": _env(image_env, spec.env)
+            + ([] if layout.token_env is None else [f"SANDMAND_TOKEN={layout.token_env}"]),
             "cwd": workdir,
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": NOFILE, "soft": NOFILE}],

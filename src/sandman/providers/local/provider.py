@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 _SOCKET_NAME = "sandmand.sock"
+_TCP_ENDPOINT = "endpoint.json"  # runsc: the daemon's address on the sandbox's network
+GVISOR_DAEMON_PORT = 8731
+GVISOR_PIDS_HEADROOM = 256
+GVISOR_MEMORY_HEADROOM = 128 * 2**20
 _IMAGE_TTL = 2.0
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _STATES: dict[str, SandboxState] = {
@@ -79,9 +84,15 @@ class LocalProvider:
             raise errors.ConfigError(
                 f"OCI runtime {self.config.runtime!r} not found: apt-get install -y {self.config.runtime}"
             )
+        global_args = []
+        if self.config.runtime == "runsc":
+            global_args = [
+                f"--platform={self.config.runsc_platform}",
+                f"--network={self.config.runsc_network}",
+            ]
         self._runtime = OCIRuntime(
             binary, state / "runtime" / self.config.runtime,
-            kind=self.config.runtime, timeout=self.config.stop_timeout,
+            kind=self.config.runtime, timeout=self.config.stop_timeout, global_args=global_args,
         )  # fmt: skip
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
         self.network = NetworkManager(
@@ -171,7 +182,7 @@ class LocalProvider:
         _write(directory / "meta.json", json.dumps(meta))
         try:
             token = secrets.token_urlsafe(32)
-            pid = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
+            endpoint = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 try:
@@ -184,7 +195,7 @@ class LocalProvider:
         return SandboxInfo(
             id=sid, provider=self.name, state="running", labels=all_labels,
             created_at=created_at, image=spec.image,
-            endpoint=DaemonEndpoint(uds=str(socket), token=token, pid=pid),
+            endpoint=endpoint,
         )  # fmt: skip
 
     async def _start(
@@ -197,17 +208,36 @@ class LocalProvider:
         gid: int,
         token: str,
         labels: Mapping[str, str],
-    ) -> int:
-        """Create and start the container; returns its init's (the daemon's) pid."""
+    ) -> DaemonEndpoint:
+        """Create and start the container; returns where its daemon listens."""
         for sub in ("upper", "work", "rootfs"):
             (directory / sub).mkdir()
         # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
         _write(directory / "token", token, mode=0o400)
-        netns = None
-        if spec.network != "none":
+        gvisor = self.config.runtime == "runsc"
+        mode = spec.network if spec.network != "none" or not gvisor else "isolated"
+        attachment = None
+        if mode != "none":
             # The namespace must exist before the runtime creates the container in it.
-            netns = (await self.network.setup(sid, spec.network)).netns_path
-        layout = oci.BundleLayout(daemon=str(self._daemon), netns=netns)
+            attachment = await self.network.setup(sid, mode)
+        layout = oci.BundleLayout(
+            daemon=str(self._daemon), netns=attachment.netns_path if attachment else None
+        )
+        if gvisor:
+            # gVisor takes no descriptors from the host: its daemon serves TCP
+            # on the sandbox's own address, which only the host can reach.
+            assert attachment is not None
+            layout = replace(layout, listen=f"tcp:0.0.0.0:{GVISOR_DAEMON_PORT}", token_env=token)
+            # The cgroup holds gVisor's own kernel too (~66 tasks, ~50 MiB idle
+            # on ptrace): the spec's limits are the workload's, on top.
+            spec = spec.model_copy(
+                update={
+                    "pids": spec.pids + GVISOR_PIDS_HEADROOM,
+                    "memory": spec.memory + GVISOR_MEMORY_HEADROOM,
+                }
+            )
+            tcp = DaemonEndpoint(host=attachment.sandbox_ip, port=GVISOR_DAEMON_PORT, token=token)
+            _write(directory / _TCP_ENDPOINT, json.dumps({"host": tcp.host, "port": tcp.port}))
         config = oci.config(
             sandbox_id=sid, spec=spec, image_env=image.config.env,
             workdir=spec.workdir or image.config.working_dir or "/",
@@ -216,6 +246,12 @@ class LocalProvider:
         )  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
         overlay = (image.rootfs, directory / "upper", directory / "work", directory / "rootfs")
+        if gvisor:
+            await self._runtime.create(
+                sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
+            )
+            await self._runtime.start(sid)
+            return tcp
         # The host binds the socket where no sandbox can write, so it never
         # connects through a path the workload could swap for a symlink or a
         # server of its own; the daemon calls listen(2) on it, which makes
@@ -237,7 +273,7 @@ class LocalProvider:
             if token_write >= 0:
                 os.close(token_write)
         await self._runtime.start(sid)
-        return pid
+        return DaemonEndpoint(uds=str(self._socket(directory)), token=token, pid=pid)
 
     # -- delete -------------------------------------------------------------
 
@@ -304,13 +340,9 @@ class LocalProvider:
         with contextlib.suppress(OSError):
             token = (directory / "token").read_text()
         state = _STATES.get(states.get(sid, ""), "creating" if meta else "unknown")
-        endpoint = (
-            DaemonEndpoint(
-                uds=str(self._socket(directory)), token=token, pid=read_pid(directory / "pid")
-            )
-            if token is not None and state == "running"
-            else None
-        )
+        endpoint = None
+        if token is not None and state == "running":
+            endpoint = _endpoint(directory, self._socket(directory), token)
         return SandboxInfo(
             id=sid, provider=self.name, state=state, labels=meta.get("labels", {}),
             created_at=meta.get("created_at", 0.0), image=meta.get("image", ""), endpoint=endpoint,
@@ -318,6 +350,14 @@ class LocalProvider:
 
     async def aclose(self) -> None:
         """Nothing to release: sandboxes live on until deleted."""
+
+
+def _endpoint(directory: Path, socket_path: Path, token: str) -> DaemonEndpoint:
+    """Where a running sandbox's daemon listens, from what its directory records."""
+    with contextlib.suppress(OSError, ValueError):
+        where = json.loads((directory / _TCP_ENDPOINT).read_text())
+        return DaemonEndpoint(host=str(where["host"]), port=int(where["port"]), token=token)
+    return DaemonEndpoint(uds=str(socket_path), token=token, pid=read_pid(directory / "pid"))
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> None:

@@ -28,12 +28,20 @@ class OCIRuntime:
     """
 
     def __init__(
-        self, binary: str, root: Path, *, kind: Literal["crun", "runc"], timeout: float
+        self,
+        binary: str,
+        root: Path,
+        *,
+        kind: Literal["crun", "runc", "runsc"],
+        timeout: float,
+        global_args: Sequence[str] = (),
     ) -> None:
         self.binary = binary
         self.root = root.resolve()  # crun misbehaves with a relative --root
         self.kind = kind
         self.timeout = timeout
+        # Flags every call takes before the command (runsc: --platform).
+        self._global = ["--root", str(self.root), *global_args]
 
     async def _spawn(
         self, argv: list[str], what: str, log: Path | None = None, pass_fds: Sequence[int] = ()
@@ -54,7 +62,7 @@ class OCIRuntime:
 
     async def _run(self, *args: str) -> tuple[int, str]:
         """Run the runtime; returns (exit code, stdout, or stderr on failure)."""
-        argv = [self.binary, "--root", str(self.root), *args]
+        argv = [self.binary, *self._global, *args]
         done = await self._spawn(argv, args[0])
         if done.returncode != 0:
             message = done.stderr.decode(errors="replace")
@@ -82,7 +90,7 @@ class OCIRuntime:
         preserve = ["--preserve-fds", str(len(pass_fds))] if pass_fds else []
         argv = [
             str(helper), "overlay-exec", *(str(p) for p in overlay), "--",
-            self.binary, "--root", str(self.root), "create", *preserve,
+            self.binary, *self._global, "create", *preserve,
             "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
         ]  # fmt: skip
         # Both streams go to the log: the container's PID 1 inherits them as its stdio.

@@ -1,0 +1,73 @@
+"""runtime="runsc": sandboxes under gVisor, a user-space kernel, on this machine."""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import sandman
+from sandman.models import SandboxSpec
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.leaks import assert_nothing_left
+
+pytestmark = [
+    pytest.mark.anyio,
+    needs_root_and_crun,
+    pytest.mark.skipif(shutil.which("runsc") is None, reason="runsc (gVisor) is not installed"),
+]
+
+SPEC = SandboxSpec(image="busybox", memory="256Mi", pids=128, cpu=1)
+
+
+@pytest.fixture
+async def gvisor(state_dir: Path, busybox_tar: Path) -> AsyncIterator[LocalProvider]:
+    config = LocalConfig(
+        state_dir=state_dir, runtime="runsc",
+        cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}",
+    )  # fmt: skip
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    try:
+        yield provider
+    finally:
+        for info in await provider.list():
+            await provider.delete(info.id)
+        assert await provider.network.list() == []
+        await provider.network.reset()
+        await provider.aclose()
+        await assert_nothing_left(provider)
+
+
+async def test_a_sandbox_runs_under_gvisor_and_leaves_nothing(gvisor: LocalProvider) -> None:
+    info = await gvisor.create(SPEC)
+    assert info.endpoint is not None and info.endpoint.host is not None
+    async with info.endpoint.client() as sb:
+        await sb.wait_ready(timeout=30)
+        # gVisor's own kernel answers, not the host's.
+        kernel = await sb.exec("dmesg")
+        assert "gVisor" in kernel.stdout, kernel
+        await sb.write_file("/work/a.txt", "kept\n")
+        assert (await sb.exec("cat /work/a.txt")).stdout == "kept\n"
+        # The token is not in the daemon's environment, and nothing goes out.
+        environ = await sb.exec(["sh", "-c", "cat /proc/1/environ | tr '\\0' '\\n'"])
+        assert info.endpoint.token not in environ.stdout
+        # The sandbox reaches no host service (only the host reaches its daemon).
+        host_ip = str(ipaddress.ip_address(info.endpoint.host) - 1)
+        with socket.create_server(("0.0.0.0", 0)) as server:
+            port = server.getsockname()[1]
+            out = await sb.exec(["busybox", "nc", "-w", "2", host_ip, str(port)], stdin="x")
+            assert out.exit_code not in (0, 127), out  # refused, not "no nc"
+    # A restarted provider finds it, with the same endpoint.
+    (listed,) = await gvisor.list()
+    assert listed.endpoint == info.endpoint
+    await gvisor.delete(info.id)
+    with pytest.raises(sandman.SandboxNotFound):
+        await gvisor.inspect(info.id)
