@@ -59,6 +59,7 @@ _BLOCK = 512
 # A PAX or GNU long-name header holds names and a few numbers; anything this
 # size is an attempt to make us buffer.
 _MAX_META = 1024 * 1024
+_MAX_METAS = 4
 # The kernel's own limits: longer names or link targets cannot be legitimate.
 _PATH_MAX = 4096
 # Components a symlink check may walk through (the kernel stops at 40 links;
@@ -186,6 +187,7 @@ class TarExtractor:
         self._head = bytearray()
         self._meta = bytearray()
         self._meta_kind = 0
+        self._metas = 0  # extended headers since the last entry
         self._need = 0
         self._pad = 0
         self._pax: dict[str, str] = {}
@@ -318,6 +320,9 @@ class TarExtractor:
         kind = block[156]
         size = _number(block[124:136], "size")
         if kind in (ord("x"), ord("g"), ord("L"), ord("K")):
+            self._metas += 1
+            if self._metas > _MAX_METAS:
+                raise _unsafe(f"more than {_MAX_METAS} extended headers before one entry")
             if size > _MAX_META:
                 raise _unsafe(f"a tar extended header of {size} bytes (at most {_MAX_META})")
             self._meta_kind, self._need, self._pad = kind, size, -size % _BLOCK
@@ -333,6 +338,7 @@ class TarExtractor:
                 name = f"{prefix}/{name}"
         link = os.fsdecode(block[157:257].split(b"\0", 1)[0])
         pax, self._pax = self._pax, {}
+        self._metas = 0
         if any(key.startswith("GNU.sparse.") for key in pax):
             raise _unsafe(f"entry {name!r} is a sparse file")
         name = pax.get("path", self._long_name if self._long_name is not None else name)
@@ -353,6 +359,13 @@ class TarExtractor:
                 f"{self._source} has more than {self._max_entries} entries "
                 "(raise max_entries to accept it)"
             )
+        # Every body counts, not only files': skipped bytes cost time too.
+        if self._bytes + size > self._max_bytes:
+            raise errors.FileTooLarge(
+                f"{self._source} holds more than {self._max_bytes} bytes of files "
+                f"(at {name!r}; raise max_bytes to accept it)"
+            )
+        self._bytes += size
         self._pad = -size % _BLOCK
         if kind in _REGULAR:
             self._start_file(_parts(name, "entry name"), name, size, mode, mtime)
@@ -377,7 +390,7 @@ class TarExtractor:
         body = bytes(self._meta)
         self._meta.clear()
         if self._meta_kind == ord("x"):
-            self._pax.update(_parse_pax(body))
+            self._pax = _parse_pax(body)
         elif self._meta_kind == ord("L"):
             self._long_name = os.fsdecode(body.rstrip(b"\0"))
         elif self._meta_kind == ord("K"):
@@ -390,12 +403,6 @@ class TarExtractor:
     def _start_file(self, parts: list[str], name: str, size: int, mode: int, mtime: int) -> None:
         if not parts:
             raise _unsafe(f"file entry {name!r} has no name")
-        if self._bytes + size > self._max_bytes:
-            raise errors.FileTooLarge(
-                f"{self._source} holds more than {self._max_bytes} bytes of files "
-                f"(at {name!r}; raise max_bytes to accept it)"
-            )
-        self._bytes += size
         parent = self._parent_fd(parts)
         self._clear(parent, parts, name)
         fd = os.open(parts[-1], _FILE_FLAGS, 0o600, dir_fd=parent)
