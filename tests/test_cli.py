@@ -81,7 +81,7 @@ def test_bad_settings_from_the_environment_are_one_line_too() -> None:
     first, hint = result.output.splitlines()
     assert first == (
         "error: invalid local provider settings: "
-        "runtime: Input should be 'crun' or 'runc' (got 'bogus')"
+        "runtime: Input should be 'crun', 'runc' or 'runsc' (got 'bogus')"
     )
     assert hint.startswith("hint: ")
 

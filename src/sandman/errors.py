@@ -23,6 +23,8 @@ SandboxError
 │   ├── PermissionDenied        (PermissionError)
 │   ├── NoSpace                 (OSError)  the sandbox's disk is full
 │   ├── UnsafeArchive           (ValueError)  tar entry escapes its target
+│   ├── FileTooLarge            a read or download went past its size or entry limit
+│   ├── NotARegularFile         (OSError)  reading a device, fifo or socket is refused
 │   ├── SessionBusy             a run is already in progress in that shell session
 │   ├── SessionClosed           the session's shell has exited
 │   └── StdinClosed             the process has no open stdin
@@ -49,12 +51,14 @@ __all__ = [
     "DaemonUnavailable",
     "DirectoryNotEmpty",
     "ExecTimeout",
+    "FileTooLarge",
     "ImageError",
     "ImageNotFound",
     "InvalidRequest",
     "IsADirectory",
     "NoSpace",
     "NotADirectory",
+    "NotARegularFile",
     "PathExists",
     "PathNotFound",
     "PermissionDenied",
@@ -220,6 +224,23 @@ class UnsafeArchive(DaemonError, ValueError):
     """A tar entry would land outside its target directory; nothing was kept."""
 
     default_code = "unsafe_archive"
+
+
+class FileTooLarge(DaemonError):
+    """A read or download went past its limit (bytes or archive entries).
+
+    Raised before anything is buffered past the limit; a refused download
+    leaves nothing of itself behind. Pass a larger ``max_bytes`` (or use the
+    streaming form) to read more.
+    """
+
+    default_code = "file_too_large"
+
+
+class NotARegularFile(DaemonError, OSError):
+    """The path (after following symlinks) is a device, fifo or socket: never read."""
+
+    default_code = "not_a_regular_file"
 
 
 class SessionBusy(DaemonError):

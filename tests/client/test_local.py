@@ -174,3 +174,46 @@ async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(
             while await imported.list():
                 await anyio.sleep(0.05)
         assert time.monotonic() - started >= 0.5  # not before the lease had passed
+
+
+@pytest.mark.anyio
+async def test_what_a_hostile_sandbox_sends_back_stays_bounded_and_inside(
+    imported: LocalProvider, local_state: Path, tmp_path: Path
+) -> None:
+    """The workload shapes what the host downloads: a symlink chain that would
+    resolve outside the destination, a symlink to /dev/zero, a 64 GiB sparse
+    file. The host refuses each with a clear error and keeps nothing of it."""
+    victim = tmp_path / "victim"
+    victim.write_text("original")
+    async with (
+        sandman.local(state_dir=local_state) as client,
+        client.sandbox("busybox", cpu=0.5, memory="128Mi") as sb,
+    ):
+        await sb.exec(
+            "mkdir -p /work/t && cd /work/t && echo x > f && ln -s . d && ln -s d/.. a"
+            " && ln -s /dev/zero /work/zero"
+            " && dd if=/dev/zero of=/work/sparse bs=1 count=0 seek=64G 2>/dev/null",
+            check=True,
+        )
+        with pytest.raises(sandman.UnsafeArchive, match="'a' -> 'd/..' resolves outside"):
+            await sb.download("/work/t", tmp_path / "down")
+        assert not (tmp_path / "down").exists()
+        with pytest.raises(sandman.NotARegularFile, match="/work/zero"):
+            await sb.read_file("/work/zero")
+        with pytest.raises(sandman.FileTooLarge, match="max_bytes=67108864"):
+            await sb.read_file("/work/sparse")
+        with pytest.raises(sandman.FileTooLarge, match="max_bytes=1048576"):
+            await sb.download("/work/sparse", tmp_path / "sparse", max_bytes=1024**2)
+        with pytest.raises(sandman.FileTooLarge, match="max_bytes=4194304"):
+            async with sb.read_file_stream("/work/sparse", max_bytes=4 * 1024**2):
+                pass
+        # Without a limit the stream reads any size in bounded pieces.
+        received = 0
+        async with sb.read_file_stream("/work/sparse") as chunks:
+            async for piece in chunks:
+                assert len(piece) <= 1024**2
+                received += len(piece)
+                if received >= 4 * 1024**2:
+                    break
+    assert victim.read_text() == "original"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]

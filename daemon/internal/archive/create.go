@@ -36,7 +36,7 @@ func Write(w io.Writer, src string, gz bool) error {
 		return apierr.FromOS(err)
 	}
 	if !fi.IsDir() {
-		if err := addEntry(tw, src, filepath.Base(src), fi); err != nil {
+		if err := addEntry(tw, src, filepath.Base(src), fi, true); err != nil {
 			return err
 		}
 		return tw.Close()
@@ -56,7 +56,7 @@ func Write(w io.Writer, src string, gz bool) error {
 		if err != nil {
 			return nil
 		}
-		return addEntry(tw, p, filepath.ToSlash(rel), info)
+		return addEntry(tw, p, filepath.ToSlash(rel), info, false)
 	})
 	if err != nil {
 		return err
@@ -64,7 +64,11 @@ func Write(w io.Writer, src string, gz bool) error {
 	return tw.Close()
 }
 
-func addEntry(tw *tar.Writer, path, name string, fi fs.FileInfo) error {
+// addEntry packs one entry. Only directories, symlinks and regular files are
+// packed: devices, fifos and sockets are skipped (a character device such as
+// /dev/zero would never end). follow opens a final symlink (the path asked
+// for); entries met while walking a tree are never followed.
+func addEntry(tw *tar.Writer, path, name string, fi fs.FileInfo, follow bool) error {
 	hdr := &tar.Header{Name: name, ModTime: fi.ModTime(), Mode: int64(fi.Mode().Perm())}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		hdr.Mode = int64(st.Mode & 0o7777)
@@ -83,11 +87,20 @@ func addEntry(tw *tar.Writer, path, name string, fi fs.FileInfo) error {
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
 		return tw.WriteHeader(hdr)
 	case m.IsRegular():
-		f, err := os.Open(path)
+		// O_NONBLOCK: a fifo swapped in since the walk's lstat must not block
+		// the open; what was opened is checked to be a regular file again.
+		flags := os.O_RDONLY | syscall.O_NONBLOCK | syscall.O_CLOEXEC
+		if !follow {
+			flags |= syscall.O_NOFOLLOW
+		}
+		f, err := os.OpenFile(path, flags, 0)
 		if err != nil {
 			return nil
 		}
 		defer f.Close()
+		if fi, err = f.Stat(); err != nil || !fi.Mode().IsRegular() {
+			return nil
+		}
 		hdr.Typeflag, hdr.Size = tar.TypeReg, fi.Size()
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err

@@ -25,7 +25,7 @@ type Result struct {
 	Bytes int64
 }
 
-func unsafe(format string, args ...any) error {
+func refuse(format string, args ...any) error {
 	return apierr.New(http.StatusBadRequest, "unsafe_archive", format, args...)
 }
 
@@ -34,29 +34,47 @@ func invalid(format string, args ...any) error {
 }
 
 type extractor struct {
-	root    string   // destination as given
-	absRoot string   // its absolute form, for symlink-target checks
-	created []string // in creation order, undone in reverse on refusal
-	res     Result
+	root     string   // destination as given
+	absRoot  string   // its absolute form, for absolute symlink targets
+	rootFd   int      // the destination, opened once; every entry is reached from it
+	madeRoot []string // dst and ancestors this call created, removed on refusal
+	created  []string // entries (relative) in creation order, undone in reverse on refusal
+	links    []link   // symlinks created, checked again once all entries are in
+	parent   string   // relative path of the cached parent directory
+	parentFd int      // its descriptor, or -1
+	res      Result
 }
 
+type link struct{ rel, target string }
+
 // Extract unpacks a tar (optionally gzip'd) stream under dst, creating dst
-// if missing. Nothing is ever written through a symlink and no entry may
-// name or link outside dst; on any refusal, what this call created is
-// removed again.
+// if missing. dst itself is opened as given; below it, every entry is
+// reached from dst's descriptor one component at a time with O_NOFOLLOW,
+// so nothing is ever written through a symlink, whether the archive made it
+// or it was already in the tree (or is swapped in meanwhile). No entry may
+// name, link or resolve outside dst, through any chain of symlinks; on any
+// refusal, what this call created is removed again.
 func Extract(dst string, r io.Reader) (res Result, err error) {
 	abs, err := filepath.Abs(dst)
 	if err != nil {
 		return res, apierr.FromOS(err)
 	}
-	x := &extractor{root: dst, absRoot: abs}
+	x := &extractor{root: dst, absRoot: abs, rootFd: -1, parentFd: -1}
 	defer func() {
+		x.dropParent()
 		if err != nil {
 			x.rollback()
+		}
+		if x.rootFd >= 0 {
+			syscall.Close(x.rootFd)
 		}
 	}()
 	if err := x.makeRoot(); err != nil {
 		return res, err
+	}
+	x.rootFd, err = syscall.Open(dst, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return res, apierr.FromOS(&os.PathError{Op: "open", Path: dst, Err: err})
 	}
 	br := bufio.NewReader(r)
 	var src io.Reader = br
@@ -72,7 +90,7 @@ func Extract(dst string, r io.Reader) (res Result, err error) {
 	for {
 		hdr, err := tr.Next()
 		if err == io.EOF {
-			return x.res, nil
+			break
 		}
 		if err != nil {
 			return res, invalid("not a tar stream: %v", err)
@@ -81,6 +99,14 @@ func Extract(dst string, r io.Reader) (res Result, err error) {
 			return res, err
 		}
 	}
+	// A later entry can change what an earlier symlink resolves to
+	// (a -> d/.. first, d -> . after): check them all against the final tree.
+	for _, l := range x.links {
+		if x.escapes(l.rel, l.target) {
+			return res, refuse("symlink %q -> %q resolves outside the destination once the whole archive is unpacked", l.rel, l.target)
+		}
+	}
+	return x.res, nil
 }
 
 // makeRoot creates dst and missing ancestors, remembering which.
@@ -106,31 +132,51 @@ func (x *extractor) makeRoot() error {
 		if err := os.Mkdir(missing[i], 0o755); err != nil {
 			return apierr.FromOS(err)
 		}
-		x.created = append(x.created, missing[i])
+		x.madeRoot = append(x.madeRoot, missing[i])
 	}
 	return nil
 }
 
 func (x *extractor) rollback() {
-	for i := len(x.created) - 1; i >= 0; i-- {
-		_ = os.Remove(x.created[i])
+	x.dropParent()
+	if x.rootFd >= 0 {
+		for i := len(x.created) - 1; i >= 0; i-- {
+			dir, name := splitRel(x.created[i])
+			fd, err := x.openDir(dir, false)
+			if err != nil {
+				continue
+			}
+			var st syscall.Stat_t
+			if lstatat(fd, name, &st) == nil {
+				flags := 0
+				if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+					flags = atRemoveDir
+				}
+				_ = unlinkat(fd, name, flags)
+			}
+			syscall.Close(fd)
+		}
 	}
 	x.created = nil
+	for i := len(x.madeRoot) - 1; i >= 0; i-- {
+		_ = os.Remove(x.madeRoot[i])
+	}
+	x.madeRoot = nil
 }
 
 // cleanName validates an archive path and returns it cleaned and relative.
 func cleanName(name string) (string, error) {
 	if strings.IndexByte(name, 0) >= 0 {
-		return "", unsafe("entry name contains NUL")
+		return "", refuse("entry name contains NUL")
 	}
 	if strings.HasPrefix(name, "/") {
-		return "", unsafe("absolute entry name %q", name)
+		return "", refuse("absolute entry name %q", name)
 	}
 	var parts []string
 	for _, p := range strings.Split(name, "/") {
 		switch p {
 		case "..":
-			return "", unsafe("entry %q has a .. component", name)
+			return "", refuse("entry %q has a .. component", name)
 		case "", ".":
 		default:
 			parts = append(parts, p)
@@ -139,55 +185,204 @@ func cleanName(name string) (string, error) {
 	return strings.Join(parts, "/"), nil
 }
 
-// within reports whether absolute path p is root or below it.
-func within(root, p string) bool {
-	rel, err := filepath.Rel(root, p)
-	return err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
-}
-
-// parents makes sure every directory above rel exists under root as a real
-// directory (never a symlink), creating missing ones.
-func (x *extractor) parents(rel string) error {
-	parts := strings.Split(rel, "/")
-	p := x.root
-	for _, part := range parts[:len(parts)-1] {
-		p = filepath.Join(p, part)
-		fi, err := os.Lstat(p)
-		switch {
-		case err == nil && fi.Mode()&os.ModeSymlink != 0:
-			return unsafe("entry %q would be written through symlink %s", rel, p)
-		case err == nil && !fi.IsDir():
-			return apierr.New(http.StatusBadRequest, "not_a_directory", "%s is not a directory", p)
-		case err == nil:
-		case errors.Is(err, os.ErrNotExist):
-			if err := os.Mkdir(p, 0o755); err != nil {
-				return apierr.FromOS(err)
-			}
-			x.created = append(x.created, p)
-		default:
-			return apierr.FromOS(err)
-		}
+// splitRel splits a cleaned relative path into its directory ("" for the
+// root) and its last component.
+func splitRel(rel string) (string, string) {
+	if i := strings.LastIndexByte(rel, '/'); i >= 0 {
+		return rel[:i], rel[i+1:]
 	}
-	return nil
+	return "", rel
 }
 
-// clear removes a non-directory at target so the new entry replaces it
+const dirFlags = syscall.O_RDONLY | syscall.O_DIRECTORY | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
+
+// openDir opens directory rel under the root one component at a time,
+// never following a symlink; with create, missing directories are made
+// (and remembered). The caller closes the descriptor.
+func (x *extractor) openDir(rel string, create bool) (int, error) {
+	fd, err := syscall.Dup(x.rootFd)
+	if err != nil {
+		return -1, apierr.FromOS(err)
+	}
+	if rel == "" {
+		return fd, nil
+	}
+	parts := strings.Split(rel, "/")
+	for i, part := range parts {
+		child, err := syscall.Openat(fd, part, dirFlags, 0)
+		if err == syscall.ENOENT && create {
+			if err = syscall.Mkdirat(fd, part, 0o755); err == nil || err == syscall.EEXIST {
+				if err == nil {
+					x.created = append(x.created, strings.Join(parts[:i+1], "/"))
+				}
+				child, err = syscall.Openat(fd, part, dirFlags, 0)
+			}
+		}
+		if err != nil {
+			shown := strings.Join(parts[:i+1], "/")
+			var st syscall.Stat_t
+			statErr := lstatat(fd, part, &st)
+			syscall.Close(fd)
+			switch {
+			case statErr == nil && st.Mode&syscall.S_IFMT == syscall.S_IFLNK:
+				return -1, refuse("an entry would be written through symlink %s", filepath.Join(x.root, shown))
+			case statErr == nil && st.Mode&syscall.S_IFMT != syscall.S_IFDIR:
+				return -1, apierr.New(http.StatusBadRequest, "not_a_directory", "%s is not a directory", filepath.Join(x.root, shown))
+			}
+			return -1, apierr.FromOS(&os.PathError{Op: "open", Path: filepath.Join(x.root, shown), Err: err})
+		}
+		syscall.Close(fd)
+		fd = child
+	}
+	return fd, nil
+}
+
+// parentOf is the (cached) descriptor of the directory holding rel, made
+// where missing, and rel's last component. The extractor owns the descriptor.
+func (x *extractor) parentOf(rel string) (int, string, error) {
+	dir, name := splitRel(rel)
+	if x.parentFd >= 0 && x.parent == dir {
+		return x.parentFd, name, nil
+	}
+	x.dropParent()
+	fd, err := x.openDir(dir, true)
+	if err != nil {
+		return -1, "", err
+	}
+	x.parent, x.parentFd = dir, fd
+	return fd, name, nil
+}
+
+func (x *extractor) dropParent() {
+	if x.parentFd >= 0 {
+		syscall.Close(x.parentFd)
+		x.parentFd = -1
+	}
+}
+
+// clear removes a non-directory at name so the new entry replaces it
 // rather than writing through it; a directory there is an error.
-func clear(target, name string) error {
-	fi, err := os.Lstat(target)
-	if errors.Is(err, os.ErrNotExist) {
+func (x *extractor) clear(dirfd int, name, entry string) error {
+	var st syscall.Stat_t
+	err := lstatat(dirfd, name, &st)
+	if err == syscall.ENOENT {
 		return nil
 	}
 	if err != nil {
 		return apierr.FromOS(err)
 	}
-	if fi.IsDir() {
-		return apierr.New(http.StatusBadRequest, "is_a_directory", "entry %q: %s is a directory", name, target)
+	if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		return apierr.New(http.StatusBadRequest, "is_a_directory", "entry %q: a directory stands at its name", entry)
 	}
-	if err := os.Remove(target); err != nil {
-		return apierr.FromOS(err)
+	return apierr.FromOSOrNil(unlinkat(dirfd, name, 0))
+}
+
+// Bounds of a symlink check: the kernel gives up after 40 links, and no
+// honest tree needs more steps than this.
+const (
+	maxLinks        = 40
+	maxResolveSteps = 4096
+)
+
+// escapes reports whether symlink rel -> target resolves outside the root.
+// It walks the target as the kernel would, from the link's directory,
+// reading every symlink met on the way from the tree as it is now (through
+// descriptors, never by path); components that do not exist are taken
+// literally. An absolute target counts as inside only if it names a path
+// under the destination. A chain the kernel would give up on, or one too
+// long to check, counts as escaping.
+func (x *extractor) escapes(rel, target string) bool {
+	dir, _ := splitRel(rel)
+	todo, ok := x.rebase(target)
+	if !ok {
+		return true
 	}
-	return nil
+	if !strings.HasPrefix(target, "/") && dir != "" {
+		todo = append(strings.Split(dir, "/"), todo...)
+	}
+	var fds []int // -1 for a component that is not an existing directory
+	defer func() {
+		for _, fd := range fds {
+			if fd >= 0 {
+				syscall.Close(fd)
+			}
+		}
+	}()
+	links, steps := 0, 0
+	for len(todo) > 0 {
+		steps++
+		if steps > maxResolveSteps {
+			return true
+		}
+		part := todo[0]
+		todo = todo[1:]
+		switch part {
+		case "", ".":
+			continue
+		case "..":
+			if len(fds) == 0 {
+				return true
+			}
+			if fd := fds[len(fds)-1]; fd >= 0 {
+				syscall.Close(fd)
+			}
+			fds = fds[:len(fds)-1]
+			continue
+		}
+		here := x.rootFd
+		if len(fds) > 0 {
+			here = fds[len(fds)-1]
+		}
+		if here >= 0 {
+			if body, err := readlinkat(here, part); err == nil {
+				links++
+				if links > maxLinks {
+					return true
+				}
+				next, ok := x.rebase(body)
+				if !ok {
+					return true
+				}
+				if strings.HasPrefix(body, "/") {
+					// Absolute: resolution restarts at the root.
+					for _, fd := range fds {
+						if fd >= 0 {
+							syscall.Close(fd)
+						}
+					}
+					fds = fds[:0]
+				}
+				todo = append(next, todo...)
+				continue
+			}
+		}
+		child := -1
+		if here >= 0 {
+			if fd, err := syscall.Openat(here, part, dirFlags, 0); err == nil {
+				child = fd
+			}
+		}
+		fds = append(fds, child)
+	}
+	return false
+}
+
+// rebase splits a symlink body into components to walk from the link's
+// directory, or for an absolute body from the root; false if an absolute
+// body is not under the destination.
+func (x *extractor) rebase(body string) ([]string, bool) {
+	if !strings.HasPrefix(body, "/") {
+		return strings.Split(body, "/"), true
+	}
+	clean := filepath.Clean(body)
+	if clean == x.absRoot {
+		return nil, true
+	}
+	rest, ok := strings.CutPrefix(clean, strings.TrimSuffix(x.absRoot, "/")+"/")
+	if !ok {
+		return nil, false
+	}
+	return strings.Split(rest, "/"), true
 }
 
 func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
@@ -201,44 +396,60 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		}
 		return invalid("entry %q has no name", hdr.Name)
 	}
-	if err := x.parents(rel); err != nil {
+	target := filepath.Join(x.root, rel)
+	mode := uint32(hdr.Mode & 0o777)
+	switch hdr.Typeflag {
+	case tar.TypeDir, tar.TypeReg, tar.TypeRegA, tar.TypeSymlink, tar.TypeLink:
+	default:
+		// Devices, fifos and the like are skipped: creating them needs
+		// privileges and is never what an upload of source code means.
+		return nil
+	}
+	dirfd, name, err := x.parentOf(rel)
+	if err != nil {
 		return err
 	}
-	target := filepath.Join(x.root, rel)
-	mode := os.FileMode(hdr.Mode & 0o777)
 	switch hdr.Typeflag {
 	case tar.TypeDir:
-		fi, err := os.Lstat(target)
+		var st syscall.Stat_t
+		err := lstatat(dirfd, name, &st)
 		switch {
-		case err == nil && fi.IsDir():
+		case err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR:
 			return nil
-		case err == nil && fi.Mode()&os.ModeSymlink != 0:
-			return unsafe("entry %q would be written through a symlink", hdr.Name)
+		case err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFLNK:
+			return refuse("entry %q would be written through a symlink", hdr.Name)
 		case err == nil:
 			return apierr.New(http.StatusConflict, "already_exists", "entry %q: %s exists and is not a directory", hdr.Name, target)
 		}
-		if err := os.Mkdir(target, 0o700); err != nil {
-			return apierr.FromOS(err)
+		if err := syscall.Mkdirat(dirfd, name, 0o700); err != nil {
+			return apierr.FromOS(&os.PathError{Op: "mkdir", Path: target, Err: err})
 		}
-		x.created = append(x.created, target)
+		x.created = append(x.created, rel)
 		if mode == 0 {
 			mode = 0o755 // some tar writers leave directory modes empty
 		}
-		return apierr.FromOSOrNil(os.Chmod(target, mode))
+		// Through a descriptor: a chmod by name could follow a symlink swapped in.
+		fd, err := syscall.Openat(dirfd, name, dirFlags, 0)
+		if err != nil {
+			return apierr.FromOS(&os.PathError{Op: "open", Path: target, Err: err})
+		}
+		defer syscall.Close(fd)
+		return apierr.FromOSOrNil(syscall.Fchmod(fd, mode))
 	case tar.TypeReg, tar.TypeRegA:
 		if isSparse(hdr) {
 			// A sparse entry's holes are made up by the reader: a few bytes
 			// of archive could ask for terabytes of zeros.
 			return invalid("entry %q: sparse files are not supported", hdr.Name)
 		}
-		if err := clear(target, hdr.Name); err != nil {
+		if err := x.clear(dirfd, name, hdr.Name); err != nil {
 			return err
 		}
-		f, err := os.OpenFile(target, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+		fd, err := syscall.Openat(dirfd, name, syscall.O_WRONLY|syscall.O_CREAT|syscall.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 		if err != nil {
-			return apierr.FromOS(err)
+			return apierr.FromOS(&os.PathError{Op: "open", Path: target, Err: err})
 		}
-		x.created = append(x.created, target)
+		x.created = append(x.created, rel)
+		f := os.NewFile(uintptr(fd), target)
 		n, err := io.Copy(f, body)
 		x.res.Bytes += n
 		if err != nil {
@@ -250,64 +461,64 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			}
 			return invalid("entry %q: %v", hdr.Name, err)
 		}
-		if err := f.Chmod(mode); err != nil {
+		if err := f.Chmod(os.FileMode(mode)); err != nil {
 			f.Close()
 			return apierr.FromOS(err)
 		}
+		tv := syscall.NsecToTimeval(hdr.ModTime.UnixNano())
+		_ = syscall.Futimes(fd, []syscall.Timeval{tv, tv})
 		if err := f.Close(); err != nil {
 			return apierr.FromOS(err)
 		}
-		_ = os.Chtimes(target, hdr.ModTime, hdr.ModTime)
 		x.res.Files++
 		return nil
 	case tar.TypeSymlink:
 		if hdr.Linkname == "" || strings.IndexByte(hdr.Linkname, 0) >= 0 {
 			return invalid("symlink %q has a bad target", hdr.Name)
 		}
-		dest := hdr.Linkname
-		if !filepath.IsAbs(dest) {
-			dest = filepath.Join(x.absRoot, filepath.Dir(rel), dest)
+		if x.escapes(rel, hdr.Linkname) {
+			return refuse("symlink %q points outside the destination (%s)", hdr.Name, hdr.Linkname)
 		}
-		if !within(x.absRoot, filepath.Clean(dest)) {
-			return unsafe("symlink %q points outside the destination (%s)", hdr.Name, hdr.Linkname)
-		}
-		if err := clear(target, hdr.Name); err != nil {
+		if err := x.clear(dirfd, name, hdr.Name); err != nil {
 			return err
 		}
-		if err := os.Symlink(hdr.Linkname, target); err != nil {
-			return apierr.FromOS(err)
+		if err := symlinkat(hdr.Linkname, dirfd, name); err != nil {
+			return apierr.FromOS(&os.PathError{Op: "symlink", Path: target, Err: err})
 		}
-		x.created = append(x.created, target)
+		x.created = append(x.created, rel)
+		x.links = append(x.links, link{rel, hdr.Linkname})
 		x.res.Files++
 		return nil
-	case tar.TypeLink:
+	default: // tar.TypeLink
 		srcRel, err := cleanName(hdr.Linkname)
 		if err != nil || srcRel == "" {
-			return unsafe("hard link %q points outside the destination (%s)", hdr.Name, hdr.Linkname)
+			return refuse("hard link %q points outside the destination (%s)", hdr.Name, hdr.Linkname)
 		}
-		if err := x.parents(srcRel); err != nil {
-			return err
-		}
-		src := filepath.Join(x.root, srcRel)
-		fi, err := os.Lstat(src)
+		srcDir, srcName := splitRel(srcRel)
+		srcFd, err := x.openDir(srcDir, false)
 		if err != nil {
+			var ae *apierr.Error
+			if errors.As(err, &ae) && ae.Code == "unsafe_archive" {
+				return err
+			}
 			return invalid("hard link %q: target %q not in archive", hdr.Name, hdr.Linkname)
 		}
-		if fi.IsDir() {
-			return invalid("hard link %q points to a directory", hdr.Name)
+		defer syscall.Close(srcFd)
+		var st syscall.Stat_t
+		if err := lstatat(srcFd, srcName, &st); err != nil {
+			return invalid("hard link %q: target %q not in archive", hdr.Name, hdr.Linkname)
 		}
-		if err := clear(target, hdr.Name); err != nil {
+		if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+			return invalid("hard link %q points to something other than a regular file", hdr.Name)
+		}
+		if err := x.clear(dirfd, name, hdr.Name); err != nil {
 			return err
 		}
-		if err := os.Link(src, target); err != nil {
-			return apierr.FromOS(err)
+		if err := linkat(srcFd, srcName, dirfd, name); err != nil {
+			return apierr.FromOS(&os.PathError{Op: "link", Path: target, Err: err})
 		}
-		x.created = append(x.created, target)
+		x.created = append(x.created, rel)
 		x.res.Files++
-		return nil
-	default:
-		// Devices, fifos and the like are skipped: creating them needs
-		// privileges and is never what an upload of source code means.
 		return nil
 	}
 }

@@ -12,9 +12,12 @@ import (
 	"sandman/daemon/internal/apierr"
 )
 
-// Open opens a regular file (or anything readable that is not a directory).
+// Open opens path for reading; it must be a regular file once symlinks are
+// followed. Devices, fifos and sockets are refused: /dev/zero or a fifo would
+// stream (or block) forever, and a workload can point any path at one.
 func Open(path string) (*os.File, fs.FileInfo, error) {
-	f, err := os.Open(path)
+	// O_NONBLOCK: opening a fifo must not wait for a writer before the refusal.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, nil, apierr.FromOS(err)
 	}
@@ -27,7 +30,28 @@ func Open(path string) (*os.File, fs.FileInfo, error) {
 		f.Close()
 		return nil, nil, apierr.New(http.StatusBadRequest, "is_a_directory", "%s is a directory", path)
 	}
+	if !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, nil, NotRegular(path, fi.Mode())
+	}
 	return f, fi, nil
+}
+
+// NotRegular is the refusal to read what is not a regular file.
+func NotRegular(path string, mode fs.FileMode) *apierr.Error {
+	kind := "special file"
+	switch {
+	case mode&fs.ModeCharDevice != 0:
+		kind = "character device"
+	case mode&fs.ModeDevice != 0:
+		kind = "block device"
+	case mode&fs.ModeNamedPipe != 0:
+		kind = "fifo"
+	case mode&fs.ModeSocket != 0:
+		kind = "socket"
+	}
+	return apierr.New(http.StatusBadRequest, "not_a_regular_file",
+		"%s is a %s, not a regular file: it is never read", path, kind)
 }
 
 // Write replaces path with body atomically: a temp file in the same

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"sandman/daemon/internal/apierr"
 	"sandman/daemon/internal/files"
 )
 
@@ -27,14 +28,23 @@ func (s *Server) fileRead(w http.ResponseWriter, r *http.Request, _ string) erro
 	if err != nil {
 		return err
 	}
+	limit, err := queryMaxBytes(r)
+	if err != nil {
+		return err
+	}
 	f, fi, err := files.Open(p)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
+	size := fi.Size()
+	if limit >= 0 && size > limit {
+		return apierr.New(http.StatusRequestEntityTooLarge, "file_too_large",
+			"%s has %d bytes, more than max_bytes=%d", p, size, limit)
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	// procfs and sysfs files say size 0 but have content: stream those.
-	if size := fi.Size(); fi.Mode().IsRegular() && size > 0 {
+	if size > 0 {
 		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
 		w.WriteHeader(http.StatusOK)
 		// A file that grew since the stat must not overrun the declared length.
@@ -42,8 +52,27 @@ func (s *Server) fileRead(w http.ResponseWriter, r *http.Request, _ string) erro
 		return nil
 	}
 	w.WriteHeader(http.StatusOK)
+	if limit >= 0 {
+		// One byte past the limit tells the client the file was larger; the
+		// daemon stops there instead of streaming whatever the file yields.
+		_, _ = io.CopyN(w, f, limit+1)
+		return nil
+	}
 	_, _ = io.Copy(w, f)
 	return nil
+}
+
+// queryMaxBytes is the optional ?max_bytes= of a read; -1 when absent.
+func queryMaxBytes(r *http.Request) (int64, error) {
+	v := r.URL.Query().Get("max_bytes")
+	if v == "" {
+		return -1, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 0 {
+		return 0, apierr.InvalidRequest("query parameter max_bytes: %q is not a number >= 0", v)
+	}
+	return n, nil
 }
 
 func (s *Server) fileWrite(w http.ResponseWriter, r *http.Request, _ string) error {

@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -246,4 +248,66 @@ func TestArchiveRefusesUnsafeEntries(t *testing.T) {
 	if left, _ := os.ReadDir(outside); len(left) != 0 {
 		t.Fatalf("wrote outside: %v", left)
 	}
+}
+
+// A workload can point any path at a device or a fifo: the daemon refuses
+// to read them instead of streaming forever (or blocking on the open).
+func TestReadRefusesWhatIsNotARegularFile(t *testing.T) {
+	ts := newTestServer(t)
+	dir := t.TempDir()
+	zero := filepath.Join(dir, "zero")
+	if err := os.Symlink("/dev/zero", zero); err != nil {
+		t.Fatal(err)
+	}
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{zero, fifo, "/dev/null"} {
+		r := ts.want(ts.do("GET", "/v1/files?path="+q(p), nil), 400, "not_a_regular_file")
+		if !strings.Contains(string(r.body), p) {
+			t.Fatalf("message does not name the path: %s", r.body)
+		}
+	}
+	// An archive of a tree holding them skips them, and ends.
+	if err := os.WriteFile(filepath.Join(dir, "f"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r := ts.want(ts.do("GET", "/v1/archive?path="+q(dir), nil), 200)
+	var names []string
+	tr := tar.NewReader(bytes.NewReader(r.body))
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		names = append(names, h.Name+":"+string(h.Typeflag))
+	}
+	if strings.Join(names, " ") != "f:0 zero:2" {
+		t.Fatalf("archive entries: %v", names)
+	}
+	r = ts.want(ts.do("GET", "/v1/archive?path="+q(zero), nil), 200)
+	if h, err := tar.NewReader(bytes.NewReader(r.body)).Next(); err != io.EOF {
+		t.Fatalf("archive of a device: %v %v", h, err)
+	}
+}
+
+func TestReadMaxBytes(t *testing.T) {
+	ts := newTestServer(t)
+	f := filepath.Join(t.TempDir(), "big")
+	if err := os.WriteFile(f, bytes.Repeat([]byte("x"), 1000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r := ts.want(ts.do("GET", "/v1/files?path="+q(f)+"&max_bytes=999", nil), 413, "file_too_large")
+	if !strings.Contains(string(r.body), "max_bytes=999") {
+		t.Fatalf("message: %s", r.body)
+	}
+	if r = ts.want(ts.do("GET", "/v1/files?path="+q(f)+"&max_bytes=1000", nil), 200); len(r.body) != 1000 {
+		t.Fatalf("read %d bytes", len(r.body))
+	}
+	// A file that says size 0 is cut one byte past the limit.
+	if r = ts.want(ts.do("GET", "/v1/files?path=/proc/self/status&max_bytes=10", nil), 200); len(r.body) != 11 {
+		t.Fatalf("read %d bytes of a procfs file", len(r.body))
+	}
+	ts.want(ts.do("GET", "/v1/files?path="+q(f)+"&max_bytes=-1", nil), 400, "invalid_request")
 }

@@ -164,21 +164,6 @@ def _pack(local: Path) -> tuple[bool, bytes, int]:
     return False, local.read_bytes(), local.stat().st_mode & 0o7777
 
 
-def _unpack(archive: bytes, local: Path) -> None:
-    local.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        # "data" refuses absolute names, escapes and device files from the sandbox.
-        tar.extractall(local, filter="data")
-
-
-def _write(local: Path, name: str, data: bytes, mode: int) -> Path:
-    target = local / name if local.is_dir() else local
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(data)
-    target.chmod(mode)
-    return target
-
-
 async def _upload(daemon: DaemonClient, local: Path, remote: str) -> str:
     is_dir, data, mode = await asyncio.to_thread(_pack, local)
     if is_dir:
@@ -196,11 +181,21 @@ async def _upload(daemon: DaemonClient, local: Path, remote: str) -> str:
 async def _download(daemon: DaemonClient, remote: str, local: Path) -> str:
     stat = await daemon.stat(remote)
     if stat.type == "directory":
-        await asyncio.to_thread(_unpack, await daemon.download_archive(remote), local)
-        return f"copied {remote}/ -> {local}/"
-    data = await daemon.read_file(remote)
-    target = await asyncio.to_thread(_write, local, stat.name, data, int(stat.mode, 8) & 0o777)
-    return f"copied {remote} -> {target} ({len(data)} bytes)"
+        # Unpacked by sandman.daemon.untar, which trusts nothing the sandbox sends.
+        result = await daemon.download_tree(remote, local)
+        return f"copied {remote}/ -> {local}/ ({result.files} entries, {result.bytes} bytes)"
+    # The name comes from the path asked for, never from the daemon's answer.
+    name = PurePosixPath(remote).name
+    if not name or name in (".", ".."):
+        raise click.UsageError(f"{remote!r} does not name a file")
+    target = local / name if await asyncio.to_thread(local.is_dir) else local
+    await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+    try:
+        mode = int(stat.mode, 8) & 0o777
+    except ValueError:
+        mode = 0o644
+    size = await daemon.download_file(remote, target, mode=mode)
+    return f"copied {remote} -> {target} ({size} bytes)"
 
 
 @click.command("ls")

@@ -14,6 +14,8 @@ from typing import Any, Self
 
 from sandman import errors
 from sandman.client.backends import Backend, Lease
+from sandman.daemon.client import DEFAULT_MAX_READ
+from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED
 from sandman.models import (
     Encoding,
     ExecEvent,
@@ -216,10 +218,29 @@ class AsyncSandbox:
 
     # -- files ------------------------------------------------------------------------
 
-    async def read_file(self, path: str) -> bytes:
-        """The whole file's bytes."""
+    async def read_file(self, path: str, *, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file's bytes; FileTooLarge past ``max_bytes`` (64 MiB by default).
+
+        A device, fifo or socket (a symlink to ``/dev/zero``) raises
+        NotARegularFile. Use `read_file_stream` or `download` for large files.
+        """
         async with self._guard():
-            return await self._daemon.read_file(path)
+            return await self._daemon.read_file(path, max_bytes=max_bytes)
+
+    @asynccontextmanager
+    async def read_file_stream(
+        self, path: str, *, max_bytes: int | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Read a file in pieces as they arrive: ``async for chunk in chunks``.
+
+        Memory stays bounded whatever the size; ``max_bytes`` (None: no
+        limit) raises FileTooLarge once more arrived.
+        """
+        async with (
+            self._guard(),
+            self._daemon.read_file_stream(path, max_bytes=max_bytes) as chunks,
+        ):
+            yield chunks
 
     async def write_file(
         self, path: str, data: bytes | str, *, mode: int | None = None
@@ -254,26 +275,36 @@ class AsyncSandbox:
         async with self._guard():
             await self._daemon.upload_archive(remote, data)
 
-    async def download(self, remote: str, local: str | Path) -> None:
-        """Copy a file or directory tree out of the sandbox to ``local``."""
+    async def download(
+        self,
+        remote: str,
+        local: str | Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_UNPACKED,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        """Copy a file or directory tree out of the sandbox to ``local``, as it arrives.
+
+        What the sandbox sends is not trusted: a tree is unpacked without
+        following any symlink and nothing lands outside ``local``
+        (UnsafeArchive otherwise); more than ``max_bytes`` of files or
+        ``max_entries`` entries raise FileTooLarge. A refused download leaves
+        nothing of itself behind.
+        """
         target = Path(local)
         async with self._guard():
             kind = (await self._daemon.stat(remote)).type
             if kind != "directory":
-                data = await self._daemon.read_file(remote)
-                await asyncio.to_thread(_write_file, target, data)
+                await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+                await self._daemon.download_file(remote, target, max_bytes=max_bytes)
                 return
-            archive = await self._daemon.download_archive(remote)
-        await asyncio.to_thread(_untar_directory, archive, target)
+            await self._daemon.download_tree(
+                remote, target, max_bytes=max_bytes, max_entries=max_entries
+            )
 
 
 def _read_file(source: Path) -> tuple[bytes, int]:
     return source.read_bytes(), source.stat().st_mode & 0o7777
-
-
-def _write_file(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(data)
 
 
 def _tar_directory(source: Path) -> bytes:
@@ -284,13 +315,6 @@ def _tar_directory(source: Path) -> bytes:
         for child in sorted(source.iterdir()):
             tar.add(child, arcname=child.name)
     return buffer.getvalue()
-
-
-def _untar_directory(archive: bytes, target: Path) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        # "data" refuses absolute names, escapes and device files from the sandbox.
-        tar.extractall(target, filter="data")
 
 
 class AsyncClient:

@@ -15,6 +15,8 @@ from typing import Any, Self, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from sandman.client._async import AsyncClient, AsyncSandbox
+from sandman.daemon.client import DEFAULT_MAX_READ
+from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED
 from sandman.models import (
     Encoding,
     ExecEvent,
@@ -165,9 +167,17 @@ class Sandbox:
         """Run one command in the shell session."""
         return self._portal.call(partial(self._async.shell_run, session_id, cmd, timeout=timeout, check=check))  # fmt: skip
 
-    def read_file(self, path: str) -> bytes:
-        """The whole file's bytes."""
-        return self._portal.call(self._async.read_file, path)
+    def read_file(self, path: str, *, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file's bytes; FileTooLarge past ``max_bytes`` (64 MiB by default)."""
+        return self._portal.call(partial(self._async.read_file, path, max_bytes=max_bytes))
+
+    @contextmanager
+    def read_file_stream(
+        self, path: str, *, max_bytes: int | None = None
+    ) -> Iterator[Iterator[bytes]]:
+        """Read a file in pieces as they arrive: ``for chunk in chunks``."""
+        with self._portal.wrap_async_context_manager(self._async.read_file_stream(path, max_bytes=max_bytes)) as chunks:  # fmt: skip
+            yield _iterate(self._portal, chunks)
 
     def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> FileStat:
         """Write a whole file atomically, creating parent directories."""
@@ -189,9 +199,16 @@ class Sandbox:
         """Copy a local file or directory tree into the sandbox."""
         return self._portal.call(self._async.upload, local, remote)
 
-    def download(self, remote: str, local: str | Path) -> None:
-        """Copy a file or directory tree out of the sandbox."""
-        return self._portal.call(self._async.download, remote, local)
+    def download(
+        self,
+        remote: str,
+        local: str | Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_UNPACKED,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        """Copy a file or directory tree out of the sandbox to ``local``, as it arrives."""
+        return self._portal.call(partial(self._async.download, remote, local, max_bytes=max_bytes, max_entries=max_entries))  # fmt: skip
 
 
 class Client:

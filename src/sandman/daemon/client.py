@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from ssl import SSLContext
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
@@ -15,7 +19,14 @@ from pydantic_core import to_json
 
 from sandman import errors
 from sandman.daemon import protocol
-from sandman.daemon._http import ConnectionLost, HTTPResponse, HTTPTransport, UntrustedPeer
+from sandman.daemon._http import (
+    ConnectionLost,
+    HTTPResponse,
+    HTTPTransport,
+    StreamingResponse,
+    UntrustedPeer,
+)
+from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED, TarExtractor
 from sandman.models import (
     ArchiveResult,
     Encoding,
@@ -29,7 +40,14 @@ from sandman.models import (
     SessionRunResult,
 )
 
-__all__ = ["DaemonClient"]
+__all__ = ["DEFAULT_MAX_READ", "DaemonClient"]
+
+DEFAULT_MAX_READ = 64 * 1024**2
+"""Default cap on what `DaemonClient.read_file` (and in-memory downloads) buffer."""
+# Error answers are a line of JSON; a daemon sending more is not believed.
+_MAX_ERROR = 64 * 1024
+# Downloads hand the disk work to a thread in pieces of about this size.
+_BATCH = 1024 * 1024
 
 _JSON = "application/json"
 # Extra time the client allows past a command's own timeout and kill grace
@@ -55,6 +73,8 @@ def _unavailable(address: str, exc: Exception) -> errors.DaemonError:
 def _map_transport_errors(address: str) -> Iterator[None]:
     try:
         yield
+    except errors.SandboxError:
+        raise  # the daemon's own answer; some are OSErrors too (PathNotFound)
     except (ConnectionLost, OSError) as exc:
         raise _unavailable(address, exc) from exc
 
@@ -468,8 +488,91 @@ class DaemonClient:
 
     # -- files ----------------------------------------------------------------
 
-    async def read_file(self, path: str) -> bytes:
-        return (await self._call("GET", protocol.target("/v1/files", path=path))).body
+    async def read_file(self, path: str, *, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file's bytes, at most ``max_bytes`` of them (FileTooLarge past it).
+
+        The daemon refuses a larger file before sending it, and a device,
+        fifo or socket with NotARegularFile; what a daemon sends past the
+        limit anyway is never buffered. For larger files use
+        `read_file_stream` or `download_file`.
+        """
+        pieces: list[bytes] = []
+        try:
+            async with (
+                asyncio.timeout(self._request_timeout),
+                self.read_file_stream(path, max_bytes=max_bytes) as chunks,
+            ):
+                async for piece in chunks:
+                    pieces.append(piece)  # noqa: PERF401 - an async comprehension costs a coroutine more
+        except TimeoutError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            raise errors.SandboxTimeout(
+                f"sandmand at {self._address} did not send {path} within {self._request_timeout} s"
+            ) from exc
+        return b"".join(pieces)
+
+    @asynccontextmanager
+    async def read_file_stream(
+        self, path: str, *, max_bytes: int | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Read a file as it arrives: ``async with c.read_file_stream(p) as chunks: async for b in chunks``.
+
+        Memory stays bounded whatever the file's size. ``max_bytes`` (None:
+        no limit) raises FileTooLarge once more arrived, and drops the
+        connection so the daemon stops sending.
+        """
+        _check_limit(max_bytes, "max_bytes")
+        target = protocol.target("/v1/files", path=path, max_bytes=max_bytes)
+        with _map_transport_errors(self._address):
+            async with self._transport.stream("GET", target) as response:
+                if response.status >= 400:
+                    raise self._error(response.status, await _read_capped(response, _MAX_ERROR))
+                yield _capped(response.iter_bytes(), max_bytes, f"{path} is larger than")
+
+    async def download_file(
+        self,
+        path: str,
+        local: str | os.PathLike[str],
+        *,
+        max_bytes: int = DEFAULT_MAX_UNPACKED,
+        mode: int | None = None,
+    ) -> int:
+        """Copy file ``path`` to ``local`` as it arrives (no more than ``max_bytes``).
+
+        Written to a temporary file beside ``local`` and renamed over it, so
+        ``local`` is whole or untouched; ``mode`` (without setuid, setgid and
+        sticky bits) is applied to it. Returns the bytes written.
+        """
+        target = Path(local)
+        fd, temp = await asyncio.to_thread(
+            tempfile.mkstemp, dir=target.parent, prefix=f".{target.name}.sandman-"
+        )
+        written = 0
+        try:
+            async with self.read_file_stream(path, max_bytes=max_bytes) as chunks:
+                batch: list[bytes] = []
+                size = 0
+                async for piece in chunks:
+                    batch.append(piece)
+                    size += len(piece)
+                    if size >= _BATCH:
+                        written += await asyncio.to_thread(_write_all, fd, b"".join(batch))
+                        batch, size = [], 0
+                if batch:
+                    written += await asyncio.to_thread(_write_all, fd, b"".join(batch))
+            if mode is not None:
+                os.fchmod(fd, mode & 0o777)
+            os.close(fd)
+            fd = -1
+            await asyncio.to_thread(os.replace, temp, target)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        return written
 
     async def write_file(
         self,
@@ -540,10 +643,106 @@ class DaemonClient:
             raise self._error(response.status, body)
         return ArchiveResult.model_validate_json(body)
 
-    async def download_archive(self, path: str, *, gzip: bool = False) -> bytes:
-        """A tar of ``path``: a directory's contents, or one file under its base name."""
+    async def download_archive(
+        self, path: str, *, gzip: bool = False, max_bytes: int = DEFAULT_MAX_READ
+    ) -> bytes:
+        """A tar of ``path`` in memory: a directory's contents, or one file under its base name.
+
+        At most ``max_bytes`` of it (FileTooLarge past that, nothing more
+        buffered); `download_tree` unpacks a tree of any size as it arrives.
+        """
+        _check_limit(max_bytes, "max_bytes")
         target = protocol.target("/v1/archive", path=path, gzip=gzip or None)
-        return (await self._call("GET", target, deadline=None)).body
+        with _map_transport_errors(self._address):
+            async with self._transport.stream("GET", target) as response:
+                if response.status >= 400:
+                    raise self._error(response.status, await _read_capped(response, _MAX_ERROR))
+                what = f"the archive of {path} is larger than"
+                pieces = [piece async for piece in _capped(response.iter_bytes(), max_bytes, what)]
+        return b"".join(pieces)
+
+    async def download_tree(
+        self,
+        path: str,
+        local: str | os.PathLike[str],
+        *,
+        max_bytes: int = DEFAULT_MAX_UNPACKED,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> ArchiveResult:
+        """Unpack the tree at ``path`` under local directory ``local``, as it arrives.
+
+        The stream is the sandbox's to shape, so it is unpacked by
+        `sandman.daemon.untar` (never by `tarfile`): nothing lands outside
+        ``local`` nor is written through a symlink, devices and hostile
+        entries are refused with UnsafeArchive, and more than ``max_bytes``
+        of files or ``max_entries`` entries with FileTooLarge. On any error
+        what this call created is removed again.
+        """
+        target = protocol.target("/v1/archive", path=path)
+        extractor = await asyncio.to_thread(
+            TarExtractor, local, max_bytes=max_bytes, max_entries=max_entries,
+            source=f"the archive of {path}",
+        )  # fmt: skip
+        try:
+            with _map_transport_errors(self._address):
+                async with self._transport.stream("GET", target) as response:
+                    if response.status >= 400:
+                        body = await _read_capped(response, _MAX_ERROR)
+                        raise self._error(response.status, body)
+                    batch: list[bytes] = []
+                    size = 0
+                    async for piece in response.iter_bytes():
+                        batch.append(piece)
+                        size += len(piece)
+                        if size >= _BATCH:
+                            await asyncio.to_thread(extractor.feed, b"".join(batch))
+                            batch, size = [], 0
+                            if extractor.done:
+                                break  # what follows the end marker is not read
+                    if batch:
+                        await asyncio.to_thread(extractor.feed, b"".join(batch))
+            result = await asyncio.to_thread(extractor.close)
+        except BaseException:
+            extractor.abort()
+            raise
+        return ArchiveResult(path=str(local), files=result.entries, bytes=result.bytes)
+
+
+def _check_limit(value: int | None, name: str) -> None:
+    if value is not None and value < 0:
+        raise errors.ConfigError(f"{name} must not be negative, got {value}")
+
+
+async def _capped(
+    pieces: AsyncIterator[bytes], limit: int | None, what: str
+) -> AsyncIterator[bytes]:
+    """Pass ``pieces`` on; FileTooLarge as soon as more than ``limit`` bytes came."""
+    total = 0
+    async for piece in pieces:
+        total += len(piece)
+        if limit is not None and total > limit:
+            raise errors.FileTooLarge(
+                f"{what} max_bytes={limit} (stopped reading at {total} bytes)"
+            )
+        yield piece
+
+
+async def _read_capped(response: StreamingResponse, limit: int) -> bytes:
+    """An error body, of which no more than ``limit`` bytes are kept."""
+    pieces: list[bytes] = []
+    size = 0
+    async for piece in response.iter_bytes():
+        if size < limit:
+            pieces.append(piece[: limit - size])
+            size += len(pieces[-1])
+    return b"".join(pieces)
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    return len(data)
 
 
 def _process(process_id: str, action: str | None = None) -> str:

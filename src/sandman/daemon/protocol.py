@@ -45,6 +45,8 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     "is_a_directory": errors.IsADirectory,
     "not_a_directory": errors.NotADirectory,
     "unsafe_archive": errors.UnsafeArchive,
+    "file_too_large": errors.FileTooLarge,
+    "not_a_regular_file": errors.NotARegularFile,
     "session_busy": errors.SessionBusy,
     "session_closed": errors.SessionClosed,
     "stdin_closed": errors.StdinClosed,
