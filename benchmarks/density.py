@@ -10,7 +10,10 @@
 Last line: ``ready=<n>/<N> create_p50_ms=<x> mem_per_sandbox_mib=<y> leftover=<z>``
 (leftover counts sandbox dirs, runtime containers, cgroups, mounts and processes).
 
-Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8]``
+``--disk off`` runs without the per-sandbox disk limit (``LocalConfig.disk=None``);
+the default is the provider's (10 GiB, a btrfs subvolume with a quota per sandbox).
+
+Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8] [--disk off]``
 """
 
 from __future__ import annotations
@@ -72,9 +75,12 @@ def _leftover(provider: LocalProvider) -> int:
     return count
 
 
-async def run(n: int, concurrency: int, state: Path) -> str:
+async def run(n: int, concurrency: int, state: Path, disk: bool = True) -> str:
     cgroup_parent = new_cgroup_parent()
-    provider = LocalProvider(LocalConfig(state_dir=state, cgroup_parent=cgroup_parent))
+    config = LocalConfig(state_dir=state, cgroup_parent=cgroup_parent)
+    if not disk:
+        config = config.model_copy(update={"disk": None})
+    provider = LocalProvider(config)
     tar = busybox_rootfs_tar(state / "busybox.tar")
     await provider.images.import_archive(tar, name="busybox")
     lines: list[str] = []
@@ -131,7 +137,8 @@ async def run(n: int, concurrency: int, state: Path) -> str:
     started = time.perf_counter()
     await asyncio.gather(*(drop(info) for info in await provider.list()))
     deleted = time.perf_counter() - started
-    leftover = _leftover(provider)
+    await provider.aclose()  # unmounts the disk filesystem: none of its layers is left
+    leftover = _leftover(provider) + len(provider.disk.names()) + provider.disk.mounted()
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
     remove_cgroup_parent(cgroup_parent)
     lines.append(
@@ -145,10 +152,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("n", type=int, nargs="?", default=100, help="sandboxes in the burst")
     parser.add_argument("-c", "--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--disk", choices=["on", "off"], default="on", help="per-sandbox disk limit"
+    )
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
     try:
-        print(asyncio.run(run(args.n, args.concurrency, state)))
+        print(asyncio.run(run(args.n, args.concurrency, state, disk=args.disk == "on")))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     return 0

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandman._version import __version__
+from sandman.models import Bytes
 
 __all__ = ["KubernetesConfig", "LocalConfig"]
 
@@ -49,6 +50,12 @@ class LocalConfig(BaseModel):
     """Sandboxes with network ``isolated`` or ``egress`` each get a /30 from here."""
     uplink: str | None = None
     """The interface ``egress`` sandboxes are NATed out of; default: the default route's."""
+    disk: Bytes | None = Field(default=10 * 2**30, ge=16 * 2**20)
+    """What a sandbox may write (its layer over the image, data and metadata) when its
+    spec sets no ``disk``; past it, writes fail ("Disk quota exceeded", the daemon's
+    ``no_space``). Enforced by btrfs quotas on one loop-mounted image under
+    ``state_dir`` (needs ``btrfs-progs``; ``sandman doctor`` checks). None: no
+    default limit -- a spec's own ``disk`` is still enforced."""
 
 
 class KubernetesConfig(BaseModel):

@@ -247,9 +247,12 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
                 await backend.aclose()
             return
         provider = LocalProvider(local_config(ctx))
-        for sandbox_id in ids:
-            await provider.delete(sandbox_id)
-            click.echo(f"deleted {sandbox_id}")
+        try:
+            for sandbox_id in ids:
+                await provider.delete(sandbox_id)
+                click.echo(f"deleted {sandbox_id}")
+        finally:
+            await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
 
     run_async(ctx, go())
 
@@ -272,6 +275,7 @@ def gc(ctx: click.Context, everything: bool) -> None:
             if everything or expires < now or stale:
                 await provider.delete(info.id)
                 reaped += 1
+        await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
         return reaped
 
     click.echo(f"reaped {run_async(ctx, go())} sandbox(es)")

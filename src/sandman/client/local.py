@@ -34,6 +34,8 @@ class LocalBackend(InProcessBackend):
 
     async def aclose(self) -> None:
         await super().aclose()
+        # Its sandboxes are gone: the provider unmounts its disk filesystem if no other holds a layer.
+        await self.pool.provider.aclose()
         if self._watchdog is not None:
             self._watchdog.stop()
 

@@ -76,6 +76,7 @@ async def sweep(config: LocalConfig, pool_name: str) -> int:
     # Once more for any that failed or appeared while we deleted.
     for info in await provider.list(labels={LABEL_POOL: pool_name}):
         await provider.delete(info.id)
+    await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
     return len(infos)
 
 

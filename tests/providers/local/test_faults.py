@@ -36,8 +36,9 @@ def small_disk() -> Iterator[Path]:
 async def test_full_disk_is_a_clear_error_and_the_sandbox_lives_on(
     small_disk: Path, busybox_tar: Path
 ) -> None:
+    # No disk limit: this is about the state directory's own filesystem filling up.
     config = LocalConfig(
-        state_dir=small_disk, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}"
+        state_dir=small_disk, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}", disk=None
     )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")

@@ -85,4 +85,5 @@ async def test_runc_works_too(busybox_tar: Path, state_dir: Path) -> None:
         assert int(limit.read_text()) == 64 * 2**20
     finally:
         await provider.delete(info.id)
+        await provider.aclose()
     await assert_nothing_left(provider)

@@ -8,6 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandman.providers.local import disk
+
 __all__ = ["Finding", "check_host", "prepare_cgroups", "remove_cgroup_parent"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -101,4 +103,13 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
                 f"controllers {leftover} sit on cgroup v2 in hybrid mode; use runtime=runc",
             )
         )
+    works, why = disk.probe()
+    findings.append(
+        Finding(
+            works,
+            "btrfs quotas on a loop image (per-sandbox disk limits)",
+            f"{why}: apt-get install -y btrfs-progs, a kernel with btrfs "
+            "(or set LocalConfig.disk=None: no default limit)",
+        )
+    )
     return findings

@@ -3,7 +3,8 @@
 On disk, under ``<state_dir>/sandboxes/<id>/``: ``meta.json`` (written
 first: the record that makes even a half-created sandbox findable),
 ``config.json`` (the OCI bundle), ``upper/`` and ``work/`` (the sandbox's
-overlay layer over the shared, read-only image), ``rootfs/`` (the mount
+overlay layer over the shared, read-only image; with a disk limit they are
+in ``<state_dir>/disk/<id>/`` instead, see `disk`), ``rootfs/`` (the mount
 point, mounted only inside the container's mount namespace),
 ``sandmand.sock`` (the daemon's socket: bound here by the host, handed to
 the daemon as a descriptor; the sandbox sees no path to it), ``token``,
@@ -37,6 +38,7 @@ from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
 from sandman.providers.local import oci
+from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.network import NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
@@ -98,6 +100,7 @@ class LocalProvider:
         self.network = NetworkManager(
             state_dir=state, subnet=self.config.subnet, uplink=self.config.uplink
         )
+        self.disk = DiskPool(state)
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
         self._images: dict[str, tuple[float, Image]] = {}
@@ -210,8 +213,14 @@ class LocalProvider:
         labels: Mapping[str, str],
     ) -> DaemonEndpoint:
         """Create and start the container; returns where its daemon listens."""
-        for sub in ("upper", "work", "rootfs"):
-            (directory / sub).mkdir()
+        (directory / "rootfs").mkdir()
+        limit = spec.disk if spec.disk is not None else self.config.disk
+        if limit is None:
+            layer = directory
+            (layer / "upper").mkdir()
+            (layer / "work").mkdir()
+        else:
+            layer = await anyio.to_thread.run_sync(self.disk.create, sid, limit)
         # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
         _write(directory / "token", token, mode=0o400)
         gvisor = self.config.runtime == "runsc"
@@ -245,7 +254,7 @@ class LocalProvider:
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
         )  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
-        overlay = (image.rootfs, directory / "upper", directory / "work", directory / "rootfs")
+        overlay = (image.rootfs, layer / "upper", layer / "work", directory / "rootfs")
         if gvisor:
             await self._runtime.create(
                 sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
@@ -288,6 +297,8 @@ class LocalProvider:
         # After the container: its processes are gone, so the netns goes at once.
         await self.network.teardown(sandbox_id)
         await self._remove_cgroups(sandbox_id)
+        # Before the record: a crash in between leaves a sandbox list() still finds.
+        await anyio.to_thread.run_sync(self.disk.remove, sandbox_id)
         await anyio.to_thread.run_sync(_remove_tree, directory)
 
     async def _remove_cgroups(self, sandbox_id: str) -> None:
@@ -306,7 +317,8 @@ class LocalProvider:
         containers the runtime holds without a record (reported with no labels)."""
         states = await self._runtime.states()
         networks = await self.network.list()
-        infos = await anyio.to_thread.run_sync(self._read_all, states, networks)
+        layers = await anyio.to_thread.run_sync(self.disk.names)
+        infos = await anyio.to_thread.run_sync(self._read_all, states, [*networks, *layers])
         wanted = dict(labels or {})
         return [info for info in infos if wanted.items() <= info.labels.items()]
 
@@ -319,15 +331,16 @@ class LocalProvider:
         return self._read(directory, states)
 
     def _read_all(
-        self, states: dict[str, str], networks: builtins.list[str]
+        self, states: dict[str, str], held: builtins.list[str]
     ) -> builtins.list[SandboxInfo]:
         found = {}
         if self._sandboxes.exists():
             for directory in self._sandboxes.iterdir():
                 if _ID.match(directory.name):
                     found[directory.name] = self._read(directory, states)
-        # A container or a network without a record is an orphan: listed, so it gets deleted.
-        for orphan in (states.keys() | set(networks)) - found.keys():
+        # A container, or a network or disk layer (``held``), without a record is
+        # an orphan: listed, so it gets deleted.
+        for orphan in (states.keys() | set(held)) - found.keys():
             found[orphan] = self._read(self._sandboxes / orphan, states)
         return sorted(found.values(), key=lambda info: info.created_at)
 
@@ -349,7 +362,8 @@ class LocalProvider:
         )  # fmt: skip
 
     async def aclose(self) -> None:
-        """Nothing to release: sandboxes live on until deleted."""
+        """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
+        await anyio.to_thread.run_sync(self.disk.release)
 
 
 def _endpoint(directory: Path, socket_path: Path, token: str) -> DaemonEndpoint:
