@@ -97,7 +97,14 @@ def _leftovers(state: Path, sandbox_id: str) -> list[str]:
             mounts = (proc / "mountinfo").read_text()
         except OSError:
             continue
-        if str(state).encode() in cmdline or sandbox_id in cgroups or str(state) in mounts:
+        # The state dir's disk filesystem (<state>/disk) is mounted on the host
+        # while its provider lives; a sandbox's own mounts name its directories.
+        mine = (f"{state}/sandboxes", f"{state}/disk/{sandbox_id}")
+        if (
+            str(state).encode() in cmdline
+            or sandbox_id in cgroups
+            or any(path in mounts for path in mine)
+        ):
             found.append(f"process {proc.name}: {cmdline[:120]!r}")
     return found
 
