@@ -60,6 +60,12 @@ async def test_every_kind_of_patch_gets_its_verdict(
     }
     assert len(seen) == len(predictions) and not any(reused for *_, reused in seen)
 
+    # No honest patch (right or wrong) is flagged by the audit.
+    honest = {"gold", "3way", "fuzzy", "wrong", "noapply"}
+    assert {key: v.suspicious for key, v in got.items() if key[0] in honest} == {
+        key: [] for key in got if key[0] in honest
+    }
+
     # How each patch went in: the fallbacks were needed and used in order.
     assert got["gold", "calc-1"].applied_with == "git apply"
     assert got["3way", "intervals-1"].applied_with == "git apply --3way"
@@ -139,7 +145,7 @@ async def test_a_hanging_test_run_is_a_timeout(demo: Demo, client: AsyncClient) 
         "the test run passed its wall-clock limit of 4 s and was killed"
     )
     assert report.verdict.fail_to_pass == report.verdict.pass_to_pass == {}
-    assert report.test_exit_code is None  # killed before the end marker
+    assert report.test_exit_code is None  # killed: no exit code of its own
     assert 4.0 <= report.durations["tests"] < 60
 
 

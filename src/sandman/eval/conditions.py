@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandman.models import Bytes, NetworkMode
@@ -26,6 +28,13 @@ class Conditions(BaseModel):
     limits; ``network`` is off (``"none"``: loopback only) unless set;
     ``timeout`` is the wall-clock limit of the test run, after which its
     whole process group is killed; ``env`` replaces `DEFAULT_ENV`.
+    ``audit``: what the verdict's ``suspicious`` lists (leads from the
+    patch's text, and what the run did) is only recorded with ``"record"``;
+    with ``"strict"`` (the default) a run that did what only a forging patch
+    does — code the patch changed reaching into the test framework, other
+    processes' descriptors or the grader's files; the test process ending
+    before its framework finished; output claiming passes the framework did
+    not report — is graded unresolved.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -36,3 +45,4 @@ class Conditions(BaseModel):
     network: NetworkMode = "none"
     timeout: float = Field(default=1800.0, gt=0)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENV))
+    audit: Literal["record", "strict"] = "strict"

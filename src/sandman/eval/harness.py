@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import posixpath
 import re
@@ -32,10 +33,13 @@ import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
 from sandman.eval.conditions import Conditions
+from sandman.eval.evidence import Witnessed, audit_patch, read_witness
 from sandman.eval.instances import Instance
 from sandman.eval.parsers import TestStatus, parse_log
 from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_tests, inputs_hash
@@ -68,21 +72,24 @@ reinstalls the package, so their other contents cannot matter to it.
 _METADATA_DIRS = (".dist-info", ".egg-info")
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
-# A pytest plugin the harness adds (-p): it marks where pytest's own short test
-# summary begins, after every section that can carry the tests' output, so a
-# test that prints a summary of its own (pytest's pytester does, and so can a
-# tampering patch) cannot stand in for the real one.
-_SUMMARY_PLUGIN = "sandman_eval_summary"
-_SUMMARY_PLUGIN_SOURCE = """\
-import os
-
-import pytest
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(os.environ["SANDMAN_EVAL_SUMMARY_MARK"])
-"""
+_WITNESS_CONFIG = "sandman-witness.json"  # the name witness.start reads
+# The witness (sandman/eval/witness/) runs inside the test process: pytest loads
+# it as a plugin (-p), other runners through its sitecustomize. Its records go
+# to the test command's original stderr (kept as fd 3 for it), the test output
+# to stdout, so the code under test cannot write the grader's evidence there.
+_WITNESS_DIR = Path(__file__).parent / "witness"
+_WITNESS_MODULE = "sandman_eval_witness"
+_WITNESS_MODES: dict[str, Literal["pytest", "unittest"]] = {
+    "pytest": "pytest", "unittest": "unittest", "django": "unittest",
+}  # fmt: skip
+# The processes that may take the witness's configuration (see witness.start),
+# and the framework's own files (a patch to them is the framework, not a forger).
+_RUNNERS: dict[str, list[str]] = {"pytest": [], "unittest": ["unittest"], "django": ["runtests"]}
+_FRAMEWORK_PATHS: dict[str, list[str]] = {
+    "pytest": ["/_pytest/", "/pytest/", "/pluggy/"],
+    "unittest": ["/unittest/"],
+    "django": ["/unittest/", "/django/test/"],
+}
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -198,7 +205,9 @@ class _Evaluation:
         self.sandbox_id: str | None = None
         self.test_output = ""
         self.test_exit_code: int | None = None
-        self._summary_mark: str | None = None
+        self.patch_files: list[str] = []
+        self.suspicious: list[str] = []
+        self._key = secrets.token_bytes(32)
         self._oom_kills: tuple[int | None, int | None] = (None, None)
         self._snapshotted = False
 
@@ -218,6 +227,7 @@ class _Evaluation:
             reverted=self.reverted,
             fail_to_pass=f2p or {},
             pass_to_pass=p2p or {},
+            suspicious=self.suspicious,
             image=self.instance.image,
             image_digest=self.digest,
             conditions=self.conditions,
@@ -276,8 +286,13 @@ class _Evaluation:
         self.step = "checkout"
         await sb.write_file(f"{_WORK}/model.patch", self.patch)
         await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
-        if self.instance.log_parser == "pytest":
-            await sb.write_file(f"{_WORK}/{_SUMMARY_PLUGIN}.py", _SUMMARY_PLUGIN_SOURCE)
+        mode = _WITNESS_MODES.get(self.instance.log_parser)
+        if mode is not None:
+            for name in (
+                f"{_WITNESS_MODULE}.py",
+                *(["sitecustomize.py"] if mode == "unittest" else []),
+            ):
+                await sb.write_file(f"{_WORK}/{name}", (_WITNESS_DIR / name).read_bytes())
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
         # Everything the tree holds before the patch, untracked and ignored files too.
         before = await self._snapshot(sb)
@@ -313,6 +328,7 @@ class _Evaluation:
         # tests in place of tests/) goes too.
         parents = {"/".join(p.split("/")[:i]) for p in reverted for i in range(1, p.count("/") + 1)}
         self.reverted = sorted(reverted | (parents & set(changed)))
+        self.patch_files = sorted(set(changed) - set(self.reverted))
         if self.reverted:
             logger.info("%s: setting back %s", self.instance.instance_id, self.reverted)
             await self._set_back(sb, before, self.reverted)
@@ -334,26 +350,27 @@ class _Evaluation:
             self.durations["tests"] = round(time.monotonic() - begun, 3)
         return self._judge(run)
 
-    async def _run_tests(self, sb: AsyncSandbox) -> tuple[ExecResult, str, str]:
-        nonce = secrets.token_hex(8)
-        start, end = f">>>>> Start Test Output {nonce}", f">>>>> End Test Output {nonce}"
+    async def _run_tests(self, sb: AsyncSandbox) -> ExecResult:
         directives = " ".join(shlex.quote(d) for d in self.instance.directives)
-        plugin = ""
-        self._summary_mark = None
-        if self.instance.log_parser == "pytest":
-            self._summary_mark = f">>>>> Test Summary {nonce}"
-            plugin = (
-                f"export SANDMAN_EVAL_SUMMARY_MARK='{self._summary_mark}' "
-                f"PYTHONPATH={_WORK}${{PYTHONPATH:+:$PYTHONPATH}}\n"
-            )
-            directives = f"-p {_SUMMARY_PLUGIN} {directives}"
-        command = (
-            f"echo '{start}'\n"
-            f"{plugin}"
-            f"{{ {self.instance.test_cmd} {directives}\n}} 2>&1\n"
-            # On a line of its own even if the output did not end one.
-            f'sandman_rc=$?\necho\necho "{end} rc=$sandman_rc"\n'
-        )
+        mode = _WITNESS_MODES.get(self.instance.log_parser)
+        prelude = ""
+        if mode is not None:
+            # Read and deleted by the witness in the test runner's process before
+            # any code under test runs: nothing secret is in an environment,
+            # a command line or a file after that.
+            config = {
+                "key": self._key.hex(), "mode": mode, "work": _WORK, "fd": 3,
+                "argv_contains": _RUNNERS[self.instance.log_parser],
+                "framework_paths": _FRAMEWORK_PATHS[self.instance.log_parser],
+                "patch_files": [
+                    posixpath.join(self.instance.repo_path, path) for path in self.patch_files
+                ],
+            }  # fmt: skip
+            await sb.write_file(f"{_WORK}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
+            prelude = f"export PYTHONPATH={_WORK}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            if mode == "pytest":
+                directives = f"-p {_WITNESS_MODULE} {directives}"
+        command = f"{prelude}{{ {self.instance.test_cmd} {directives}\n}} 3>&2 2>&1\n"
         before = await self._oom_kill_count(sb)
         try:
             result = await sb.exec(
@@ -363,34 +380,23 @@ class _Evaluation:
         except errors.ExecTimeout as exc:
             # The daemon did not even answer within the limit plus its grace.
             raise _Abort("timeout", self._timeout_reason()) from exc
+        finally:
+            with contextlib.suppress(errors.SandboxError):
+                await self._exec(sb, ["rm", "-f", f"{_WORK}/{_WITNESS_CONFIG}"])
         self._oom_kills = (before, await self._oom_kill_count(sb))
-        return result, start, end
+        return result
 
     async def _oom_kill_count(self, sb: AsyncSandbox) -> int | None:
         """How many processes the OOM killer took in this sandbox so far; None: cannot tell."""
         found = _OOM_KILL_LINE.search((await self._exec(sb, ["sh", "-c", _OOM_KILLS])).stdout)
         return int(found.group(1)) if found else None
 
-    def _judge(self, run: tuple[ExecResult, str, str]) -> Report:
-        result, start, end = run
-        lines = result.stdout.split("\n")
-        first = next((i for i, line in enumerate(lines) if line == start), None)
-        last = next(
-            (i for i, line in enumerate(lines) if first is not None and i > first
-             and line.startswith(end + " rc=")),
-            None,
-        )  # fmt: skip
-        if first is not None:
-            body = lines[first + 1 : last]
-            if last is not None and body and body[-1] == "":
-                body.pop()  # the newline put before the end marker
-            self.test_output = "\n".join(body) + "\n"
-        if last is not None:
-            self.test_exit_code = int(lines[last].rsplit("rc=", 1)[1])
+    def _judge(self, result: ExecResult) -> Report:
+        self.test_output = result.stdout
         if result.timed_out:
             return self.report("timeout", self._timeout_reason())
-        killed = self.test_exit_code == _KILLED or (last is None and result.signal == "KILL")
-        if killed:
+        self.test_exit_code = result.exit_code
+        if result.exit_code == _KILLED or result.signal == "KILL":
             before, after = self._oom_kills
             if before is None or after is None:
                 # No counter to read (a sandbox without its cgroup): SIGKILL
@@ -407,22 +413,39 @@ class _Evaluation:
                     f"{self.conditions.memory} bytes",
                 )
             # Killed by something else (the code under test can SIGKILL itself):
-            # graded on what it printed; the tests it never reported fail.
-        elif first is None or last is None:
-            return self.report(
-                "error",
-                f"the test run ended (exit {result.exit_code}) without both output markers",
-            )
-        log = self.test_output
-        if self._summary_mark is not None:
-            # Only pytest's own summary, which follows the mark (see _SUMMARY_PLUGIN).
-            # No mark: pytest never got to it (the code under test exited or was
-            # killed), and what the output says instead is not pytest's word.
-            _, marked, log = log.partition(self._summary_mark)
-            log = log if marked else ""
-        results = parse_log(self.instance.log_parser, log)
+            # graded on what the framework reported; the tests it never did fail.
+        claimed = parse_log(self.instance.log_parser, result.stdout)
+        mode = _WITNESS_MODES.get(self.instance.log_parser)
+        suspicious = audit_patch(
+            self.patch, is_test_file=self._set_back_path,
+            framework_paths=_FRAMEWORK_PATHS.get(self.instance.log_parser, []),
+        )  # fmt: skip
+        results = claimed
+        strong: list[str] = []
+        if mode is not None:
+            witnessed = read_witness(result.stderr, self._key)
+            if not witnessed.started and not claimed:
+                tail = result.stdout[-500:].strip()
+                return self.report(
+                    "error",
+                    f"the test run (exit {result.exit_code}) reported no results and its "
+                    f"framework never started: {tail}",
+                )
+            results, strong = _witnessed_results(claimed, witnessed, result, mode)
+            suspicious += witnessed.audits + strong
+        self.suspicious = sorted(set(suspicious))
         status, reason, f2p, p2p = grade_tests(self.instance, results)
+        if status == "resolved" and strong and self.conditions.audit == "strict":
+            return self.report(
+                "unresolved",
+                "every listed test passed, but the run did what a forging patch does "
+                f"(audit=strict): {'; '.join(sorted(set(strong))[:3])}",
+                f2p, p2p,
+            )  # fmt: skip
         return self.report(status, reason, f2p, p2p)
+
+    def _set_back_path(self, path: str) -> bool:
+        return path in self.reverted or is_protected(self.instance, path)
 
     def _timeout_reason(self) -> str:
         return (
@@ -506,6 +529,52 @@ class _Evaluation:
             sb, [*_GIT, "reset", "-q", "--hard", self.instance.base_commit], "reset the tree"
         )
         await self._set_back(sb, before, await self._changed(sb, before))
+
+
+def _witnessed_results(
+    claimed: dict[str, TestStatus], witnessed: Witnessed, result: ExecResult, mode: str
+) -> tuple[dict[str, TestStatus], list[str]]:
+    """The results to grade: the log's, each pass confirmed by the framework's own
+    report (the witness's records); and what the run did that only a forger does
+    (what strict auditing grades unresolved)."""
+    suspicious = list(witnessed.attributed)
+    results: dict[str, TestStatus] = {}
+    unconfirmed = []
+    for name, status in claimed.items():
+        if status in ("PASSED", "XFAIL") and not witnessed.passed(name):
+            unconfirmed.append(
+                f"{name} ({status} in the output, {witnessed.status(name)} by the framework)"
+            )
+            results[name] = witnessed.status(name)
+        else:
+            results[name] = status
+    if unconfirmed:
+        shown = "; ".join(unconfirmed[:3]) + (
+            f"; and {len(unconfirmed) - 3} more" if len(unconfirmed) > 3 else ""
+        )
+        suspicious.append(f"the output claims passes the test framework did not report: {shown}")
+    if witnessed.forged:
+        suspicious.append(f"{witnessed.forged} line(s) posed as the grader's witness records")
+    if not witnessed.started:
+        suspicious.append("the grader's witness never started in the test process")
+    elif witnessed.finish is None:
+        suspicious.append(
+            "the test process ended before the test framework finished "
+            f"(exit {result.exit_code}{', ' + result.signal if result.signal else ''})"
+        )
+    else:
+        failed = (
+            witnessed.finish.get("exitstatus", 0) not in (0, 5)
+            if mode == "pytest"
+            else not witnessed.finish.get("successful", True)
+        )
+        if failed and result.exit_code == 0:
+            what = (
+                f"pytest reported exit status {witnessed.finish.get('exitstatus')}"
+                if mode == "pytest" else "the test runner reported failures"
+            )  # fmt: skip
+            suspicious.append(f"the test command exited 0 although {what}")
+    return results, suspicious
 
 
 def _nul(text: str) -> list[str]:

@@ -31,8 +31,9 @@ __all__ = [
 ]
 
 # 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
-# the cgroup counter, no summary but pytest's, unittest's FAIL/ERROR headers overrule.
-HARNESS_VERSION = "3"
+# the cgroup counter, no summary but pytest's, unittest's FAIL/ERROR headers overrule;
+# 4: no markers, a pass needs the witness's signed word, the audit (``suspicious``).
+HARNESS_VERSION = "4"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
 Status = Literal[
@@ -73,6 +74,10 @@ class Verdict(BaseModel):
     (test files, ``conftest.py``...) the patch changed and the harness set back
     before the run. ``fail_to_pass`` and ``pass_to_pass`` map each graded
     test to its status (empty when the tests did not run to the end).
+    ``suspicious`` lists what the patch or its run did that a patch forging
+    its own grade does (ending the test process early, reaching into the
+    test framework, other processes' descriptors, the grader's files...);
+    with ``Conditions(audit="strict")`` such a run is never ``resolved``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -85,6 +90,7 @@ class Verdict(BaseModel):
     reverted: list[str] = []
     fail_to_pass: dict[str, TestStatus] = {}
     pass_to_pass: dict[str, TestStatus] = {}
+    suspicious: list[str] = []
     image: str
     image_digest: str | None
     conditions: Conditions
@@ -129,7 +135,7 @@ class Report(BaseModel):
     apply_attempts: list[ApplyAttempt] = []
     test_exit_code: int | None = None
     test_output: str = ""
-    """The test run's output between the start and end markers."""
+    """The test run's output (stdout and stderr as one stream)."""
     patch: str = ""
 
 

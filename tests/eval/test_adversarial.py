@@ -1,0 +1,80 @@
+"""The adversarial corpus (examples/eval/adversarial.jsonl): every patch graded as it deserves.
+
+Each leaves its instance's bug in place and tries to make the grade say
+otherwise: none may be ``resolved``, and the audit lists what each did.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from sandman.client import AsyncClient
+from sandman.eval import load_instances, load_predictions, run_batch
+from sandman.eval.evidence import read_witness
+from sandman.images import ImageStore
+from tests.eval.conftest import CONDITIONS, EXAMPLES, Demo
+from tests.providers.local.conftest import needs_root_and_crun
+
+
+def _corpus() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("adversarial", EXAMPLES / "adversarial.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_corpus_is_what_its_script_writes() -> None:
+    assert (EXAMPLES / "adversarial.jsonl").read_text() == _corpus().render()
+
+
+def test_a_record_that_does_not_verify_is_counted_as_forged() -> None:
+    import hashlib
+    import hmac
+
+    key = b"k" * 32
+    body = '{"kind":"start","seq":0}'
+    mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    good = f"SANDMAN-WITNESS {body} {mac}"
+    assert read_witness(good, key).started
+    forged = read_witness(good.replace("start", "strat"), key)
+    assert not forged.started and forged.forged == 1
+    # A valid record replayed (or from another key) breaks the chain.
+    assert read_witness(f"{good}\n{good}", key).forged == 1
+    assert read_witness(good, b"x" * 32).forged == 1
+
+
+@needs_root_and_crun
+@pytest.mark.anyio
+@pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap")
+@pytest.mark.timeout(1800)  # the first run on a machine builds the image
+async def test_every_forging_patch_is_graded_as_it_deserves(
+    demo: Demo, client: AsyncClient, tmp_path: Path
+) -> None:
+    rows = [json.loads(line) for line in (EXAMPLES / "adversarial.jsonl").read_text().splitlines()]
+    result = await run_batch(
+        load_instances(demo.instances), load_predictions(EXAMPLES / "adversarial.jsonl"),
+        pool=client, out=tmp_path, conditions=CONDITIONS, concurrency=4,
+        images=ImageStore(demo.state_dir / "images"),
+    )  # fmt: skip
+    got = {v.model: v for v in result.verdicts}
+    assert {m: v.status for m, v in got.items()} == {
+        r["model_name_or_path"]: r["expected"] for r in rows
+    }, {m: v.reason for m, v in got.items()}
+    assert {m: bool(v.suspicious) for m, v in got.items()} == {
+        r["model_name_or_path"]: r["flagged"] for r in rows
+    }, {m: v.suspicious for m, v in got.items()}
+    assert not any(v.resolved for v in got.values())
+    # The routes that beat the grader once: each claimed a pass, none counted.
+    for model in ("adversarial-mark-and-exit", "adversarial-mark-and-carry-on"):
+        report = json.loads((tmp_path / model / "calc-1" / "report.json").read_text())
+        assert "PASSED tests/test_stats.py::test_median_even" in report["test_output"]
+    assert got["adversarial-nonce-unittest"].fail_to_pass != {
+        "test_punctuation_collapses (tests.test_slug.SlugifyTest)": "PASSED"
+    }
