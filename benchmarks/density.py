@@ -10,7 +10,10 @@
 Last line: ``ready=<n>/<N> create_p50_ms=<x> mem_per_sandbox_mib=<y> leftover=<z>``
 (leftover counts sandbox dirs, runtime containers, cgroups, mounts and processes).
 
-Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8]``
+``--seccomp default,unconfined`` runs it all once per filter, one after the
+other in the same run, for a before/after comparison.
+
+Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8] [--seccomp default,unconfined]``
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ def _mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-async def _create_ready(provider: LocalProvider) -> tuple[SandboxInfo, float]:
+async def _create_ready(provider: LocalProvider, spec: SandboxSpec) -> tuple[SandboxInfo, float]:
     started = time.perf_counter()
-    info = await provider.create(SPEC)
+    info = await provider.create(spec)
     assert info.endpoint is not None
     client = info.endpoint.client()
     try:
@@ -72,7 +75,8 @@ def _leftover(provider: LocalProvider) -> int:
     return count
 
 
-async def run(n: int, concurrency: int, state: Path) -> str:
+async def run(n: int, concurrency: int, state: Path, seccomp: str = "default") -> str:
+    spec = SPEC.model_copy(update={"seccomp": seccomp})
     cgroup_parent = new_cgroup_parent()
     provider = LocalProvider(LocalConfig(state_dir=state, cgroup_parent=cgroup_parent))
     tar = busybox_rootfs_tar(state / "busybox.tar")
@@ -81,7 +85,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
 
     serial: list[float] = []
     for _ in range(20):
-        info, seconds = await _create_ready(provider)
+        info, seconds = await _create_ready(provider, spec)
         serial.append(seconds)
         await provider.delete(info.id)
     create_p50 = statistics.median(serial) * 1e3
@@ -97,7 +101,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
     async def one() -> None:
         async with gate:
             try:
-                info, seconds = await _create_ready(provider)
+                info, seconds = await _create_ready(provider, spec)
             except SandboxError as exc:  # report, don't stop the burst
                 failures.append(repr(exc))
                 return
@@ -135,7 +139,7 @@ async def run(n: int, concurrency: int, state: Path) -> str:
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
     remove_cgroup_parent(cgroup_parent)
     lines.append(
-        f"ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
+        f"seccomp={seccomp} ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
         f"mem_per_sandbox_mib={mem_per:.2f} leftover={leftover}"
     )
     return "\n".join(lines)
@@ -145,12 +149,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("n", type=int, nargs="?", default=100, help="sandboxes in the burst")
     parser.add_argument("-c", "--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--seccomp", default="default", help="filters to compare, comma-separated (spec.seccomp)"
+    )
     args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
-    try:
-        print(asyncio.run(run(args.n, args.concurrency, state)))
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    for seccomp in args.seccomp.split(","):
+        state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+        try:
+            print(asyncio.run(run(args.n, args.concurrency, state, seccomp)), flush=True)
+        finally:
+            shutil.rmtree(state, ignore_errors=True)
     return 0
 
 
