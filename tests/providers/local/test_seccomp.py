@@ -22,8 +22,10 @@ import sandman
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider, seccomp
+from sandman.settings import LocalConfig
 from tests.images.debian import debian_python_tar
 from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.leaks import assert_nothing_left
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
 
@@ -222,6 +224,26 @@ async def test_python_threads_and_git_in_a_debian_sandbox_under_the_filter(
         assert result.stdout == "1\n5050\n45\n0 True\n"
         status = await sb.read_file("/proc/self/status")
         assert b"Seccomp:\t2" in status
+
+
+@pytest.mark.skipif(shutil.which("runc") is None, reason="needs runc")
+async def test_runc_applies_the_same_profile(
+    busybox_tar: Path, state_dir: Path, probe: bytes
+) -> None:
+    """runc ignores crun's compiled-filter annotation: it compiles the JSON."""
+    config = LocalConfig(
+        state_dir=state_dir, runtime="runc", cgroup_parent="/sandman-test/runc-seccomp"
+    )
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    try:
+        async with _sandbox(provider, probe) as sb:
+            assert await _probe(sb, *DENIED, *INT80_DENIED) == DENIED | INT80_DENIED
+            assert await _probe(sb, *ALLOWED) == dict.fromkeys(ALLOWED, "ok")
+    finally:
+        for info in await provider.list():
+            await provider.delete(info.id)
+    await assert_nothing_left(provider)
 
 
 async def test_the_precompiled_filter_is_the_one_crun_compiles(
