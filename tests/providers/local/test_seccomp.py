@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -196,6 +197,16 @@ async def test_a_bad_profile_path_is_a_config_error_naming_it(
     with pytest.raises(errors.ConfigError, match=f"seccomp profile {path}: .*{message}"):
         await provider.create(SandboxSpec(image="busybox", seccomp=str(path)))
     assert await provider.list() == []
+
+
+async def test_a_fifo_or_directory_as_profile_is_refused_without_blocking(
+    provider: LocalProvider, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with pytest.raises(errors.ConfigError, match=f"seccomp profile {path}: not a regular file"):
+            await provider.create(SandboxSpec(image="busybox", seccomp=str(path)))
 
 
 @pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap")

@@ -32,14 +32,18 @@ import ctypes
 import ctypes.util
 import functools
 import json
+import logging
 import os
 import platform
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from sandman import errors
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ALLOWED",
@@ -260,6 +264,26 @@ def _invalid(path: str, why: str) -> errors.ConfigError:
     return errors.ConfigError(f"seccomp profile {path}: {why}")
 
 
+def _read(path: str) -> bytes:
+    # Non-blocking and regular files only: a FIFO or a device named as the
+    # profile must not hang or flood a create.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _invalid(path, exc.strerror or str(exc)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _invalid(path, "not a regular file")
+        data = os.read(fd, _MAX_PROFILE + 1)
+    except OSError as exc:
+        raise _invalid(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_PROFILE:
+        raise _invalid(path, f"larger than {_MAX_PROFILE} bytes")
+    return data
+
+
 def _check(path: str, profile: object) -> dict[str, Any]:
     """The parts crun needs to make sense of a profile, checked before any create."""
     if not isinstance(profile, dict):
@@ -310,13 +334,7 @@ async def resolve(choice: str) -> Filter | None:
         raise errors.ConfigError(
             f"seccomp must be 'default', 'unconfined' or an absolute path, got {choice!r}"
         )
-    try:
-        async with await anyio.open_file(choice, "rb") as stream:
-            data = await stream.read(_MAX_PROFILE + 1)
-    except OSError as exc:
-        raise _invalid(choice, exc.strerror or str(exc)) from None
-    if len(data) > _MAX_PROFILE:
-        raise _invalid(choice, f"larger than {_MAX_PROFILE} bytes")
+    data = await anyio.to_thread.run_sync(_read, choice)
     try:
         profile = json.loads(data)
     except ValueError as exc:
@@ -442,7 +460,12 @@ def _compiled(profile_json: str) -> str | None:
     lib = _libseccomp()
     if lib is None:
         return None
-    return base64.b64encode(_compile(json.loads(profile_json), lib)).decode()
+    try:
+        return base64.b64encode(_compile(json.loads(profile_json), lib)).decode()
+    except (ValueError, OSError):
+        # Slower, not weaker: crun compiles the same JSON at every create.
+        logger.warning("cannot precompile the seccomp profile; crun will", exc_info=True)
+        return None
 
 
 def compiled_default() -> str | None:
