@@ -6,7 +6,7 @@ drop (``oci.CAPABILITIES``). It is an **allowlist**: a system call not named
 below fails with EPERM, so a system call that a future kernel adds is denied
 until we look at it. Measured on our 2-core VM, ``crun create`` alone: no
 filter 22 ms; this allowlist compiled by crun at every create +28 ms (a
-denylist about +5 ms); compiled once per process by us and handed to crun
+denylist a few ms); compiled once per process by us and handed to crun
 (see "compiled once" below) +2 ms, most of it the kernel attaching and
 JIT-compiling the filter. So the safer allowlist it is.
 
