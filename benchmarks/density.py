@@ -12,8 +12,10 @@ Last line: ``ready=<n>/<N> create_p50_ms=<x> mem_per_sandbox_mib=<y> leftover=<z
 
 ``--disk off`` runs without the per-sandbox disk limit (``LocalConfig.disk=None``);
 the default is the provider's (10 GiB, a btrfs subvolume with a quota per sandbox).
+``--seccomp default,unconfined`` runs it all once per filter, one after the
+other in the same run, for a before/after comparison (``--disk on,off`` too).
 
-Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8] [--disk off]``
+Run as root: ``.venv/bin/python benchmarks/density.py 1000 [-c 8] [--disk on,off] [--seccomp default,unconfined]``
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ def _mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-async def _create_ready(provider: LocalProvider) -> tuple[SandboxInfo, float]:
+async def _create_ready(provider: LocalProvider, spec: SandboxSpec) -> tuple[SandboxInfo, float]:
     started = time.perf_counter()
-    info = await provider.create(SPEC)
+    info = await provider.create(spec)
     assert info.endpoint is not None
     client = info.endpoint.client()
     try:
@@ -75,7 +77,10 @@ def _leftover(provider: LocalProvider) -> int:
     return count
 
 
-async def run(n: int, concurrency: int, state: Path, disk: bool = True) -> str:
+async def run(
+    n: int, concurrency: int, state: Path, disk: bool = True, seccomp: str = "default"
+) -> str:
+    spec = SPEC.model_copy(update={"seccomp": seccomp})
     cgroup_parent = new_cgroup_parent()
     config = LocalConfig(state_dir=state, cgroup_parent=cgroup_parent)
     if not disk:
@@ -87,7 +92,7 @@ async def run(n: int, concurrency: int, state: Path, disk: bool = True) -> str:
 
     serial: list[float] = []
     for _ in range(20):
-        info, seconds = await _create_ready(provider)
+        info, seconds = await _create_ready(provider, spec)
         serial.append(seconds)
         await provider.delete(info.id)
     create_p50 = statistics.median(serial) * 1e3
@@ -103,7 +108,7 @@ async def run(n: int, concurrency: int, state: Path, disk: bool = True) -> str:
     async def one() -> None:
         async with gate:
             try:
-                info, seconds = await _create_ready(provider)
+                info, seconds = await _create_ready(provider, spec)
             except SandboxError as exc:  # report, don't stop the burst
                 failures.append(repr(exc))
                 return
@@ -142,7 +147,7 @@ async def run(n: int, concurrency: int, state: Path, disk: bool = True) -> str:
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
     remove_cgroup_parent(cgroup_parent)
     lines.append(
-        f"ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
+        f"seccomp={seccomp} ready={len(infos)}/{n} create_p50_ms={create_p50:.1f} "
         f"mem_per_sandbox_mib={mem_per:.2f} leftover={leftover}"
     )
     return "\n".join(lines)
@@ -153,14 +158,21 @@ def main() -> int:
     parser.add_argument("n", type=int, nargs="?", default=100, help="sandboxes in the burst")
     parser.add_argument("-c", "--concurrency", type=int, default=8)
     parser.add_argument(
-        "--disk", choices=["on", "off"], default="on", help="per-sandbox disk limit"
+        "--disk", default="on", help="per-sandbox disk limit: on, off, or both (on,off)"
+    )
+    parser.add_argument(
+        "--seccomp", default="default", help="filters to compare, comma-separated (spec.seccomp)"
     )
     args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
-    try:
-        print(asyncio.run(run(args.n, args.concurrency, state, disk=args.disk == "on")))
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    for disk in args.disk.split(","):
+        for seccomp in args.seccomp.split(","):
+            state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+            try:
+                print(f"# disk={disk} seccomp={seccomp}", flush=True)
+                result = run(args.n, args.concurrency, state, disk == "on", seccomp)
+                print(asyncio.run(result), flush=True)
+            finally:
+                shutil.rmtree(state, ignore_errors=True)
     return 0
 
 

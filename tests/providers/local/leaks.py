@@ -54,7 +54,7 @@ def leftovers(provider: LocalProvider, *, closed: bool = False) -> list[str]:
         if closed and f" {state / 'disk'} " in mountinfo:
             found.append(
                 f"pid {proc.name} still mounts {state / 'disk'}: "
-                f"{(proc / 'cmdline').read_bytes()[:80]!r} {os.readlink(proc / 'ns' / 'mnt')}"
+                f"{(proc / 'cmdline').read_bytes()[:80]!r} {_namespace(proc)}"
             )
         if f":{cgroup_parent}" in cgroups:
             found.append(f"process {proc.name} in {cgroup_parent}")
@@ -84,3 +84,10 @@ async def assert_nothing_left(provider: LocalProvider) -> None:
     own = set(_cgroup_parents(provider))
     busy = remove_cgroup_parent(provider.config.cgroup_parent)
     assert not own & set(busy), busy
+
+
+def _namespace(proc: Path) -> str:
+    try:
+        return os.readlink(proc / "ns" / "mnt")
+    except OSError as exc:  # a non-dumpable process's (the VM's init here)
+        return f"(mount namespace unreadable: {exc.strerror})"

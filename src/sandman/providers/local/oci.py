@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandman.models import SandboxSpec
+from sandman.providers.local.seccomp import BPF_ANNOTATION, Filter
 
 __all__ = [
     "DAEMON_IN_SANDBOX",
@@ -77,8 +78,12 @@ def config(
     cgroup_parent: str,
     layout: BundleLayout,
     annotations: Mapping[str, str],
+    seccomp: Filter | None,
 ) -> dict[str, Any]:
-    """The ``config.json`` that runs sandmand as PID 1 of the sandbox."""
+    """The ``config.json`` that runs sandmand as PID 1 of the sandbox.
+
+    ``seccomp`` is its system-call filter (``seccomp.resolve``); None runs
+    the sandbox without one."""
     caps = list(CAPABILITIES)
     namespace_net: dict[str, str] = {"type": "network"}
     if layout.netns is not None:
@@ -164,7 +169,10 @@ def config(
                 "options": ["rbind", "ro", "nosuid", "nodev"],
             },
         ],
-        "annotations": dict(annotations),
+        "annotations": {
+            **annotations,
+            **({BPF_ANNOTATION: seccomp.bpf} if seccomp is not None and seccomp.bpf else {}),
+        },
         "linux": {
             "cgroupsPath": f"{cgroup_parent.rstrip('/')}/{sandbox_id}",
             "resources": {
@@ -183,5 +191,8 @@ def config(
             ],
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
+            # The daemon, PID 1, runs under the filter too: it is applied
+            # before the runtime execs it, and inherited by all it starts.
+            **({"seccomp": seccomp.profile} if seccomp is not None else {}),
         },
     }

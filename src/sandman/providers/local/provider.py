@@ -37,7 +37,7 @@ from sandman.daemon import daemon_path
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
-from sandman.providers.local import oci
+from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.network import NetworkManager
@@ -252,6 +252,7 @@ class LocalProvider:
             workdir=spec.workdir or image.config.working_dir or "/",
             uid=uid, gid=gid, cgroup_parent=self.config.cgroup_parent, layout=layout,
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
+            seccomp=await seccomp.resolve(spec.seccomp),
         )  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
         overlay = (image.rootfs, layer / "upper", layer / "work", directory / "rootfs")
