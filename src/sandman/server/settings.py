@@ -114,6 +114,13 @@ class ServerSettings(BaseModel):
     close_pool: bool = True
     """Whether the app's lifespan starts the pool and closes it at shutdown. False when
     the caller owns the pool's lifetime."""
+    metrics_key: SecretStr | None = Field(default=None, min_length=16)
+    """With it, ``/metrics`` answers only ``Authorization: Bearer <metrics_key>`` (Prometheus:
+    ``authorization: {credentials_file: ...}``) or an admin tenant's API key; 401
+    otherwise. None (the default): ``/metrics`` is open, and then names no tenant."""
+    metrics_tenant_labels: bool = False
+    """Per-tenant series (``sandman_queue_depth{tenant=...}``); off, they are summed over
+    tenants. Tenant names are other tenants' business: this needs ``metrics_key``."""
 
     @model_validator(mode="after")
     def _unique_keys(self) -> ServerSettings:
@@ -132,6 +139,13 @@ class ServerSettings(BaseModel):
         unknown = sorted(self.admin_tenants - known)
         if unknown:
             raise ValueError(f"admin tenants without an API key: {', '.join(unknown)}")
+        return self
+
+    @model_validator(mode="after")
+    def _tenant_labels_need_a_key(self) -> ServerSettings:
+        # An open /metrics with tenant labels would list every tenant to anyone who asks.
+        if self.metrics_tenant_labels and self.metrics_key is None:
+            raise ValueError("metrics_tenant_labels names tenants: set metrics_key as well")
         return self
 
     @classmethod
