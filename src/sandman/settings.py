@@ -3,6 +3,7 @@ the server read them from the environment."""
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +36,15 @@ class LocalConfig(BaseModel):
     """Sandboxes with network ``isolated`` or ``egress`` each get a /30 from here."""
     uplink: str | None = None
     """The interface ``egress`` sandboxes are NATed out of; default: the default route's."""
+    egress_deny: list[IPv4Network] | None = None
+    """IPv4 ranges ``egress`` sandboxes may not reach. None: link-local 169.254.0.0/16
+    (cloud metadata and its credentials), the private ranges 10.0.0.0/8, 172.16.0.0/12,
+    192.168.0.0/16, the shared 100.64.0.0/10, and 0.0.0.0/8, 127.0.0.0/8, multicast and
+    reserved (``providers.local.network.DEFAULT_EGRESS_DENY``); ``[]`` denies none. The
+    host's own addresses and other sandboxes are unreachable whatever this says."""
+    egress_allow: list[IPv4Network] = Field(default_factory=list)
+    """Exceptions to ``egress_deny``, e.g. a package mirror or the DNS resolver an image's
+    /etc/resolv.conf names (``["10.0.0.2/32"]``). Applies to sandboxes created after."""
 
 
 class KubernetesConfig(BaseModel):
