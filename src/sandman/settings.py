@@ -103,6 +103,14 @@ class KubernetesConfig(BaseModel):
     """One API request (not a watch)."""
     max_connections: int = Field(default=64, ge=1)
     """HTTP connections to the API server; bursts are paced by the pool, not here."""
+    pod_security: Literal["baseline", "restricted"] = "baseline"
+    """The securityContext of every sandbox pod, after the Pod Security Standards level it
+    meets (a namespace may enforce it: ``pod-security.kubernetes.io/enforce``). Both:
+    seccomp ``RuntimeDefault``, ``allowPrivilegeEscalation: false``, no service-account
+    token. ``baseline``: root images work; the task container keeps only Docker's default
+    capabilities minus NET_RAW and MKNOD (as local sandboxes do). ``restricted``: every
+    capability dropped and ``runAsNonRoot``: for images whose USER is a numeric non-root
+    uid, or specs with a non-root ``user``; a spec with ``user="0"`` is refused."""
     prefer_nodes_with_image: bool = False
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs
