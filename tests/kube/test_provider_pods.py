@@ -187,7 +187,7 @@ def test_restricted_drops_every_capability_and_runs_as_non_root() -> None:
             config=config,
         )  # fmt: skip
     with pytest.raises(ValidationError):
-        KubernetesConfig(pod_security="privileged")  # type: ignore[arg-type]
+        KubernetesConfig.model_validate({"pod_security": "privileged"})
 
 
 @pytest.mark.parametrize("seccomp", ["unconfined", "/etc/profile.json"])
