@@ -65,6 +65,8 @@ def _ingress_peers(labels: Mapping[str, str]) -> bool:
 def _egress_allows(address: str) -> bool:
     """Whether an egress sandbox may send to ``address`` (any port) by an ipBlock."""
     ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a socket sends to ::ffff:a.b.c.d as IPv4
     for rule in _policies()["sandman-sandboxes-egress"]["spec"]["egress"]:
         for peer in rule["to"]:
             block = peer.get("ipBlock")
@@ -113,7 +115,7 @@ def test_only_clients_reach_the_daemon_and_a_sandbox_is_never_one() -> None:
         "fe80::1",  # IPv6 link-local
         "fd00:ec2::254",  # AWS metadata over IPv6
         "fd12:3456::1",  # a ULA pod or service
-        "::ffff:169.254.169.254",  # an IPv4-mapped way round the IPv4 exceptions
+        "::ffff:169.254.169.254",  # IPv4-mapped: sent as IPv4, to metadata
     ],
 )
 def test_egress_excludes_metadata_and_the_clusters_ranges(address: str) -> None:
