@@ -578,8 +578,8 @@ class NetworkManager:
             if loaded[f"table inet {TABLE}"] >= _POLICY_SETS:
                 return True
             # Loaded by a sandman from before egress policies: replaced, or a policy
-            # could not be added. Other managers' egress sandboxes lose egress until
-            # their next setup re-adds them (fail closed).
+            # could not be added. Egress sandboxes of other managers (state dirs) lose
+            # egress then: fail closed.
             logger.warning("the sandman nftables tables had no egress policy sets: replaced")
         policies = {
             entry["host_interface"]: _recorded_policy(entry)
