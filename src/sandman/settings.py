@@ -3,6 +3,7 @@ the server read them from the environment."""
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Literal
 
@@ -56,6 +57,15 @@ class LocalConfig(BaseModel):
     ``no_space``). Enforced by btrfs quotas on one loop-mounted image under
     ``state_dir`` (needs ``btrfs-progs``; ``sandman doctor`` checks). None: no
     default limit -- a spec's own ``disk`` is still enforced."""
+    egress_deny: list[IPv4Network] | None = None
+    """IPv4 ranges ``egress`` sandboxes may not reach. None: link-local 169.254.0.0/16
+    (cloud metadata and its credentials), the private ranges 10.0.0.0/8, 172.16.0.0/12,
+    192.168.0.0/16, the shared 100.64.0.0/10, and 0.0.0.0/8, 127.0.0.0/8, multicast and
+    reserved (``providers.local.network.DEFAULT_EGRESS_DENY``); ``[]`` denies none. The
+    host's own addresses and other sandboxes are unreachable whatever this says."""
+    egress_allow: list[IPv4Network] = Field(default_factory=list)
+    """Exceptions to ``egress_deny``, e.g. a package mirror or the DNS resolver an image's
+    /etc/resolv.conf names (``["10.0.0.2/32"]``). Applies to sandboxes created after."""
 
 
 class KubernetesConfig(BaseModel):
@@ -114,6 +124,14 @@ class KubernetesConfig(BaseModel):
     """One API request (not a watch)."""
     max_connections: int = Field(default=64, ge=1)
     """HTTP connections to the API server; bursts are paced by the pool, not here."""
+    pod_security: Literal["baseline", "restricted"] = "baseline"
+    """The securityContext of every sandbox pod, after the Pod Security Standards level it
+    meets (a namespace may enforce it: ``pod-security.kubernetes.io/enforce``). Both:
+    seccomp ``RuntimeDefault``, ``allowPrivilegeEscalation: false``, no service-account
+    token. ``baseline``: root images work; the task container keeps only Docker's default
+    capabilities minus NET_RAW and MKNOD (as local sandboxes do). ``restricted``: every
+    capability dropped and ``runAsNonRoot``: for images whose USER is a numeric non-root
+    uid, or specs with a non-root ``user``; a spec with ``user="0"`` is refused."""
     prefer_nodes_with_image: bool = False
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs

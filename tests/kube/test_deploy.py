@@ -185,15 +185,22 @@ def test_deploy_applies_with_least_privilege(
     assert sandboxes.get("egress", []) == []  # egress denied unless opted in
     [rule] = sandboxes["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": "sandmand"}]
+    # Clients, never a sandbox (what the policies mean: tests/providers/kubernetes/
+    # test_networkpolicy.py; the harness's bridge CNI does not enforce them).
+    no_sandbox = {"key": "sandman.io/pool", "operator": "DoesNotExist"}
     assert rule["from"] == [
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"sandman.io/client": "true"}}}
-    ]
+        {"namespaceSelector": {}, "podSelector": {
+            "matchLabels": {"sandman.io/client": "true"}, "matchExpressions": [no_sandbox]}}
+    ]  # fmt: skip
     egress = policies["sandman-sandboxes-egress"]
     assert egress["policyTypes"] == ["Egress"]
     assert {"key": "sandman.io/egress", "operator": "In", "values": ["allow"]} in egress[
         "podSelector"
     ]["matchExpressions"]
-    assert egress["egress"] == [{}]
+    blocks = [p["ipBlock"] for r in egress["egress"] for p in r["to"] if "ipBlock" in p]
+    assert {b["cidr"] for b in blocks} == {"0.0.0.0/0", "::/0"}
+    excepted = {e for b in blocks for e in b["except"]}
+    assert {"169.254.0.0/16", "10.0.0.0/8", "fe80::/10", "fc00::/7"} <= excepted
 
     # The Deployment runs the service as that service account, and its pods
     # are clients of the sandboxes.

@@ -19,6 +19,7 @@ from sandman.providers.kubernetes import pods
 from sandman.providers.kubernetes.api import raise_for_status
 from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.providers.kubernetes.placement import image_affinity
+from sandman.providers.local.oci import CAPABILITIES as LOCAL
 from sandman.settings import KubernetesConfig
 
 CONFIG = KubernetesConfig(server="https://127.0.0.1:6443", namespace="sandman")
@@ -86,7 +87,8 @@ def test_resources_and_placement_come_from_the_spec() -> None:
     assert spec["nodeSelector"] == {"pool": "sandboxes"}
     assert spec["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
     assert spec["affinity"] == {"nodeAffinity": {}}
-    assert spec["containers"][0]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
+    security = spec["containers"][0]["securityContext"]
+    assert (security["runAsUser"], security["runAsGroup"]) == (1000, 2000)
 
 
 def test_config_labels_and_annotations_go_on_every_pod() -> None:
@@ -114,13 +116,84 @@ def test_only_an_egress_sandbox_carries_the_label_the_egress_policy_selects(
     assert "{key: sandman.io/egress, operator: In, values: [allow]}" in policy
 
 
-@pytest.mark.parametrize("where", ["spec", "config"])
-def test_egress_cannot_be_had_by_label(where: str) -> None:
-    reserved = {"sandman.io/egress": "allow"}
-    spec = SandboxSpec(image="x", labels=reserved if where == "spec" else {})
+@pytest.mark.parametrize("key", ["sandman.io/egress", "sandman.io/client", "sandman.io/x"])
+@pytest.mark.parametrize("where", ["spec", "config", "pool"])
+def test_reserved_labels_cannot_be_had_any_way(where: str, key: str) -> None:
+    """Issue 12: a sandbox labelled sandman.io/client=true would pass deploy/'s ingress
+    policy as a client of every other sandbox; sandman.io/egress=allow, its egress one."""
+    reserved = {key: "true"}
+    with pytest.raises(ValidationError, match="reserved"):
+        SandboxSpec(image="x", labels=reserved)
+    spec = SandboxSpec(image="x")
+    if where == "spec":  # as the service adds its tenant label: without validation
+        spec = spec.model_copy(update={"labels": reserved})
     config = CONFIG.model_copy(update={"labels": reserved if where == "config" else {}})
-    with pytest.raises(errors.ConfigError, match="reserved.*network='egress'"):
-        pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+    labels = {**LABELS, **reserved} if where == "pool" else LABELS
+    with pytest.raises(errors.ConfigError, match=f"'{key}'.*reserved.*network='egress'"):
+        pods.pod_manifest(name="sb-1", spec=spec, labels=labels, token="t", config=config)
+
+
+def test_the_owners_of_reserved_labels_may_set_them() -> None:
+    spec = SandboxSpec(image="x", network="egress")
+    spec = spec.model_copy(update={"labels": {"sandman.io/tenant": "a"}})
+    labels = manifest(spec)["metadata"]["labels"]
+    assert labels == {
+        **LABELS, "sandman.io/tenant": "a", "sandman.io/egress": "allow",
+        "app.kubernetes.io/managed-by": "sandman",
+    }  # fmt: skip
+
+
+def test_baseline_security_context_by_default() -> None:
+    """What Pod Security Standards baseline asks, and the capabilities of a local sandbox."""
+    pod = manifest(SandboxSpec(image="x"))["spec"]
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    (main,) = pod["containers"]
+    assert main["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": list(pods.CAPABILITIES)},
+    }
+    # The same set as local sandboxes (Docker's default minus NET_RAW and MKNOD), all of
+    # them in baseline's allowed list.
+    assert {f"CAP_{c}" for c in pods.CAPABILITIES} == set(LOCAL)
+    baseline = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}  # fmt: skip
+    assert set(pods.CAPABILITIES) <= baseline and not {"NET_RAW", "MKNOD"} & set(pods.CAPABILITIES)
+    (init,) = pod["initContainers"]
+    assert init["securityContext"] == {
+        "runAsUser": pods.INSTALLER_UID, "runAsGroup": pods.INSTALLER_UID, "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }  # fmt: skip
+    for forbidden in ("hostNetwork", "hostPID", "hostIPC", "privileged"):
+        assert forbidden not in pod and forbidden not in main["securityContext"]
+
+
+def test_restricted_drops_every_capability_and_runs_as_non_root() -> None:
+    config = CONFIG.model_copy(update={"pod_security": "restricted"})
+    pod = pods.pod_manifest(
+        name="sb-1", spec=SandboxSpec(image="x", user="1000"), labels=LABELS, token="t",
+        config=config,
+    )["spec"]  # fmt: skip
+    assert pod["securityContext"] == {
+        "seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True,
+    }  # fmt: skip
+    assert pod["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsUser": 1000,
+    }  # fmt: skip
+    assert pod["initContainers"][0]["securityContext"]["runAsNonRoot"] is True
+    with pytest.raises(errors.ConfigError, match="non-root"):
+        pods.pod_manifest(
+            name="sb-1", spec=SandboxSpec(image="x", user="0:0"), labels=LABELS, token="t",
+            config=config,
+        )  # fmt: skip
+    with pytest.raises(ValidationError):
+        KubernetesConfig.model_validate({"pod_security": "privileged"})
+
+
+@pytest.mark.parametrize("seccomp", ["unconfined", "/etc/profile.json"])
+def test_a_spec_cannot_loosen_the_seccomp_profile(seccomp: str) -> None:
+    with pytest.raises(errors.ConfigError, match="seccomp='default'"):
+        manifest(SandboxSpec(image="x", seccomp=seccomp))
 
 
 def test_the_image_preference_joins_the_callers_own_affinity() -> None:

@@ -2,8 +2,9 @@
 
 JSON API under ``/v1/`` (its OpenAPI document at ``/v1/openapi.json``),
 Prometheus metrics at ``/metrics``, a live dashboard page at ``/``
-(`sandman.server.dashboard`). Every answer but health, metrics, the
-OpenAPI document and the dashboard page itself (not its data) needs
+(`sandman.server.dashboard`). Every answer but health, metrics (unless
+``ServerSettings.metrics_key`` is set), the OpenAPI document and the dashboard
+page itself (not its data) needs
 ``Authorization: Bearer <API key>``; a key acts for
 one tenant and sees only that tenant's sessions and sandboxes. Errors are
 ``{"error": {"code", "message"}}`` with a stable ``code``
@@ -30,7 +31,7 @@ from sandman.pool.records import State
 from sandman.server import proxy
 from sandman.server.dashboard import Sampler, install_page
 from sandman.server.errors import STATUS, ApiError
-from sandman.server.metrics import CONTENT_TYPE, Metrics
+from sandman.server.metrics import CONTENT_TYPE, Metrics, check_scrape
 from sandman.server.schemas import (
     AcquireRequest,
     DashboardOut,
@@ -82,7 +83,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     """
     settings = settings or ServerSettings()
     service = Service(pool, settings)
-    metrics = Metrics(pool, service.queue_depths)
+    metrics = Metrics(pool, service.queue_depths, tenant_labels=settings.metrics_tenant_labels)
     pool.add_hook(metrics.hook)
     forwarder = proxy.Forwarder(
         max_body=settings.max_proxy_body_bytes, connect_timeout=settings.proxy_connect_timeout
@@ -259,7 +260,8 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
         return out
 
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        check_scrape(request.headers.get("authorization"), settings, service.authenticate)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/dashboard", response_model=DashboardOut, tags=["operations"], responses=_errors())

@@ -7,6 +7,7 @@ services (or tests) in one process do not collide.
 
 from __future__ import annotations
 
+import hmac
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,8 +19,10 @@ from prometheus_client.registry import Collector
 from sandman import errors
 from sandman.pool import Pool, PoolEvent
 from sandman.pool.records import State
+from sandman.server.errors import ApiError
+from sandman.server.settings import ServerSettings
 
-__all__ = ["CONTENT_TYPE", "STATES", "Metrics"]
+__all__ = ["CONTENT_TYPE", "STATES", "Metrics", "check_scrape"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATES: tuple[State, ...] = (
@@ -47,9 +50,12 @@ _PACING = (
 class _PoolCollector(Collector):
     """Gauges read at scrape time: sandboxes per state, sessions, pacing, queue depth."""
 
-    def __init__(self, pool: Pool, queue_depths: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(
+        self, pool: Pool, queue_depths: Callable[[], Mapping[str, int]], tenant_labels: bool
+    ) -> None:
         self._pool = pool
         self._queue_depths = queue_depths
+        self._tenant_labels = tenant_labels
 
     def collect(self) -> Iterator[Metric]:
         stats = self._pool.stats()
@@ -63,11 +69,18 @@ class _PoolCollector(Collector):
         yield _gauge("sandman_sessions", "Open client sessions.", pool, stats.get("sessions", 0))
         for name, documentation, key in _PACING:
             yield _gauge(name, documentation, pool, stats.get(key, math.nan))
+        depths = self._queue_depths()
+        if not self._tenant_labels:
+            yield _gauge(
+                "sandman_queue_depth", "Acquires waiting at the service.", pool,
+                sum(depths.values()),
+            )  # fmt: skip
+            return
         depth = GaugeMetricFamily(
             "sandman_queue_depth", "Acquires waiting at the service, per tenant.",
             labels=["pool", "tenant"],
         )  # fmt: skip
-        for tenant, n in sorted(self._queue_depths().items()):
+        for tenant, n in sorted(depths.items()):
             depth.add_metric([pool, tenant], n)
         yield depth
 
@@ -86,9 +99,18 @@ class Metrics:
     ``sandman_ready_seconds`` (create called -> daemon ready),
     ``sandman_delete_seconds`` (released -> the backend confirmed gone),
     ``sandman_acquire_seconds`` (an acquire at the service, until answered).
+
+    No series names a tenant unless ``tenant_labels`` (then ``sandman_queue_depth``
+    has a ``tenant`` label; `ServerSettings.metrics_tenant_labels`).
     """
 
-    def __init__(self, pool: Pool, queue_depths: Callable[[], Mapping[str, int]] = dict) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        queue_depths: Callable[[], Mapping[str, int]] = dict,
+        *,
+        tenant_labels: bool = False,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pool = pool
         labels = ["pool"]
@@ -116,7 +138,7 @@ class Metrics:
             "sandman_pool_events", "Pool lifecycle events, by name.",
             [*labels, "event"], registry=self.registry,
         )  # fmt: skip
-        self.registry.register(_PoolCollector(pool, queue_depths))
+        self.registry.register(_PoolCollector(pool, queue_depths, tenant_labels))
         self._started: dict[str, float] = {}
         self._released: dict[str, float] = {}
 
@@ -164,3 +186,31 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+def check_scrape(
+    authorization: str | None, settings: ServerSettings, authenticate: Callable[[str | None], str]
+) -> None:
+    """Raise `ApiError` ``unauthorized`` unless this scrape of ``/metrics`` may read them:
+    anyone when ``settings.metrics_key`` is unset, else the bearer of that key or of an
+    admin tenant's API key (``authenticate`` maps a key to its tenant)."""
+    if settings.metrics_key is None:
+        return
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise ApiError(
+            "unauthorized", "metrics need a key: Authorization: Bearer <metrics key>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip
+    if hmac.compare_digest(key.encode(), settings.metrics_key.get_secret_value().encode()):
+        return
+    try:
+        tenant = authenticate(authorization)
+    except ApiError:
+        tenant = None
+    if tenant is None or tenant not in settings.admin_tenants:
+        raise ApiError(
+            "unauthorized", "this key may not read the metrics",
+            headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip

@@ -176,6 +176,12 @@ class Service:
                     f"(limit {limits.max_sandboxes})",
                     headers={"Retry-After": "1"},
                 )
+        if request.spec.seccomp not in self.settings.tenant_seccomp:
+            raise ApiError(
+                "invalid_request",
+                f"seccomp {request.spec.seccomp!r} is not allowed here "
+                f"(allowed: {', '.join(self.settings.tenant_seccomp)})",
+            )
         spec = request.spec.model_copy(
             update={"labels": {**request.spec.labels, LABEL_TENANT: tenant}}
         )

@@ -98,6 +98,10 @@ class ServerSettings(BaseModel):
     """Largest request body of the JSON API (413 beyond). The daemon proxy route
     streams bodies and is bounded by ``max_proxy_body_bytes`` instead."""
     max_proxy_body_bytes: int = Field(default=1 << 30, gt=0)
+    tenant_seccomp: list[str] = Field(default_factory=lambda: ["default"])
+    """The ``SandboxSpec.seccomp`` values tenants may ask for. Only the default
+    filter unless the operator adds ``"unconfined"`` or a profile path: a tenant
+    must neither turn the filter off nor make the service read host files."""
     max_acquire_timeout: float = Field(default=600.0, gt=0)
     """An acquire waits at most this long, whatever the caller asks (and this long
     when it asks for no limit)."""
@@ -114,6 +118,13 @@ class ServerSettings(BaseModel):
     close_pool: bool = True
     """Whether the app's lifespan starts the pool and closes it at shutdown. False when
     the caller owns the pool's lifetime."""
+    metrics_key: SecretStr | None = Field(default=None, min_length=16)
+    """With it, ``/metrics`` answers only ``Authorization: Bearer <metrics_key>`` (Prometheus:
+    ``authorization: {credentials_file: ...}``) or an admin tenant's API key; 401
+    otherwise. None (the default): ``/metrics`` is open, and then names no tenant."""
+    metrics_tenant_labels: bool = False
+    """Per-tenant series (``sandman_queue_depth{tenant=...}``); off, they are summed over
+    tenants. Tenant names are other tenants' business: this needs ``metrics_key``."""
 
     @model_validator(mode="after")
     def _unique_keys(self) -> ServerSettings:
@@ -132,6 +143,13 @@ class ServerSettings(BaseModel):
         unknown = sorted(self.admin_tenants - known)
         if unknown:
             raise ValueError(f"admin tenants without an API key: {', '.join(unknown)}")
+        return self
+
+    @model_validator(mode="after")
+    def _tenant_labels_need_a_key(self) -> ServerSettings:
+        # An open /metrics with tenant labels would list every tenant to anyone who asks.
+        if self.metrics_tenant_labels and self.metrics_key is None:
+            raise ValueError("metrics_tenant_labels names tenants: set metrics_key as well")
         return self
 
     @classmethod

@@ -37,8 +37,14 @@ _TOKEN = random.randrange(256)
 TEST_SUBNET = f"10.231.{_TOKEN}.0/24"
 FAKENET = f"smt-fake{_TOKEN:02x}"
 FAKENET_HOST_IF = f"smf-h{_TOKEN:02x}"
-FAKENET_HOST_IP = f"10.254.{_TOKEN}.1"
-FAKENET_IP = f"10.254.{_TOKEN}.2"
+# The fake internet is public address space (198.18.0.0/15, for benchmarks): private
+# ranges are what egress sandboxes may not reach by default.
+FAKENET_HOST_IP = f"198.18.{_TOKEN}.1"
+FAKENET_IP = f"198.18.{_TOKEN}.2"
+FAKENET_LINK_LOCAL = f"169.254.{_TOKEN}.254"
+"""Also in the fake internet, routed there by `fake_internet`: a metadata service's kind."""
+FAKENET_PRIVATE = f"10.254.{_TOKEN}.2"
+"""Also in the fake internet: an address of the LAN or the cloud's VPC."""
 PORT = 8080
 DEADLINE = 10.0
 
@@ -166,7 +172,7 @@ async def ipv6_addresses(netns: str | None, interface: str) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def fake_internet() -> AsyncIterator[str]:
-    """Our own "internet": netns ``smt-fakenet`` at 10.254.0.2 behind ``smf-h``; yields the uplink.
+    """Our own "internet": netns ``smt-fakeNN`` at 198.18.NN.2 behind ``smf-hNN``; yields the uplink.
 
     It routes the test subnet back to the host, so traffic that were forwarded
     without NAT would be answered: a must-not-reach check cannot pass by accident.
@@ -190,6 +196,15 @@ async def fake_internet() -> AsyncIterator[str]:
                 f"addr add {FAKENET_IP}/30 dev eth0\n"
                 "link set eth0 up\n"
                 f"route add {TEST_SUBNET} via {FAKENET_HOST_IP}\n"
+                f"addr add {FAKENET_LINK_LOCAL}/32 dev lo\n"
+                f"addr add {FAKENET_PRIVATE}/32 dev lo\n"
+            ),
+        )  # fmt: skip
+        await run(
+            "ip", "-batch", "-",
+            stdin=(
+                f"route add {FAKENET_LINK_LOCAL}/32 via {FAKENET_IP}\n"
+                f"route add {FAKENET_PRIVATE}/32 via {FAKENET_IP}\n"
             ),
         )  # fmt: skip
         async with server(FAKENET, "fake-internet"):

@@ -31,6 +31,8 @@ from tests.providers.local.netfixtures import (
     FAKENET_HOST_IF,
     FAKENET_HOST_IP,
     FAKENET_IP,
+    FAKENET_LINK_LOCAL,
+    FAKENET_PRIVATE,
     PORT,
     TEST_SUBNET,
     egress_elements,
@@ -80,6 +82,30 @@ def test_bad_arguments(tmp_path: Path) -> None:
         NetworkManager(state_dir=tmp_path, subnet="not-a-subnet")
     with pytest.raises(errors.ConfigError):
         NetworkManager(state_dir=tmp_path, uplink="smh0123456789")
+    with pytest.raises(errors.ConfigError, match="egress_allow: invalid IPv4 range"):
+        network.EgressPolicy.of(allow=["10.0.0.1/8"])
+    with pytest.raises(errors.ConfigError, match="egress_deny"):
+        network.EgressPolicy.of(deny=["fe80::/10"])
+
+
+def test_egress_policy_in_the_ruleset() -> None:
+    """The default policy is in force for an interface without one; ranges are merged."""
+    default = network.EgressPolicy()
+    assert "169.254.0.0/16" in default.deny and "10.0.0.0/8" in default.deny
+    merged = network.EgressPolicy.of(deny=["10.0.0.0/8", "10.1.0.0/16"], allow=["10.1.2.3/32"])
+    assert merged == network.EgressPolicy(deny=("10.0.0.0/8",), allow=("10.1.2.3/32",))
+    rules = network.ruleset(
+        egress_ifs=["smha", "smhb"], uplinks=["eth0"], policies={"smhb": merged}
+    )  # fmt: skip
+    assert '"smha" . 169.254.0.0/16' in rules and '"smhb" . 169.254.0.0/16' not in rules
+    assert '"smhb" . 10.1.2.3/32' in rules
+    forward = rules[rules.index("chain forward") :]
+    # allow before deny before the general egress accept
+    assert (
+        forward.index("@egress_allow accept")
+        < forward.index("@egress_deny counter drop")
+        < forward.index("oifname @uplink_ifs accept\n")
+    )
 
 
 # -- real networks --------------------------------------------------------------
@@ -91,6 +117,7 @@ class Harness:
     def __init__(self, state_dir: Path, uplink: str = FAKENET_HOST_IF) -> None:
         self.state_dir = state_dir
         self.manager = NetworkManager(state_dir=state_dir, subnet=TEST_SUBNET, uplink=uplink)
+        self.uplink = uplink
         self.ids: list[str] = []
 
     def new_id(self) -> str:
@@ -386,3 +413,78 @@ async def test_refusals_leave_nothing(harness: Harness, state_dir: Path) -> None
     assert await harness.manager.list() == [sandbox_id]
     assert await leftovers([other]) == []
     assert _ip_forward() == forward
+
+
+async def _policy_elements() -> str:
+    out = await run("nft", "list", "set", "inet", network.TABLE, "egress_deny", check=False)
+    return out + await run("nft", "list", "set", "inet", network.TABLE, "egress_allow", check=False)
+
+
+@pytest.mark.anyio
+@needs_root_and_ip
+async def test_egress_excludes_link_local_private_and_the_host(harness: Harness) -> None:
+    """Issue 12: egress reaches the outside, but not a metadata service (link-local), the
+    LAN (private ranges) or the host, unless the operator allows a range."""
+    allowing = Harness(harness.state_dir / "allowing")
+    allowing.manager = NetworkManager(
+        state_dir=allowing.state_dir, subnet=TEST_SUBNET, uplink=FAKENET_HOST_IF,
+        egress=network.EgressPolicy.of(allow=[f"{FAKENET_PRIVATE}/32"]),
+    )  # fmt: skip
+    try:
+        async with fake_internet(), host_service() as host_port:
+            # The controls: each listener answers the host, so a refusal below is the rules'.
+            for address in (FAKENET_IP, FAKENET_LINK_LOCAL, FAKENET_PRIVATE):
+                seen = await probe(None, address)
+                assert seen.reached, (address, seen.text)
+            _, e = await harness.sandbox("egress")
+            _, a = await allowing.sandbox("egress")
+            e_ns, a_ns = _sandbox_ns(e), _sandbox_ns(a)
+            out = await probe(e_ns, FAKENET_IP)
+            assert out.reached, out.text
+            hosts = await host_addresses()
+            await _unreachable(
+                e_ns,
+                [(FAKENET_LINK_LOCAL, PORT), (FAKENET_PRIVATE, PORT)]
+                + [(h, host_port) for h in hosts],
+            )
+            # The operator's exception, for its sandboxes only; link-local stays denied.
+            allowed = await probe(a_ns, FAKENET_PRIVATE)
+            assert allowed.reached, allowed.text
+            assert (await probe(a_ns, FAKENET_IP)).reached
+            await _unreachable(
+                a_ns, [(FAKENET_LINK_LOCAL, PORT)] + [(h, host_port) for h in hosts]
+            )  # fmt: skip
+            # A reload (nft flush ruleset) brings the manager's sandboxes back with their
+            # policies (another manager's stay shut out until it reloads: fail closed).
+            await run("nft", "delete", "table", "inet", network.TABLE)
+            assert not await harness.manager.ensure()
+            await _unreachable(e_ns, [(FAKENET_LINK_LOCAL, PORT), (FAKENET_PRIVATE, PORT)])
+            assert (await probe(e_ns, FAKENET_IP)).reached
+            await _unreachable(a_ns, [(FAKENET_LINK_LOCAL, PORT)])
+            await allowing.manager.teardown(allowing.ids[0])
+            elements = await _policy_elements()
+            assert a.host_interface not in elements and e.host_interface in elements
+    finally:
+        await allowing.manager.reset()
+        left = await leftovers(allowing.ids)
+        if left:
+            await force_clean(allowing.ids)
+        assert not left, left
+
+
+@pytest.mark.anyio
+@needs_root_and_ip
+async def test_a_ruleset_without_policy_sets_is_replaced(harness: Harness) -> None:
+    """Tables an older sandman loaded (no egress_deny): replaced, never used unfiltered."""
+    old = network.ruleset(uplinks=[FAKENET_HOST_IF])
+    old = old.replace(old[old.index("    set egress_deny") : old.index("    chain input")], "")
+    old = "\n".join(line for line in old.splitlines() if "@egress_allow" not in line)
+    old = "\n".join(line for line in old.splitlines() if "@egress_deny" not in line) + "\n"
+    if foreign_sandboxes([]):
+        pytest.skip("another manager's sandboxes use the tables on this host")
+    await run("nft", "-f", "-", stdin=old)
+    async with fake_internet():
+        _, e = await harness.sandbox("egress")
+        assert e.host_interface in await _policy_elements()
+        await _unreachable(_sandbox_ns(e), [(FAKENET_LINK_LOCAL, PORT)])
+        assert (await probe(_sandbox_ns(e), FAKENET_IP)).reached

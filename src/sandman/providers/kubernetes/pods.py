@@ -22,11 +22,13 @@ from sandman.providers.kubernetes.placement import parse_image, with_preference
 from sandman.settings import KubernetesConfig
 
 __all__ = [
+    "CAPABILITIES",
     "CONTAINER",
     "DAEMON_DIR",
     "EGRESS",
     "KWOK_NO_DELAY",
     "MANAGED_BY",
+    "RESERVED_PREFIX",
     "PullRetrying",
     "Started",
     "check_delivery",
@@ -46,6 +48,25 @@ DAEMON_VOLUME = "sandman"
 TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
+RESERVED_PREFIX = "sandman.io/"
+# The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session,
+# expires-at, as `pod_manifest`'s ``labels``), the service (tenant, in the spec) and
+# this module (egress). Anything else under sandman.io/ -- sandman.io/client above all,
+# which deploy/networkpolicy.yaml trusts -- never reaches a sandbox pod.
+_POOL_LABELS = frozenset({"sandman.io/pool", "sandman.io/session", "sandman.io/expires-at"})
+_SPEC_LABELS = frozenset({"sandman.io/tenant"})
+CAPABILITIES = (
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "NET_BIND_SERVICE",
+    "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+)  # fmt: skip
+"""What the task container keeps under ``pod_security="baseline"``: Docker's default set
+minus NET_RAW (raw sockets: spoofing, ARP/ICMP tricks on the pod network) and MKNOD
+(device nodes), the same set local sandboxes get. Enough for a root task image (chown,
+setuid to a build user, bind :80, chroot); every one is allowed by Pod Security
+Standards baseline. ``restricted`` drops them all."""
+INSTALLER_UID = 65532
+"""The init container that copies the daemon runs as this uid (nobody's; it only writes
+a 0555 file into the emptyDir, which is world-writable)."""
 EGRESS = ("sandman.io/egress", "allow")
 """On pods whose spec asks for ``network="egress"``: deploy/networkpolicy.yaml's second
 policy selects it. No other pod carries the key."""
@@ -136,19 +157,64 @@ def _resources(spec: SandboxSpec) -> dict[str, Any]:
     return {"limits": limits, "requests": requests}
 
 
-def _security(spec: SandboxSpec) -> dict[str, Any]:
-    if spec.user is None:
-        return {}
-    match = _USER.match(spec.user)
-    if match is None:
-        # Kubernetes runs as numeric ids only; names would need the image's /etc/passwd.
+def _security(spec: SandboxSpec, level: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod's and the task container's securityContext (`KubernetesConfig.pod_security`)."""
+    if spec.seccomp != "default":
+        # The tenant writes the spec: it must not loosen what the operator chose, and a
+        # host path means nothing to a node.
         raise errors.ConfigError(
-            f"user {spec.user!r}: the kubernetes provider needs a numeric uid or uid:gid"
+            f"seccomp {spec.seccomp!r}: the kubernetes provider runs every pod under the "
+            "runtime's default profile (seccomp='default')"
         )
-    context: dict[str, Any] = {"runAsUser": int(match[1])}
-    if match[2] is not None:
-        context["runAsGroup"] = int(match[2])
-    return {"securityContext": context}
+    pod: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    container: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": list(CAPABILITIES)},
+    }
+    uid = None
+    if spec.user is not None:
+        match = _USER.match(spec.user)
+        if match is None:
+            # Kubernetes runs as numeric ids only; names would need the image's /etc/passwd.
+            raise errors.ConfigError(
+                f"user {spec.user!r}: the kubernetes provider needs a numeric uid or uid:gid"
+            )
+        uid = int(match[1])
+        container["runAsUser"] = uid
+        if match[2] is not None:
+            container["runAsGroup"] = int(match[2])
+    if level == "restricted":
+        if uid == 0:
+            raise errors.ConfigError(
+                "user '0': pod_security='restricted' runs sandboxes as non-root only"
+            )
+        pod["runAsNonRoot"] = True
+        container["capabilities"] = {"drop": ["ALL"]}
+    return pod, container
+
+
+def _installer_security() -> dict[str, Any]:
+    """The init container's: restricted whatever the level; it only copies a file."""
+    return {
+        "runAsUser": INSTALLER_UID, "runAsGroup": INSTALLER_UID, "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }  # fmt: skip
+
+
+def _check_reserved(config: KubernetesConfig, spec: SandboxSpec, labels: Mapping[str, str]) -> None:
+    """ConfigError for a label under sandman.io/ from anywhere but its owner."""
+    for source, given, allowed in (
+        ("KubernetesConfig.labels", config.labels, frozenset[str]()),
+        ("the spec's labels", spec.labels, _SPEC_LABELS),
+        ("the pool's labels", labels, _POOL_LABELS),
+    ):
+        reserved = sorted(k for k in given if k.startswith(RESERVED_PREFIX) and k not in allowed)
+        if reserved:
+            raise errors.ConfigError(
+                f"label {reserved[0]!r} in {source}: labels under {RESERVED_PREFIX} are "
+                "reserved for Sandman (network='egress' asks for egress)"
+            )
 
 
 def pod_manifest(
@@ -167,6 +233,10 @@ def pod_manifest(
     ``preferred`` is a preferred node-affinity term (`placement.image_affinity`),
     added to the spec's own affinity, which stays as it is.
 
+    Security: `KubernetesConfig.pod_security` (seccomp RuntimeDefault, no privilege
+    escalation, `CAPABILITIES` or none); the init container runs as `INSTALLER_UID`
+    with nothing. Labels under ``sandman.io/`` come only from their owners.
+
     The token is in the main container's environment: the daemon reads and
     unsets it before it starts anything, so no command in the sandbox sees
     it. The provider's Role has no access to Secrets (least privilege), and
@@ -177,18 +247,17 @@ def pod_manifest(
         raise errors.ConfigError(
             f"invalid sandbox id {name!r}: lowercase letters, digits and '-', at most 63"
         )
+    # SandboxSpec refuses sandman.io/ labels already; a spec built without validation
+    # (model_copy, model_construct) or the operator's config must not add one either.
+    _check_reserved(config, spec, labels)
     all_labels = {**config.labels, **spec.labels, **labels, MANAGED_BY[0]: MANAGED_BY[1]}
-    if EGRESS[0] in all_labels:
-        # Egress is the spec's network mode, not a label anyone can add to a sandbox.
-        raise errors.ConfigError(
-            f"label {EGRESS[0]!r} is reserved: ask for egress with network='egress'"
-        )
     if spec.network == "egress":
         all_labels[EGRESS[0]] = EGRESS[1]
     validate_labels(all_labels)
     annotations = dict(config.annotations)
     if EXPIRES in all_labels:
         annotations[EXPIRES] = all_labels[EXPIRES]
+    pod_security, container_security = _security(spec, config.pod_security)
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != TOKEN_ENV]
     env.append({"name": TOKEN_ENV, "value": token})
     mount = {"name": DAEMON_VOLUME, "mountPath": DAEMON_DIR}
@@ -204,7 +273,7 @@ def pod_manifest(
         "resources": _resources(spec),
         "volumeMounts": [{**mount, "readOnly": True}],
         "ports": [{"name": "sandmand", "containerPort": config.daemon_port}],
-        **_security(spec),
+        "securityContext": container_security,
     }
     if spec.workdir:
         main["workingDir"] = spec.workdir
@@ -213,6 +282,7 @@ def pod_manifest(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": config.termination_grace,
+        "securityContext": pod_security,
     }
     if config.daemon_delivery == "image-volume":
         # The volume is the image's root filesystem, whose /sandmand is then
@@ -229,6 +299,7 @@ def pod_manifest(
             "imagePullPolicy": config.image_pull_policy,
             "command": ["/sandmand", "install", f"{DAEMON_DIR}/sandmand"],
             "volumeMounts": [mount],
+            "securityContext": _installer_security(),
             "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
                           "limits": {"cpu": "500m", "memory": "64Mi"}},
         }  # fmt: skip

@@ -140,6 +140,14 @@ def pull_pod(
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": [NEVER_RUNS],
+                # Never runs, so the strictest context fits any namespace's level.
+                "securityContext": {
+                    "runAsUser": 65532,
+                    "runAsNonRoot": True,
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
                 "resources": {
                     "requests": {"cpu": "1m", "memory": "4Mi"},
                     "limits": {"cpu": "10m", "memory": "16Mi"},

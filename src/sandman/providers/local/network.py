@@ -13,12 +13,22 @@ One nftables ruleset serves every sandbox (``smh*`` matches them all):
   host. Without it the weak host model exposes every host service bound to
   0.0.0.0, through any host address, including the sandbox's own gateway.
 - ``forward``: sandbox to sandbox is dropped; sandboxes in the ``egress_ifs``
-  set may go out through an uplink in ``uplink_ifs``; nothing else.
+  set may go out through an uplink in ``uplink_ifs``, except to the ranges of
+  their `EgressPolicy` (``egress_deny``, keyed by interface and address, less
+  ``egress_allow``); nothing else.
 - ``sandman_nat``: what leaves through an uplink is masqueraded.
 
 ``isolated``: reachable from the host only. ``egress``: also NAT to the
 outside, which needs ``ip_forward`` (host-wide; switched on only once the
 forward rules are loaded, and restored by :meth:`NetworkManager.reset`).
+The outside excludes, unless the operator allows them: link-local addresses
+(169.254.0.0/16: cloud metadata services answer there with the machine's
+credentials), private ranges (the LAN, the cloud's VPC, other clusters) and
+the rest of `DEFAULT_EGRESS_DENY`. The host's own addresses and other
+sandboxes are never reachable (``input``, and ``forward`` above), whatever
+the policy says. A sandbox's policy is recorded with its allocation and goes
+into the sets in the same transaction as its ``egress_ifs`` element, before
+it: there is no moment when it may go out unfiltered.
 
 Allocations live in ``<state_dir>/network/alloc.json`` under an ``flock``,
 so several processes and a restarted one agree on them. An allocation is
@@ -46,8 +56,8 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,7 +66,9 @@ import anyio
 from sandman import errors
 
 __all__ = [
+    "DEFAULT_EGRESS_DENY",
     "HOST_PREFIX",
+    "EgressPolicy",
     "NetworkAttachment",
     "NetworkManager",
     "NetworkMode",
@@ -82,6 +94,46 @@ COMMAND_TIMEOUT = 10.0
 VETH_WAIT = 1.0
 _STATE_VERSION = 1
 _IFNAMSIZ = 15
+
+
+DEFAULT_EGRESS_DENY: tuple[str, ...] = (
+    "0.0.0.0/8",  # "this network"
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",  # private (RFC 1918)
+    "100.64.0.0/10",  # shared address space: carrier NAT, some clusters' pods
+    "127.0.0.0/8",
+    "169.254.0.0/16",  # link-local: cloud metadata (169.254.169.254), its credentials
+    "224.0.0.0/4", "240.0.0.0/4",  # multicast, reserved and broadcast
+)  # fmt: skip
+"""What ``egress`` sandboxes may not reach unless allowed (`LocalConfig.egress_deny`)."""
+
+
+def _networks(ranges: Iterable[str | ipaddress.IPv4Network], what: str) -> tuple[str, ...]:
+    """Validated, merged CIDR ranges (nftables refuses overlapping intervals)."""
+    parsed = []
+    for item in ranges:
+        try:
+            parsed.append(ipaddress.IPv4Network(item))
+        except ValueError as exc:
+            raise errors.ConfigError(f"{what}: invalid IPv4 range {item!r}: {exc}") from None
+    return tuple(str(n) for n in ipaddress.collapse_addresses(parsed))
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """Where an ``egress`` sandbox may not go (``deny``), and the exceptions (``allow``,
+    checked first). CIDR strings; merged and validated by `EgressPolicy.of`."""
+
+    deny: tuple[str, ...] = field(default_factory=lambda: _networks(DEFAULT_EGRESS_DENY, "deny"))
+    allow: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        deny: Iterable[str | ipaddress.IPv4Network] = DEFAULT_EGRESS_DENY,
+        allow: Iterable[str | ipaddress.IPv4Network] = (),
+    ) -> EgressPolicy:
+        """ConfigError on a range that is not IPv4 CIDR."""
+        return cls(deny=_networks(deny, "egress_deny"), allow=_networks(allow, "egress_allow"))
 
 
 @dataclass(frozen=True)
@@ -126,13 +178,36 @@ def _ifnames(items: Iterable[str]) -> str:
     return ", ".join(json.dumps(item) for item in sorted(items))
 
 
-def ruleset(*, egress_ifs: Iterable[str] = (), uplinks: Iterable[str] = ()) -> str:
-    """The whole nftables ruleset (both tables), replacing any previous one atomically."""
+def _policy_elements(host_if: str, ranges: Sequence[str]) -> list[str]:
+    return [f"{json.dumps(host_if)} . {cidr}" for cidr in ranges]
+
+
+def _elements(items: Sequence[str]) -> str:
+    return f" elements = {{ {', '.join(items)} }};" if items else ""
+
+
+def ruleset(
+    *,
+    egress_ifs: Iterable[str] = (),
+    uplinks: Iterable[str] = (),
+    policies: Mapping[str, EgressPolicy] | None = None,
+) -> str:
+    """The whole nftables ruleset (both tables), replacing any previous one atomically.
+
+    ``policies`` maps an egress interface to its policy; one not in it gets the default.
+    """
     wild = json.dumps(HOST_PREFIX + "*")
+    egress_ifs = sorted(egress_ifs)
     egress = _ifnames(egress_ifs)
     up = _ifnames(uplinks)
     egress_elements = f" elements = {{ {egress} }};" if egress else ""
     uplink_elements = f" elements = {{ {up} }};" if up else ""
+    deny: list[str] = []
+    allow: list[str] = []
+    for host_if in egress_ifs:
+        policy = (policies or {}).get(host_if) or EgressPolicy()
+        deny += _policy_elements(host_if, policy.deny)
+        allow += _policy_elements(host_if, policy.allow)
     return f"""\
 add table inet {TABLE}
 delete table inet {TABLE}
@@ -141,6 +216,8 @@ delete table ip {NAT_TABLE}
 table inet {TABLE} {{
     set egress_ifs {{ type ifname;{egress_elements} }}
     set uplink_ifs {{ type ifname;{uplink_elements} }}
+    set egress_deny {{ type ifname . ipv4_addr; flags interval;{_elements(deny)} }}
+    set egress_allow {{ type ifname . ipv4_addr; flags interval;{_elements(allow)} }}
     chain input {{
         type filter hook input priority filter; policy accept;
         iifname {wild} ct state established,related accept
@@ -150,6 +227,8 @@ table inet {TABLE} {{
         type filter hook forward priority filter; policy accept;
         iifname {wild} oifname {wild} counter drop
         oifname {wild} ct state established,related accept
+        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs iifname . ip daddr @egress_allow accept
+        meta nfproto ipv4 iifname . ip daddr @egress_deny counter drop
         meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs accept
         iifname {wild} counter drop
         oifname {wild} counter drop
@@ -300,18 +379,45 @@ async def _sandbox_links() -> builtins.list[str]:
 _OUR_TABLES = {f"table inet {TABLE}", f"table ip {NAT_TABLE}"}
 
 
+_POLICY_SETS = {"egress_deny", "egress_allow"}
+
+
+async def _loaded_sets() -> dict[str, set[str]]:
+    """Our tables that are loaded (as ``table <family> <name>``), each with its sets' names.
+
+    Both tables always hold sets, so ``list sets`` sees them (terse: no elements)."""
+    _, out = await _run("nft", "-t", "list", "sets")
+    found: dict[str, set[str]] = {}
+    table: str | None = None
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("table ") and len(words) >= 3:
+            table = " ".join(words[:3])
+            if table in _OUR_TABLES:
+                found.setdefault(table, set())
+        elif table in found and words[:1] == ["set"] and len(words) >= 2:
+            found[table].add(words[1])
+    return found
+
+
 async def _our_tables() -> set[str]:
     """Which of our two tables are loaded (as ``table <family> <name>``)."""
-    _, out = await _run("nft", "list", "tables")
-    return {line.strip() for line in out.splitlines()} & _OUR_TABLES
+    return set(await _loaded_sets())
 
 
 class NetworkManager:
     """Creates and removes the network of each sandbox (see the module docstring)."""
 
     def __init__(
-        self, *, state_dir: Path, subnet: str = "10.200.0.0/16", uplink: str | None = None
+        self,
+        *,
+        state_dir: Path,
+        subnet: str = "10.200.0.0/16",
+        uplink: str | None = None,
+        egress: EgressPolicy | None = None,
     ) -> None:
+        """``egress``: what ``egress`` sandboxes set up from now on may not reach
+        (default: `DEFAULT_EGRESS_DENY`, nothing allowed)."""
         try:
             network = ipaddress.IPv4Network(subnet)
         except ValueError as exc:
@@ -322,6 +428,7 @@ class NetworkManager:
             raise errors.ConfigError(f"invalid uplink interface {uplink!r}")
         self.subnet = network
         self.uplink = uplink
+        self.egress = egress or EgressPolicy()
         self._store = _Store(state_dir / "network", str(network))
         self._mutex = asyncio.Lock()
 
@@ -424,6 +531,9 @@ class NetworkManager:
         attachments[sandbox_id] = {
             "index": index, "mode": mode, "netns": netns, "host_interface": host_if,
         }  # fmt: skip
+        if mode == "egress":
+            attachments[sandbox_id]["egress_deny"] = list(self.egress.deny)
+            attachments[sandbox_id]["egress_allow"] = list(self.egress.allow)
         return NetworkAttachment(
             netns_path=str(NETNS_DIR / netns),
             sandbox_ip=sandbox_ip,
@@ -442,11 +552,14 @@ class NetworkManager:
         # A freshly loaded ruleset already holds this sandbox and its uplink.
         loaded = await self._ensure_rules(state)
         if loaded and egress_if is not None and uplink is not None:
+            # One transaction, the policy before the interface: never out unfiltered.
+            policy = _policy_sets(egress_if, self.egress, "add")
             await _run(
                 "nft", "-f", "-",
                 stdin=(
                     f"add element inet {TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
                     f"add element ip {NAT_TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
+                    f"{policy}"
                     f"add element inet {TABLE} egress_ifs {{ {json.dumps(egress_if)} }}\n"
                 ),
             )  # fmt: skip
@@ -460,14 +573,23 @@ class NetworkManager:
     async def _ensure_rules(self, state: dict[str, Any]) -> bool:
         """Load the ruleset, with the sets as the state says, unless both tables are there.
         True if they were. Runs under the lock."""
-        if await _our_tables() == _OUR_TABLES:
-            return True
-        egress = [
-            entry["host_interface"]
+        loaded = await _loaded_sets()
+        if set(loaded) == _OUR_TABLES:
+            if loaded[f"table inet {TABLE}"] >= _POLICY_SETS:
+                return True
+            # Loaded by a sandman from before egress policies: replaced, or a policy
+            # could not be added. Egress sandboxes of other managers (state dirs) lose
+            # egress then: fail closed.
+            logger.warning("the sandman nftables tables had no egress policy sets: replaced")
+        policies = {
+            entry["host_interface"]: _recorded_policy(entry)
             for entry in state["attachments"].values()
             if entry["mode"] == "egress"
-        ]
-        await _run("nft", "-f", "-", stdin=ruleset(egress_ifs=egress, uplinks=state["uplinks"]))
+        }
+        await _run(
+            "nft", "-f", "-",
+            stdin=ruleset(egress_ifs=policies, uplinks=state["uplinks"], policies=policies),
+        )  # fmt: skip
         return False
 
     async def ensure(self) -> bool:
@@ -496,6 +618,12 @@ class NetworkManager:
             removals.append(
                 _run("nft", "delete", "element", "inet", TABLE, "egress_ifs", element, check=False)
             )
+            # Apart: a set that lacks the elements (reloaded meanwhile) fails alone.
+            policy = _recorded_policy(entry)
+            for which in ("deny", "allow"):
+                batch = _policy_sets(host_if, policy, "delete", only=which)
+                if batch:
+                    removals.append(_run("nft", "-f", "-", stdin=batch, check=False))
         await asyncio.gather(*removals)
         async with self._locked() as state:
             state["attachments"].pop(sandbox_id, None)
@@ -566,6 +694,28 @@ class NetworkManager:
             original = await anyio.to_thread.run_sync(_take_ip_forward)
             if original is not None:
                 await anyio.Path(IP_FORWARD).write_text(f"{original}\n")
+
+
+def _recorded_policy(entry: Mapping[str, Any]) -> EgressPolicy:
+    """The policy an egress allocation was made with (the default for one recorded before
+    policies were: fail closed)."""
+    if "egress_deny" not in entry:
+        return EgressPolicy()
+    return EgressPolicy(
+        deny=tuple(entry["egress_deny"]), allow=tuple(entry.get("egress_allow", ()))
+    )
+
+
+def _policy_sets(
+    host_if: str, policy: EgressPolicy, verb: Literal["add", "delete"], only: str | None = None
+) -> str:
+    """nft commands that add (or delete) the elements of ``host_if``'s policy."""
+    lines = []
+    for which, ranges in (("deny", policy.deny), ("allow", policy.allow)):
+        if ranges and only in (None, which):
+            items = ", ".join(_policy_elements(host_if, ranges))
+            lines.append(f"{verb} element inet {TABLE} egress_{which} {{ {items} }}\n")
+    return "".join(lines)
 
 
 def _record_ip_forward(value: str) -> None:

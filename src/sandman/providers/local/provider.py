@@ -40,7 +40,7 @@ from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.host import prepare_cgroups
-from sandman.providers.local.network import NetworkManager
+from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.settings import LocalConfig
 
@@ -98,8 +98,12 @@ class LocalProvider:
         )  # fmt: skip
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
         self.network = NetworkManager(
-            state_dir=state, subnet=self.config.subnet, uplink=self.config.uplink
-        )
+            state_dir=state, subnet=self.config.subnet, uplink=self.config.uplink,
+            egress=EgressPolicy.of(
+                DEFAULT_EGRESS_DENY if self.config.egress_deny is None else self.config.egress_deny,
+                self.config.egress_allow,
+            ),
+        )  # fmt: skip
         self.disk = DiskPool(state)
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
