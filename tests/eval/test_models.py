@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -227,9 +228,7 @@ def test_swe_bench_rows_load_unchanged(tmp_path: Path) -> None:
 def test_parquet_needs_pyarrow_or_says_so(tmp_path: Path) -> None:
     path = tmp_path / "test-00000-of-00001.parquet"
     path.write_bytes(b"PAR1")
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("pyarrow") is None:
         with pytest.raises(sandman.ConfigError, match="reading parquet needs pyarrow"):
             load_instances(path)
     else:
