@@ -50,6 +50,8 @@ _WORDS = ("FAILED", "PASSED", "SKIPPED", "ERROR", "XFAIL")
 _STATUSES: frozenset[str] = frozenset(_WORDS)
 _SKIP_COUNT = re.compile(r"^\[\d+\]$")  # "SKIPPED [2] file.py:12: why": [2] is no test
 _SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+$")
+_SESSION_START = re.compile(r"^=+ test session starts =+$")
+_SECTION = re.compile(r"^=+ .* =+$")
 # pytest's last line: "== 1 failed, 2 passed in 0.07s ==", older "in 0.07 seconds".
 _RUN_END = re.compile(r"^=+ .*\bin [\d.]+ ?s(?:econds)?\b.* =+$")
 _OPTION = re.compile(r"(.*?)\[(.*)\]")
@@ -147,27 +149,41 @@ def _rule_seaborn(lines: Iterable[str]) -> dict[str, TestStatus]:
     return results
 
 
-def _pytest_section(lines: list[str], clean: Callable[[str], str] = str) -> list[str]:
+def _pytest_section(
+    lines: list[str], clean: Callable[[str], str] = str, progress: bool = False
+) -> list[str]:
     """pytest's first short test summary, up to the run's last line.
 
     Without one (no ``-rA``, or pytest never got that far), every line up to
-    the run's last line: ``-v`` result lines for the parsers that read them.
+    the run's last line. With ``progress``, the ``-v`` result lines before the
+    first section (``== FAILURES ==``...) come first: old pytest's summary
+    names no skipped test (``SKIP [1] file:12: why``), its ``-v`` line does.
     """
-    start = next((i for i, line in enumerate(lines) if _SUMMARY_HEADER.match(clean(line))), -1)
+    cleaned = [clean(line) for line in lines]
+    start = next((i for i, line in enumerate(cleaned) if _SUMMARY_HEADER.match(line)), -1)
     section = []
-    for line in lines[start + 1 :]:
-        if _RUN_END.match(clean(line)):
+    if progress and start >= 0:
+        begun = next((i for i, line in enumerate(cleaned) if _SESSION_START.match(line)), None)
+        if begun is not None:
+            for line, plain in zip(
+                lines[begun + 1 : start], cleaned[begun + 1 : start], strict=True
+            ):
+                if _SECTION.match(plain):
+                    break
+                section.append(line)
+    for line, plain in zip(lines[start + 1 :], cleaned[start + 1 :], strict=True):
+        if _RUN_END.match(plain):
             break
         section.append(line)
     return section
 
 
 def _pytest_parser(
-    rule: Rule, clean: Callable[[str], str] = str
+    rule: Rule, clean: Callable[[str], str] = str, progress: bool = False
 ) -> Callable[[str, bool], dict[str, TestStatus]]:
     def parse(log: str, strict: bool = True) -> dict[str, TestStatus]:
         lines = log.split("\n")
-        return rule(_pytest_section(lines, clean) if strict else lines)
+        return rule(_pytest_section(lines, clean, progress) if strict else lines)
 
     return parse
 
@@ -175,7 +191,7 @@ def _pytest_parser(
 parse_pytest = _pytest_parser(_rule_pytest)
 parse_pytest.__doc__ = "Results from pytest ``-rA`` as ``parse_log_pytest`` names them."
 parse_pytest_options = _pytest_parser(_rule_pytest_options)
-parse_pytest_v2 = _pytest_parser(_rule_pytest_v2, _clean_v2)
+parse_pytest_v2 = _pytest_parser(_rule_pytest_v2, _clean_v2, progress=True)
 parse_matplotlib = _pytest_parser(_rule_matplotlib)
 parse_seaborn = _pytest_parser(_rule_seaborn)
 
