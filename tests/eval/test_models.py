@@ -155,6 +155,18 @@ def test_grading_needs_results_and_an_exit_code_that_agrees() -> None:
     assert grade_tests(graded, {"new": "PASSED", "other": "FAILED"}, exit_code=1)[0] == "resolved"
 
 
+def test_unittest_names_hold_under_python_3_11() -> None:
+    graded = instance(FAIL_TO_PASS=["test_x (app.tests.T)"], PASS_TO_PASS=["test_y (app.tests.T)"])
+    results: dict[str, TestStatus] = {
+        "test_x (app.tests.T.test_x)": "PASSED",
+        "test_y (app.tests.T.test_y)": "FAILED",
+    }
+    assert grade_tests(graded, results)[2:] == (
+        {"test_x (app.tests.T)": "PASSED"},
+        {"test_y (app.tests.T)": "FAILED"},
+    )
+
+
 def test_truncated_parametrized_ids_match_by_prefix() -> None:
     graded = instance(FAIL_TO_PASS=["t.py::test_x[log(photon"], PASS_TO_PASS=["t.py::test_y[a"])
     results: dict[str, TestStatus] = {

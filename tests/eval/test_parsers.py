@@ -160,6 +160,7 @@ def test_django_runner() -> None:
     assert parse_log("django", DJANGO_LOG) == {
         "test_exists (queries.tests.ExistsTests)": "PASSED",
         "Subquery table names should be quoted.": "FAILED",
+        "test_ticket_24605 (queries.tests.Ticket23605Tests)": "FAILED",
         "test_ticket_24605": "FAILED",
         "test_slow (queries.tests.SlowTests)": "SKIPPED",
     }

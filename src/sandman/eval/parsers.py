@@ -209,6 +209,7 @@ _DJANGO_INTERRUPTED = tuple(
     )
 )
 _UNITTEST_END = re.compile(r"^(=|-){70}$|^Ran \d+ tests? in ")
+_BARE_HEAD = re.compile(r"^\w+ \([\w.]+\)$")
 _DJANGO_REPORT_HEAD = re.compile(r"^(FAIL|ERROR): ((\S+)(?: \(\S+\))?)")
 _DJANGO_7188 = "Applying sites.0002_alter_domain_unique...test_no_migrations"
 
@@ -218,8 +219,13 @@ def _rule_django(lines: list[str], strict: bool) -> dict[str, TestStatus]:
     results: dict[str, TestStatus] = {}
     previous: str | None = None
     pending = False
+    head: str | None = None  # "test_x (app.tests.Case)" alone: a docstring line follows
+    described: dict[str, str] = {}  # docstring line -> the test's own name
     for raw in lines:
         line = raw.strip()
+        if strict and " ... " in line and head is not None:
+            described[line.split(" ... ")[0]] = head
+        head = line if strict and _BARE_HEAD.match(line) else None
         if "--version is equivalent to version" in line:
             results["--version is equivalent to version"] = "PASSED"
         if " ... " in line:
@@ -248,6 +254,11 @@ def _rule_django(lines: list[str], strict: bool) -> dict[str, TestStatus]:
         if line.startswith("ok") and previous is not None and (pending or not strict):
             results[previous] = "PASSED"
             pending = False
+    # Strict only: a test with a docstring also under its own name (SWE-bench's lists
+    # use the docstring; an instance of ours may use the name).
+    for description, name in described.items():
+        if description in results:
+            results.setdefault(name, results[description])
     return results
 
 
@@ -256,7 +267,9 @@ def parse_django(log: str, strict: bool = True) -> dict[str, TestStatus]:
 
     The name is what precedes `` ... `` on the result line: ``test_x (app.tests.Class)``,
     or a docstring's first line. Strict: the per-test lines up to the first failure
-    report; then only the report's ``FAIL:``/``ERROR:`` headers, which overrule.
+    report; then only the report's ``FAIL:``/``ERROR:`` headers, which overrule; and a
+    test with a docstring is found under its own name too (an extra key, never a
+    different status).
     """
     lines = log.split("\n")
     if not strict:
