@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from sandman.eval import (
     run_batch,
 )
 from sandman.eval.harness import git_paths, is_protected
+from sandman.eval.parsers import TestStatus
 from sandman.eval.verdict import grade_tests
 from sandman.pool import Pool, PoolConfig
 from sandman.testing import FakeProvider, Faults
@@ -120,22 +122,130 @@ def test_conditions_parse_quantities_and_refuse_nonsense() -> None:
 
 
 def test_resolved_needs_every_listed_test_to_pass() -> None:
-    graded = instance(PASS_TO_PASS=["old", "known"], FAIL_TO_PASS=["new"])
+    graded = instance(PASS_TO_PASS=["old", "known", "slow"], FAIL_TO_PASS=["new"])
     status, reason, f2p, p2p = grade_tests(
-        graded, {"new": "PASSED", "old": "PASSED", "known": "XFAIL", "extra": "FAILED"}
+        graded,
+        {"new": "PASSED", "old": "PASSED", "known": "XFAIL", "slow": "SKIPPED", "extra": "FAILED"},
     )
+    # A skipped PASS_TO_PASS test is no regression (as in the official grading).
     assert (status, f2p, p2p) == (
         "resolved",
         {"new": "PASSED"},
-        {"old": "PASSED", "known": "XFAIL"},
+        {"old": "PASSED", "known": "XFAIL", "slow": "SKIPPED"},
     )
-    status, reason, f2p, _ = grade_tests(graded, {"old": "PASSED", "known": "SKIPPED"})
+    status, reason, f2p, _ = grade_tests(graded, {"old": "PASSED", "known": "ERROR"})
     assert status == "unresolved"
     assert f2p == {"new": "MISSING"}
     assert reason == (
         "FAIL_TO_PASS 1 of 1 not passing (new: MISSING). "
-        "PASS_TO_PASS 1 of 2 not passing (known: SKIPPED)"
+        "PASS_TO_PASS 2 of 3 not passing (known: ERROR; slow: MISSING)"
     )
+    # A skipped FAIL_TO_PASS test is not a fix.
+    assert grade_tests(graded, {"new": "SKIPPED", "old": "PASSED"})[0] == "unresolved"
+
+
+def test_grading_needs_results_and_an_exit_code_that_agrees() -> None:
+    graded = instance(PASS_TO_PASS=[], FAIL_TO_PASS=["new"])
+    assert grade_tests(graded, {})[:2] == ("unresolved", "no test results in the log")
+    assert grade_tests(graded, {"new": "PASSED"}, exit_code=0)[0] == "resolved"
+    assert grade_tests(graded, {"new": "PASSED"}, exit_code=1)[:2] == (
+        "unresolved",
+        "the test command exited 1 but its log reports no failure",
+    )
+    assert grade_tests(graded, {"new": "PASSED", "other": "FAILED"}, exit_code=1)[0] == "resolved"
+
+
+def test_unittest_names_hold_under_python_3_11() -> None:
+    graded = instance(FAIL_TO_PASS=["test_x (app.tests.T)"], PASS_TO_PASS=["test_y (app.tests.T)"])
+    results: dict[str, TestStatus] = {
+        "test_x (app.tests.T.test_x)": "PASSED",
+        "test_y (app.tests.T.test_y)": "FAILED",
+    }
+    assert grade_tests(graded, results)[2:] == (
+        {"test_x (app.tests.T)": "PASSED"},
+        {"test_y (app.tests.T)": "FAILED"},
+    )
+
+
+def test_truncated_parametrized_ids_match_by_prefix() -> None:
+    graded = instance(FAIL_TO_PASS=["t.py::test_x[log(photon"], PASS_TO_PASS=["t.py::test_y[a"])
+    results: dict[str, TestStatus] = {
+        "t.py::test_x[log(photon cm)]": "PASSED",
+        "t.py::test_x[log(photon s)]": "PASSED",
+        "t.py::test_y[a]": "PASSED",
+        "t.py::test_y[ab]": "FAILED",
+    }
+    status, _, f2p, p2p = grade_tests(graded, results)
+    # test_y[a is ambiguous (one match passes, one fails): not found.
+    assert (status, f2p, p2p) == (
+        "unresolved",
+        {"t.py::test_x[log(photon": "PASSED"},
+        {"t.py::test_y[a": "MISSING"},
+    )
+
+
+SWEBENCH_ROW = {
+    "repo": "django/django",
+    "instance_id": "django__django-11099",
+    "base_commit": "d26b2424437dabeeca94d7900b37d2df4410da0c",
+    "patch": "diff --git a/django/contrib/auth/validators.py ...",
+    "test_patch": "diff --git a/tests/auth_tests/test_validators.py "
+    "b/tests/auth_tests/test_validators.py\n--- a/tests/auth_tests/test_validators.py\n"
+    "diff --git a/tests/auth_tests/fixtures/x.json b/tests/auth_tests/fixtures/x.json\n",
+    "problem_statement": "UsernameValidator allows trailing newline in usernames",
+    "hints_text": "",
+    "created_at": "2019-03-20T03:46:18Z",
+    "version": "3.0",
+    "FAIL_TO_PASS": '["test_ascii_validator (auth_tests.test_validators.UsernameValidatorsTests)"]',
+    "PASS_TO_PASS": '["test_help_text (auth_tests.test_validators.MinimumLengthValidatorTest)"]',
+    "environment_setup_commit": "419a78300f7cd27611196e1e464d50fd0385ff27",
+}
+
+
+def test_swe_bench_rows_load_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "verified.json"
+    path.write_text(json.dumps([SWEBENCH_ROW]))
+    (row,) = load_instances(path)
+    assert row.image == "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
+    assert row.repo_path == "/testbed"
+    assert row.test_cmd == "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
+    assert row.directives == ["auth_tests.test_validators"]  # dotted, data files left out
+    assert row.log_parser == "django"
+    assert row.pre_test[:2] == [". /opt/miniconda3/bin/activate", "conda activate testbed"]
+    assert row.pre_test[-1] == "python -m pip install -e ."
+    assert "export LANG=en_US.UTF-8" in row.pre_test
+    assert row.FAIL_TO_PASS == [
+        "test_ascii_validator (auth_tests.test_validators.UsernameValidatorsTests)"
+    ]
+
+    sympy = Instance.model_validate(
+        {**SWEBENCH_ROW, "repo": "sympy/sympy", "version": "1.1", "instance_id": "sympy__sympy-1",
+         "test_patch": "diff --git a/sympy/core/tests/test_x.py b/sympy/core/tests/test_x.py\n"}
+    )  # fmt: skip
+    assert sympy.test_cmd.endswith("bin/test -C --verbose")
+    assert sympy.directives == ["sympy/core/tests/test_x.py"]
+    assert sympy.log_parser == "sympy"
+    # SWE-bench 5's rows name their parser; an explicit field wins.
+    assert Instance.model_validate(
+        {**SWEBENCH_ROW, "log_parser": "parse_log_astropy", "image": "mine:1", "test_cmd": "x"}
+    ).model_dump(include={"log_parser", "image", "test_cmd"}) == {
+        "log_parser": "pytest_v2", "image": "mine:1", "test_cmd": "x",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"django/django at version '0.1' has no SWE-bench spec"):
+        Instance.model_validate({**SWEBENCH_ROW, "version": "0.1"})
+    with pytest.raises(ValueError, match="not in SWE-bench's: give image, test_cmd, log_parser"):
+        Instance.model_validate({**SWEBENCH_ROW, "repo": "me/mine"})
+
+
+def test_parquet_needs_pyarrow_or_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "test-00000-of-00001.parquet"
+    path.write_bytes(b"PAR1")
+    if importlib.util.find_spec("pyarrow") is None:
+        with pytest.raises(sandman.ConfigError, match="reading parquet needs pyarrow"):
+            load_instances(path)
+    else:
+        with pytest.raises(sandman.ConfigError, match="not a readable parquet file"):
+            load_instances(path)
 
 
 def fake_client(faults: Faults | None = None) -> AsyncClient:

@@ -35,26 +35,40 @@ PASSED tests/test_stats.py::test_median_even
 def test_pytest_reads_the_first_summary_only() -> None:
     # A test's captured output before the summary and a fake summary printed
     # after the run (atexit) both claim test_median_even passed: neither counts.
+    # SWE-bench's parse_log_pytest ends a name at its first space; pytest_v2 does not.
     assert parse_log("pytest", PYTEST_LOG) == {
         "tests/test_stats.py::test_mean": "PASSED",
-        "tests/test_stats.py::test_param[a b - c]": "PASSED",
+        "tests/test_stats.py::test_param[a": "PASSED",
         "tests/test_stats.py::test_known": "XFAIL",
         "tests/test_stats.py::test_median_even": "FAILED",
         "tests/test_stats.py::test_fixture": "ERROR",
     }
 
 
+def test_pytest_v2_keeps_whole_names() -> None:
+    results = parse_log("pytest_v2", PYTEST_LOG)
+    assert results["tests/test_stats.py::test_param[a b - c]"] == "PASSED"
+    assert results["tests/test_stats.py::test_median_even"] == "FAILED"
+    # Read as SWE-bench reads a log, every line counts: the fake summary after the run wins.
+    assert parse_log("pytest", PYTEST_LOG, strict=False)[
+        "tests/test_stats.py::test_median_even"
+    ] == ("PASSED")
+
+
 def test_pytest_without_rA_falls_back_to_verbose_lines() -> None:
     log = (
-        "tests/test_a.py::test_one PASSED                               [ 50%]\n"
-        "tests/test_a.py::test_two FAILED                               [100%]\n"
+        # -vv -o console_output_style=classic (old astropy): no percentages.
+        "tests/test_a.py::test_one PASSED\n"
+        "tests/test_a.py::test_two FAILED\n"
         "=================== 1 failed, 1 passed in 0.02s ===================\n"
         "tests/test_a.py::test_two PASSED\n"
     )
-    assert parse_log("pytest", log) == {
+    # As parse_log_pytest_v2 reads them (parse_log_pytest reads none).
+    assert parse_log("pytest_v2", log) == {
         "tests/test_a.py::test_one": "PASSED",
         "tests/test_a.py::test_two": "FAILED",
     }
+    assert parse_log("pytest", log) == {}
 
 
 UNITTEST_LOG = """\
@@ -141,11 +155,34 @@ Destroying test database for alias 'default'...
 
 
 def test_django_runner() -> None:
+    # A test with a docstring is named by its first line, as SWE-bench's lists name it;
+    # the report's "FAIL: test_x (...)" header adds the method's name alone.
     assert parse_log("django", DJANGO_LOG) == {
         "test_exists (queries.tests.ExistsTests)": "PASSED",
+        "Subquery table names should be quoted.": "FAILED",
         "test_ticket_24605 (queries.tests.Ticket23605Tests)": "FAILED",
+        "test_ticket_24605": "FAILED",
         "test_slow (queries.tests.SlowTests)": "SKIPPED",
     }
+
+
+def test_djangos_failure_report_overrules_an_ok_printed_by_the_code() -> None:
+    log = (
+        "test_fine (app.tests.T) ... ok\n"
+        "test_punct (app.tests.T) ... ok\n"  # the code printed " ok\n"
+        "FAIL\n"
+        "\n" + "=" * 70 + "\n"
+        "FAIL: test_punct (app.tests.T)\n" + "-" * 70 + "\n"
+        "Ran 2 tests in 0.001s\n\nFAILED (failures=1)\n"
+        "test_punct (app.tests.T) ... ok\n"
+    )
+    assert parse_log("django", log) == {
+        "test_fine (app.tests.T)": "PASSED",
+        "test_punct (app.tests.T)": "FAILED",
+        "test_punct": "FAILED",
+    }
+    # SWE-bench's rules alone take the printed "ok".
+    assert parse_log("django", log, strict=False)["test_punct (app.tests.T)"] == "PASSED"
 
 
 def test_an_empty_log_has_no_results() -> None:

@@ -92,6 +92,10 @@ def eval_command(
 ) -> None:  # fmt: skip
     """Grade PREDICTIONS (SWE-bench JSON/JSONL) against INSTANCES, each in a fresh sandbox.
 
+    INSTANCES: SWE-bench dataset rows as published (JSONL, a JSON list, or the
+    dataset's parquet with pyarrow installed); the image, test command and log
+    parser follow from each row's repo and version unless the row names them.
+
     Writes OUT/<model>/<instance>/report.json, OUT/summary.json and
     OUT/summary.html. A re-run with the same OUT skips what was already
     graded from the same inputs (with --retry-errors, except infrastructure

@@ -23,7 +23,7 @@ from typing import Any
 
 from sandman.eval.parsers import TestStatus
 
-__all__ = ["WITNESS_PREFIX", "Witnessed", "audit_patch", "read_witness"]
+__all__ = ["WITNESS_PREFIX", "Witnessed", "audit_patch", "read_witness", "witness_log"]
 
 WITNESS_PREFIX = "SANDMAN-WITNESS "
 _RECORD = re.compile(r"SANDMAN-WITNESS (\{.*\}) ([0-9a-f]{64})$")
@@ -43,6 +43,10 @@ class Witnessed:
     """Those of `audits` done from code the patch changed."""
     forged: int = 0
     """Lines posing as records that did not verify."""
+    names: list[str] = field(default_factory=list)
+    """Tests in the order the framework reported them."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """A unittest test's docstring line, which its verbose runner prints in place of the name."""
 
     def passed(self, name: str) -> bool:
         """Whether the framework itself reported ``name`` as passing (every phase)."""
@@ -95,11 +99,12 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
     if kind == "start":
         found.started = True
     elif kind == "test":
-        status = str(record.get("status"))
-        found.statuses.setdefault(str(record.get("name")), []).append(status)
+        status, name = str(record.get("status")), str(record.get("name"))
+        if name not in found.statuses:
+            found.names.append(name)
+        found.statuses.setdefault(name, []).append(status)
         if record.get("alias"):
-            # The docstring line a verbose unittest runner prints instead of the name.
-            found.statuses.setdefault(str(record["alias"]), []).append(status)
+            found.aliases[name] = str(record["alias"])
         if record.get("patch_on_stack"):
             reason = (
                 f"a result for {record.get('name')} was reported with the patch's "
@@ -123,6 +128,30 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
             found.attributed.append(reason)
     elif kind == "collect_error":
         pass
+
+
+_UNITTEST_WORDS = {
+    "PASSED": "ok", "FAILED": "FAIL", "ERROR": "ERROR", "SKIPPED": "skipped 'witnessed'",
+    "XFAIL": "expected failure",
+}  # fmt: skip
+
+
+def witness_log(parser: str, witnessed: Witnessed) -> str:
+    """The framework's own results, as its runner would print them: the family's
+    parser then names each test exactly as it names the real log's (SWE-bench's
+    lists hold those names: a name cut at its first space, a docstring line)."""
+    lines: list[str] = []
+    for name in witnessed.names:
+        status = witnessed.status(name)
+        if status == "MISSING":
+            continue
+        if parser in ("unittest", "django"):
+            alias = witnessed.aliases.get(name)
+            word = _UNITTEST_WORDS[status]
+            lines += [name, f"{alias} ... {word}"] if alias else [f"{name} ... {word}"]
+        else:
+            lines.append(f"{status} {name}")
+    return "\n".join(lines) + "\n"
 
 
 # What a forging patch needs, as it would read in the lines it adds.

@@ -39,7 +39,7 @@ from typing import Literal
 from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
 from sandman.eval.conditions import Conditions
-from sandman.eval.evidence import Witnessed, audit_patch, read_witness
+from sandman.eval.evidence import Witnessed, audit_patch, read_witness, witness_log
 from sandman.eval.instances import Instance
 from sandman.eval.parsers import TestStatus, parse_log
 from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_tests, inputs_hash
@@ -73,23 +73,29 @@ _METADATA_DIRS = (".dist-info", ".egg-info")
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 _WITNESS_CONFIG = "sandman-witness.json"  # the name witness.start reads
+_PASS_WORDS = frozenset({"PASSED", "XFAIL"})
 # The witness (sandman/eval/witness/) runs inside the test process: pytest loads
 # it as a plugin (-p), other runners through its sitecustomize. Its records go
 # to the test command's original stderr (kept as fd 3 for it), the test output
 # to stdout, so the code under test cannot write the grader's evidence there.
 _WITNESS_DIR = Path(__file__).parent / "witness"
 _WITNESS_MODULE = "sandman_eval_witness"
+_PYTEST_FAMILIES = ("pytest", "pytest_options", "pytest_v2", "matplotlib", "seaborn")
 _WITNESS_MODES: dict[str, Literal["pytest", "unittest"]] = {
-    "pytest": "pytest", "unittest": "unittest", "django": "unittest",
+    **dict.fromkeys(_PYTEST_FAMILIES, "pytest"), "unittest": "unittest", "django": "unittest",
 }  # fmt: skip
+"""Families whose runner the witness knows (sympy's bin/test: not yet)."""
 # The processes that may take the witness's configuration (see witness.start),
 # and the framework's own files (a patch to them is the framework, not a forger).
-_RUNNERS: dict[str, list[str]] = {"pytest": [], "unittest": ["unittest"], "django": ["runtests"]}
-_FRAMEWORK_PATHS: dict[str, list[str]] = {
-    "pytest": ["/_pytest/", "/pytest/", "/pluggy/"],
-    "unittest": ["/unittest/"],
-    "django": ["/unittest/", "/django/test/"],
-}
+_RUNNERS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(_PYTEST_FAMILIES, ()), "unittest": ("unittest",), "django": ("runtests",),
+}  # fmt: skip
+_FRAMEWORK_PATHS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(_PYTEST_FAMILIES, ("/_pytest/", "/pytest/", "/pluggy/")),
+    "unittest": ("/unittest/",),
+    "django": ("/unittest/", "/django/test/"),
+    "sympy": ("/sympy/testing/", "/sympy/utilities/runtests"),
+}  # fmt: skip
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -350,7 +356,34 @@ class _Evaluation:
             self.durations["tests"] = round(time.monotonic() - begun, 3)
         return self._judge(run)
 
+    async def _prepare_tests(self, sb: AsyncSandbox) -> dict[str, str] | None:
+        """Run the instance's ``pre_test`` (conda activation, a reinstall) and return the
+        environment it leaves; then end every process it left behind.
+
+        Its own exec, before the witness's configuration exists: what it runs
+        (a reinstall runs the patch's build scripts) cannot read it, and
+        nothing it starts lives on into the test run.
+        """
+        if not self.instance.pre_test:
+            return None
+        script = "\n".join(self.instance.pre_test) + "\necho\nenv -0\n"
+        done = await sb.exec(
+            script, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
+            max_output=_MAX_OUTPUT,
+        )  # fmt: skip
+        await self._exec(sb, ["sh", "-c", "kill -9 -1 2>/dev/null; true"])
+        if done.exit_code != 0 or done.timed_out:
+            raise _Abort("error", f"the pre-test commands failed: {_both(done)[-1000:].strip()}")
+        # What the commands printed comes first; the environment is the tail after a newline.
+        env = {}
+        for item in done.stdout.rsplit("\n", 1)[-1].split("\0"):
+            key, sep, value = item.partition("=")
+            if sep and key.replace("_", "a").isalnum():
+                env[key] = value
+        return env
+
     async def _run_tests(self, sb: AsyncSandbox) -> ExecResult:
+        env = await self._prepare_tests(sb)
         directives = " ".join(shlex.quote(d) for d in self.instance.directives)
         mode = _WITNESS_MODES.get(self.instance.log_parser)
         prelude = ""
@@ -360,8 +393,8 @@ class _Evaluation:
             # a command line or a file after that.
             config = {
                 "key": self._key.hex(), "mode": mode, "work": _WORK, "fd": 3,
-                "argv_contains": _RUNNERS[self.instance.log_parser],
-                "framework_paths": _FRAMEWORK_PATHS[self.instance.log_parser],
+                "argv_contains": list(_RUNNERS[self.instance.log_parser]),
+                "framework_paths": list(_FRAMEWORK_PATHS[self.instance.log_parser]),
                 "patch_files": [
                     posixpath.join(self.instance.repo_path, path) for path in self.patch_files
                 ],
@@ -375,7 +408,7 @@ class _Evaluation:
         try:
             result = await sb.exec(
                 command, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
-                max_output=_MAX_OUTPUT,
+                max_output=_MAX_OUTPUT, env=env,
             )  # fmt: skip
         except errors.ExecTimeout as exc:
             # The daemon did not even answer within the limit plus its grace.
@@ -418,7 +451,7 @@ class _Evaluation:
         mode = _WITNESS_MODES.get(self.instance.log_parser)
         suspicious = audit_patch(
             self.patch, is_test_file=self._set_back_path,
-            framework_paths=_FRAMEWORK_PATHS.get(self.instance.log_parser, []),
+            framework_paths=_FRAMEWORK_PATHS.get(self.instance.log_parser, ()),
         )  # fmt: skip
         results = claimed
         strong: list[str] = []
@@ -431,10 +464,13 @@ class _Evaluation:
                     f"the test run (exit {result.exit_code}) reported no results and its "
                     f"framework never started: {tail}",
                 )
-            results, strong = _witnessed_results(claimed, witnessed, result, mode)
+            confirmed = parse_log(
+                self.instance.log_parser, witness_log(self.instance.log_parser, witnessed)
+            )
+            results, strong = _witnessed_results(claimed, confirmed, witnessed, result, mode)
             suspicious += witnessed.audits + strong
         self.suspicious = sorted(set(suspicious))
-        status, reason, f2p, p2p = grade_tests(self.instance, results)
+        status, reason, f2p, p2p = grade_tests(self.instance, results, result.exit_code)
         if status == "resolved" and strong and self.conditions.audit == "strict":
             return self.report(
                 "unresolved",
@@ -532,20 +568,23 @@ class _Evaluation:
 
 
 def _witnessed_results(
-    claimed: dict[str, TestStatus], witnessed: Witnessed, result: ExecResult, mode: str
+    claimed: dict[str, TestStatus],
+    confirmed: dict[str, TestStatus],
+    witnessed: Witnessed,
+    result: ExecResult,
+    mode: str,
 ) -> tuple[dict[str, TestStatus], list[str]]:
     """The results to grade: the log's, each pass confirmed by the framework's own
-    report (the witness's records); and what the run did that only a forger does
-    (what strict auditing grades unresolved)."""
+    report (``confirmed``: the witness's records, named by the same parser); and
+    what the run did that only a forger does (what strict auditing grades unresolved)."""
     suspicious = list(witnessed.attributed)
     results: dict[str, TestStatus] = {}
     unconfirmed = []
     for name, status in claimed.items():
-        if status in ("PASSED", "XFAIL") and not witnessed.passed(name):
-            unconfirmed.append(
-                f"{name} ({status} in the output, {witnessed.status(name)} by the framework)"
-            )
-            results[name] = witnessed.status(name)
+        word = confirmed.get(name, "MISSING")
+        if status in _PASS_WORDS and word not in _PASS_WORDS:
+            unconfirmed.append(f"{name} ({status} in the output, {word} by the framework)")
+            results[name] = word
         else:
             results[name] = status
     if unconfirmed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -32,7 +33,8 @@ __all__ = [
 
 # 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
 # the cgroup counter, no summary but pytest's, unittest's FAIL/ERROR headers overrule;
-# 4: no markers, a pass needs the witness's signed word, the audit (``suspicious``).
+# 4: no markers, a pass needs the witness's signed word, the audit (``suspicious``);
+# SWE-bench's test names and grading (skipped PASS_TO_PASS kept, truncated ids).
 HARNESS_VERSION = "4"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
@@ -59,6 +61,9 @@ _CATEGORY: dict[Status, Category] = {
     "timeout": "error", "oom": "error", "sandbox_died": "error", "error": "error",
 }  # fmt: skip
 _PASSING: frozenset[TestStatus] = frozenset({"PASSED", "XFAIL"})
+_OLD_UNITTEST_NAME = re.compile(r"^(\w+) \(([\w.]+)\)$")
+# A PASS_TO_PASS test skipped is no regression (the official grading's test_maintained).
+_KEPT: frozenset[TestStatus] = frozenset({"PASSED", "XFAIL", "SKIPPED"})
 
 
 def category(status: Status) -> Category:
@@ -152,15 +157,54 @@ def inputs_hash(instance: Instance, patch: str, conditions: Conditions, digest: 
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
+def _lookup(name: str, results: dict[str, TestStatus]) -> TestStatus:
+    """``name``'s status; a name cut short inside its brackets takes the status of those it starts.
+
+    SWE-bench Verified lists some parametrized ids truncated mid-parameter
+    (``test_x[log(photon``); the official grading (``_resolve_case``) matches
+    those by prefix when every match agrees on passing or not. So does this.
+    """
+    if name in results:
+        return results[name]
+    # "test_x (app.tests.Case)", as unittest named tests before Python 3.11, is
+    # "test_x (app.tests.Case.test_x)" in a 3.11 log. SWE-bench's lists and logs
+    # always agree, so this never changes one of its verdicts; our own instances'
+    # lists then hold under either Python.
+    if (old := _OLD_UNITTEST_NAME.match(name)) and (
+        found := results.get(f"{old[1]} ({old[2]}.{old[1]})")
+    ):
+        return found
+    if name.count("[") > name.count("]"):
+        matches = [key for key in results if key.startswith(name)]
+        if matches and len({results[key] in _PASSING for key in matches}) == 1:
+            return results[matches[0]]
+    return "MISSING"
+
+
 def grade_tests(
-    instance: Instance, results: dict[str, TestStatus]
+    instance: Instance, results: dict[str, TestStatus], exit_code: int | None = None
 ) -> tuple[Status, str, dict[str, TestStatus], dict[str, TestStatus]]:
-    """Resolved only if every FAIL_TO_PASS and PASS_TO_PASS test passed (PASSED or XFAIL)."""
-    f2p: dict[str, TestStatus] = {t: results.get(t, "MISSING") for t in instance.FAIL_TO_PASS}
-    p2p: dict[str, TestStatus] = {t: results.get(t, "MISSING") for t in instance.PASS_TO_PASS}
+    """Resolved as the official SWE-bench grading (``swebench.harness.grading``, 5.x) decides.
+
+    A FAIL_TO_PASS test must pass (PASSED or XFAIL); a PASS_TO_PASS test must
+    pass or be skipped. A test not in the log fails. A log without results is
+    unresolved, and so is one that reports no failure while the test command
+    exited non-zero (``exit_code``, when known): the log is not the run's.
+    """
+    f2p = {t: _lookup(t, results) for t in instance.FAIL_TO_PASS}
+    p2p = {t: _lookup(t, results) for t in instance.PASS_TO_PASS}
+    if not results:
+        return "unresolved", "no test results in the log", f2p, p2p
+    if exit_code not in (None, 0) and not any(s in ("FAILED", "ERROR") for s in results.values()):
+        return (
+            "unresolved",
+            f"the test command exited {exit_code} but its log reports no failure",
+            f2p,
+            p2p,
+        )
     problems = []
-    for label, tests in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
-        bad = [f"{name}: {status}" for name, status in tests.items() if status not in _PASSING]
+    for label, tests, good in (("FAIL_TO_PASS", f2p, _PASSING), ("PASS_TO_PASS", p2p, _KEPT)):
+        bad = [f"{name}: {status}" for name, status in tests.items() if status not in good]
         if bad:
             shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
             problems.append(f"{label} {len(bad)} of {len(tests)} not passing ({shown})")

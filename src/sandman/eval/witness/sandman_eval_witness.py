@@ -381,11 +381,11 @@ def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
 
 
 def _unittest_name(test: Any) -> str:
-    method = getattr(test, "_testMethodName", None)
-    cls = type(test)
-    if method is None:
+    """The name as the verbose runner prints it (its form changed in Python 3.11)."""
+    try:
         return str(test)
-    return "%s (%s.%s)" % (method, cls.__module__, cls.__qualname__)
+    except Exception:
+        return repr(test)
 
 
 def _description(test: Any) -> str:
