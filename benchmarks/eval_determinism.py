@@ -3,7 +3,8 @@
 Builds the shipped instances (``examples/eval/build.py``: a cached Debian
 image with four small repositories, one a Django app), then grades every
 shipped prediction (gold, wrong, non-applying, fuzzy, 3-way, hanging, OOM and
-tampering patches) three times, each into a fresh output directory so nothing
+tampering patches, and the adversarial corpus ``adversarial.jsonl``: patches
+that try to grade themselves) three times, each into a fresh output directory so nothing
 is reused. During the second run a burst of other sandboxes (``--burst``,
 each spinning its whole CPU share) competes for the machine. The verdicts of each run are
 compared, as canonical JSON bytes, with the first run's. The last line is
@@ -46,6 +47,8 @@ from sandman.eval import (
 from sandman.images import ImageStore
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "eval"
+# The shipped batch, and the patches that try to grade themselves.
+PREDICTIONS = ("predictions.jsonl", "adversarial.jsonl")
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -82,7 +85,7 @@ async def grade(
     started = time.monotonic()
     result = await run_batch(
         load_instances(EXAMPLES / "instances.jsonl"),
-        load_predictions(EXAMPLES / "predictions.jsonl"),
+        [p for name in PREDICTIONS for p in load_predictions(EXAMPLES / name)],
         pool=client, out=out, conditions=conditions, concurrency=concurrency,
         images=ImageStore(state_dir / "images"),
     )  # fmt: skip
@@ -109,7 +112,8 @@ async def main(args: argparse.Namespace) -> None:
         print(f"image {built['image']} {built['image_id'][:19]}")
         expected = {
             (p["model_name_or_path"], p["instance_id"]): p["expected"]
-            for p in map(json.loads, (EXAMPLES / "predictions.jsonl").read_text().splitlines())
+            for name in PREDICTIONS
+            for p in map(json.loads, (EXAMPLES / name).read_text().splitlines())
         }
         conditions = Conditions(timeout=args.timeout, memory="1Gi")
         runs: list[list[Verdict]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Literal
 
 import click
 from click._termui_impl import ProgressBar
@@ -31,7 +32,13 @@ _COLOURS = {"resolved": "green", "unresolved": "yellow", "error": "red"}
 
 
 def _conditions(
-    cpu: float, memory: str, pids: int, network: str, timeout: float, env: tuple[str, ...]
+    cpu: float,
+    memory: str,
+    pids: int,
+    network: str,
+    timeout: float,
+    env: tuple[str, ...],
+    audit: Literal["record", "strict"] = "strict",
 ) -> Conditions:
     variables = dict(DEFAULT_ENV)
     for item in env:
@@ -41,8 +48,9 @@ def _conditions(
         variables[key] = value
     try:
         return Conditions(
-            cpu=cpu, memory=memory, pids=pids, network=network, timeout=timeout, env=variables
-        )
+            cpu=cpu, memory=memory, pids=pids, network=network, timeout=timeout, env=variables,
+            audit=audit,
+        )  # fmt: skip
     except ValidationError as exc:
         problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
         raise click.BadParameter(problems) from exc
@@ -78,6 +86,13 @@ def _conditions(
 )
 @click.option("--env", multiple=True, metavar="KEY=VALUE", help="Set a variable (repeatable).")
 @click.option(
+    "--audit",
+    type=click.Choice(["strict", "record"]),
+    default="strict",
+    show_default=True,
+    help="strict: a run that did what a forging patch does is unresolved; record: only list it.",
+)
+@click.option(
     "--retry-errors",
     is_flag=True,
     help="Grade again what a past run here left as error or sandbox_died (never a verdict on "
@@ -88,7 +103,8 @@ def _conditions(
 def eval_command(
     ctx: click.Context, instances: Path, predictions: Path, out: Path, concurrency: int,
     models: tuple[str, ...], cpu: float, memory: str, pids: int, network: str, timeout: float,
-    env: tuple[str, ...], retry_errors: bool, url: str | None, api_key: str | None,
+    env: tuple[str, ...], audit: Literal["record", "strict"], retry_errors: bool,
+    url: str | None, api_key: str | None,
 ) -> None:  # fmt: skip
     """Grade PREDICTIONS (SWE-bench JSON/JSONL) against INSTANCES, each in a fresh sandbox.
 
@@ -101,7 +117,7 @@ def eval_command(
     graded from the same inputs (with --retry-errors, except infrastructure
     errors).
     """
-    conditions = _conditions(cpu, memory, pids, network, timeout, env)
+    conditions = _conditions(cpu, memory, pids, network, timeout, env, audit)
     try:
         loaded = load_instances(instances)
         wanted = [
