@@ -14,6 +14,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandman.providers.local import LocalProvider
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -46,3 +50,21 @@ def progress(done: int, total: int) -> None:
     if os.environ.get("SANDMAN_BENCH_PROGRESS") == "1":
         sys.stderr.write(f"progress {done} {total}\n")
         sys.stderr.flush()
+
+
+def leftover(provider: LocalProvider) -> int:
+    """What a local provider's run left: sandbox dirs, runtime containers, cgroups,
+    and processes whose mounts name the state dir (the disk filesystem once closed)."""
+    state = provider.config.state_dir
+    count = len(list((state / "sandboxes").iterdir()))
+    runtime = state / "runtime" / provider.config.runtime
+    count += len(list(runtime.iterdir())) if runtime.exists() else 0
+    for parent in cgroup_parent_dirs(provider.config.cgroup_parent):
+        count += sum(1 for p in parent.iterdir() if p.is_dir())
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(state) in (proc / "mountinfo").read_text():
+                count += 1
+        except OSError:
+            pass
+    return count

@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cgroup_parent_dirs, new_cgroup_parent, quantile
+from _common import leftover as count_leftover
+from _common import new_cgroup_parent, quantile
 
 from sandman.errors import SandboxError
 from sandman.images.busybox import busybox_rootfs_tar
@@ -59,22 +60,6 @@ async def _create_ready(provider: LocalProvider, spec: SandboxSpec) -> tuple[San
     finally:
         await client.aclose()
     return info, time.perf_counter() - started
-
-
-def _leftover(provider: LocalProvider) -> int:
-    state = provider.config.state_dir
-    count = len(list((state / "sandboxes").iterdir()))
-    runtime = state / "runtime" / provider.config.runtime
-    count += len(list(runtime.iterdir())) if runtime.exists() else 0
-    for parent in cgroup_parent_dirs(provider.config.cgroup_parent):
-        count += sum(1 for p in parent.iterdir() if p.is_dir())
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and str(state) in (proc / "mountinfo").read_text():
-                count += 1
-        except OSError:
-            pass
-    return count
 
 
 async def run(
@@ -143,7 +128,7 @@ async def run(
     await asyncio.gather(*(drop(info) for info in await provider.list()))
     deleted = time.perf_counter() - started
     await provider.aclose()  # unmounts the disk filesystem: none of its layers is left
-    leftover = _leftover(provider) + len(provider.disk.names()) + provider.disk.mounted()
+    leftover = count_leftover(provider) + len(provider.disk.names()) + provider.disk.mounted()
     lines.append(f"delete       n={len(infos)} seconds={deleted:.2f} leftover={leftover}")
     remove_cgroup_parent(cgroup_parent)
     lines.append(

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Literal, cast
 
-from _common import cgroup_parent_dirs, new_cgroup_parent, timed
+from _common import leftover, new_cgroup_parent, timed
 
 from sandman.images.busybox import busybox_rootfs_tar
 from sandman.models import SandboxSpec
@@ -60,16 +60,6 @@ async def _noop_execs(provider: LocalProvider, n: int) -> list[float]:
         await provider.delete(info.id)
 
 
-def _leftover(provider: LocalProvider) -> int:
-    state = provider.config.state_dir
-    count = len(list((state / "sandboxes").iterdir()))
-    runtime = state / "runtime" / provider.config.runtime
-    count += len(list(runtime.iterdir())) if runtime.exists() else 0
-    for parent in cgroup_parent_dirs(provider.config.cgroup_parent):
-        count += sum(1 for p in parent.iterdir() if p.is_dir())
-    return count
-
-
 async def run(runtimes: list[Runtime], creates: int, execs: int, state: Path) -> str:
     tar = busybox_rootfs_tar(state / "busybox.tar")
     providers: dict[Runtime, LocalProvider] = {}
@@ -93,9 +83,10 @@ async def run(runtimes: list[Runtime], creates: int, execs: int, state: Path) ->
         c, e = statistics.median(create[runtime]) * 1e3, statistics.median(noop[runtime]) * 1e3
         medians[runtime] = (c, e)
         await provider.network.reset()
+        await provider.aclose()  # unmounts the disk filesystem
         lines.append(
             f"runtime={runtime} create_p50_ms={c:.1f} noop_exec_median_ms={e:.3f} "
-            f"leftover={_leftover(provider)}"
+            f"leftover={leftover(provider)}"
         )
         remove_cgroup_parent(provider.config.cgroup_parent)
     if len(runtimes) == 2:

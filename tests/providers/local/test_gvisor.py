@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import shutil
 import socket
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,9 +13,7 @@ import pytest
 import sandman
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider
-from sandman.settings import LocalConfig
-from tests.providers.local.conftest import needs_root_and_crun
-from tests.providers.local.leaks import assert_nothing_left
+from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for
 
 pytestmark = [
     pytest.mark.anyio,
@@ -29,21 +26,8 @@ SPEC = SandboxSpec(image="busybox", memory="256Mi", pids=128, cpu=1)
 
 @pytest.fixture
 async def gvisor(state_dir: Path, busybox_tar: Path) -> AsyncIterator[LocalProvider]:
-    config = LocalConfig(
-        state_dir=state_dir, runtime="runsc",
-        cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}",
-    )  # fmt: skip
-    provider = LocalProvider(config)
-    await provider.images.import_archive(busybox_tar, name="busybox")
-    try:
+    async with provider_for(config_for(state_dir, runtime="runsc"), busybox_tar) as provider:
         yield provider
-    finally:
-        for info in await provider.list():
-            await provider.delete(info.id)
-        assert await provider.network.list() == []
-        await provider.network.reset()
-        await provider.aclose()
-        await assert_nothing_left(provider)
 
 
 async def test_a_sandbox_runs_under_gvisor_and_leaves_nothing(gvisor: LocalProvider) -> None:

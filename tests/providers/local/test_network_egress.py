@@ -7,7 +7,6 @@ isolated sandboxes stay reachable from the host is test_provider_network.py's.""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from ipaddress import IPv4Network
 from pathlib import Path
@@ -17,9 +16,7 @@ import pytest
 from sandman.daemon.client import DaemonClient
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider
-from sandman.settings import LocalConfig
-from tests.providers.local.conftest import needs_root_and_crun
-from tests.providers.local.leaks import assert_nothing_left
+from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for
 from tests.providers.local.netfixtures import (
     FAKENET_HOST_IF,
     FAKENET_IP,
@@ -41,22 +38,12 @@ pytestmark = [pytest.mark.anyio, needs_root_and_crun, needs_root_and_ip]
 async def egress_provider(state_dir: Path, busybox_tar: Path) -> AsyncIterator[LocalProvider]:
     """A provider whose egress goes out through the fake internet and may reach the one
     private address ``FAKENET_PRIVATE`` (the operator's exception)."""
-    config = LocalConfig(
-        state_dir=state_dir, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}",
-        subnet=TEST_SUBNET, uplink=FAKENET_HOST_IF,
+    config = config_for(
+        state_dir, subnet=TEST_SUBNET, uplink=FAKENET_HOST_IF,
         egress_allow=[IPv4Network(f"{FAKENET_PRIVATE}/32")],
     )  # fmt: skip
-    provider = LocalProvider(config)
-    await provider.images.import_archive(busybox_tar, name="busybox")
-    try:
+    async with provider_for(config, busybox_tar) as provider:
         yield provider
-    finally:
-        for info in await provider.list():
-            await provider.delete(info.id)
-        assert await provider.network.list() == []
-        await provider.network.reset()
-        await provider.aclose()
-        await assert_nothing_left(provider)
 
 
 async def _connects(sb: DaemonClient, host: str, port: int) -> tuple[bool, str]:
