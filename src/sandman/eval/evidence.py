@@ -27,6 +27,7 @@ __all__ = ["WITNESS_PREFIX", "Witnessed", "audit_patch", "read_witness", "witnes
 
 WITNESS_PREFIX = "SANDMAN-WITNESS "
 _RECORD = re.compile(r"SANDMAN-WITNESS (\{.*\}) ([0-9a-f]{64})$")
+_PID = re.compile(r"/proc/\d+/")
 _GOOD: frozenset[str] = frozenset({"PASSED", "XFAIL"})
 
 
@@ -116,7 +117,8 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
         found.finish = record
     elif kind == "audit":
         what = str(record.get("what", record.get("event")))
-        detail = record.get("path") or record.get("target") or ""
+        # Process ids differ from run to run; verdicts must not.
+        detail = _PID.sub("/proc/<pid>/", str(record.get("path") or record.get("target") or ""))
         if record.get("attribute"):
             detail = f"{detail}.{record['attribute']}"
         if "signal" in record:
