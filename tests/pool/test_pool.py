@@ -68,6 +68,28 @@ async def test_a_caller_who_gives_up_leaks_nothing(fake: FakeProvider) -> None:
         await eventually(lambda: fake.created_total == 1 and fake.live == 0)
 
 
+async def test_a_caller_cut_off_just_after_the_hand_over_leaks_nothing(
+    fake: FakeProvider,
+) -> None:
+    """The pool has set the waiting acquire's result; the caller is cancelled (or its
+    deadline fires) before it resumes: the sandbox must not stay leased to no one."""
+    waiting: list[asyncio.Task[object]] = []
+
+    def cut_off(event: PoolEvent) -> None:
+        # Runs inside the hand-over, just before the result is set: the cut lands
+        # after it, before the caller's task resumes.
+        if event.name == "sandbox.leased" and waiting:
+            asyncio.get_running_loop().call_soon(waiting[0].cancel)
+
+    async with Pool(fake, PoolConfig(name="t"), hook=cut_off) as pool:
+        session = pool.open_session()
+        waiting.append(asyncio.ensure_future(pool.acquire(SPEC, session=session, timeout=30)))
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+        await eventually(lambda: fake.live == 0 and not pool.list(session=session))
+        assert fake.created_total == 1
+
+
 async def test_a_timeout_says_where_the_request_had_got_to(fake: FakeProvider) -> None:
     # Queued behind a full window: the cluster is busy, not the image.
     fake.faults.create_latency = 5.0

@@ -58,6 +58,7 @@ class InProcessBackend:
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
         record = await self.pool.acquire(spec, session=session, timeout=timeout)
         if record.info is None or record.info.endpoint is None:
+            self.pool.release(record.id)  # the caller never gets it
             raise errors.ProviderError(f"sandbox {record.id} has no daemon endpoint")
         # Kept after release too, so a caller can still see where the time went.
         self._timelines[record.id] = record.timeline

@@ -270,11 +270,19 @@ class Pool:
         try:
             async with asyncio.timeout(timeout):
                 return await request.future
-        except TimeoutError:
-            raise errors.CreateTimeout(
-                f"no sandbox of {spec.image!r} within {timeout} s (pool {self.config.name!r}): "
-                + self._whereabouts(request)
-            ) from None
+        except BaseException as exc:
+            future = request.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Handed over, but the caller was cut off (cancelled, or its
+                # deadline fired) before it resumed: it never gets the
+                # sandbox, so no one may keep holding it.
+                self._release(future.result(), reason="caller gone after the hand-over")
+            if isinstance(exc, TimeoutError):
+                raise errors.CreateTimeout(
+                    f"no sandbox of {spec.image!r} within {timeout} s "
+                    f"(pool {self.config.name!r}): " + self._whereabouts(request)
+                ) from None
+            raise
         finally:
             if not request.future.done():
                 request.future.cancel()
