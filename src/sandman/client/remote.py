@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 from urllib.parse import quote, urlencode
 
+import anyio
 import httpx
 from pydantic_core import to_json
 
@@ -345,8 +346,15 @@ class RemoteBackend:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
         self._timelines[sandbox_id] = dict(data.get("timeline") or {})
-        if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
-            endpoint = self.proxied(sandbox_id)
+        try:
+            if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
+                endpoint = self.proxied(sandbox_id)
+        except BaseException:
+            # Cancelled after the service handed it over: give it back, or it
+            # stays leased to this session with no holder.
+            with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                await self.release(sandbox_id)
+            raise
         return Lease(sandbox_id, endpoint, float(data["expires_at"]))
 
     async def _reachable(self, endpoint: DaemonEndpoint) -> bool:

@@ -195,6 +195,12 @@ class Service:
         self._pending[tenant] += 1
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # This handler was cancelled itself: a sandbox already handed over
+            # would otherwise stay leased to a caller who never hears of it.
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self.pool.release(task.result().id)
+            raise
         finally:
             self._pending[tenant] -= 1
             self._acquires.discard(task)
