@@ -76,6 +76,7 @@ async def tour(state_dir: Path) -> None:
             )
     finally:
         await asyncio.gather(*(provider.delete(sid) for sid in created))
+        await provider.aclose()  # unmounts the state dir's disk filesystem
     left = await provider.list()
     print(f"deleted both; sandboxes left: {len(left)}")
 

@@ -38,5 +38,7 @@ def test_local_demo() -> None:
         assert "exit 137 (OOM-killed)" in done.stdout
         assert "sandboxes left: 0" in done.stdout
         assert list((state / "sandboxes").iterdir()) == []
+        # Nor the state dir's disk filesystem (mounted on the host while in use).
+        assert f" {state}/" not in Path("/proc/self/mountinfo").read_text()
     finally:
         shutil.rmtree(state, ignore_errors=True)

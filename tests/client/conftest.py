@@ -38,4 +38,7 @@ def imported(local_state: Path, busybox_tar: Path) -> Iterator[LocalProvider]:
             await provider.delete(info.id)
         return [info.id for info in left]
 
-    assert asyncio.run(sweep()) == [], "the client left sandboxes behind"
+    left = asyncio.run(sweep())
+    asyncio.run(provider.aclose())  # unmounts the state dir's disk filesystem
+    assert left == [], "the client left sandboxes behind"
+    assert f" {local_state}/" not in Path("/proc/self/mountinfo").read_text(), "a mount is left"

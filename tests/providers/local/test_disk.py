@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 import anyio
@@ -96,7 +97,9 @@ async def test_writes_past_the_limit_fail_and_the_host_disk_is_untouched(
 async def test_the_default_limit_applies_and_a_default_sandbox_works(
     state_dir: Path, busybox_tar: Path
 ) -> None:
-    config = LocalConfig(state_dir=state_dir, cgroup_parent="/sandman-test/disk", disk="32Mi")
+    config = LocalConfig(
+        state_dir=state_dir, cgroup_parent=f"/sandman-test/disk-{uuid.uuid4().hex[:8]}", disk="32Mi"
+    )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")
     small = await provider.create(SandboxSpec(image="busybox"))
@@ -126,7 +129,11 @@ async def test_the_builtin_default_is_ten_gib(provider: LocalProvider) -> None:
 
 
 async def test_no_limit_means_no_filesystem(state_dir: Path, busybox_tar: Path) -> None:
-    config = LocalConfig(state_dir=state_dir, cgroup_parent="/sandman-test/disk-off", disk=None)
+    config = LocalConfig(
+        state_dir=state_dir,
+        cgroup_parent=f"/sandman-test/disk-off-{uuid.uuid4().hex[:8]}",
+        disk=None,
+    )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")
     info = await provider.create(SandboxSpec(image="busybox"))

@@ -11,10 +11,13 @@ pytestmark = needs_root_and_crun
 
 
 def test_a_cgroup_parent_goes_with_its_empty_ancestors_and_only_them() -> None:
-    run = uuid.uuid4().hex[:12]
-    parent = f"/sandman-test/{run}/pool"
+    # A top of its own: other runs' cgroups under a shared /sandman-test would
+    # (rightly) keep it, and this test from seeing all its ancestors go.
+    top = f"sandman-test-{uuid.uuid4().hex[:12]}"
+    run = "run"
+    parent = f"/{top}/{run}/pool"
     hierarchies = [h for h in CGROUP_ROOT.iterdir() if (h / "cgroup.procs").exists()]
-    sandbox = [h / "sandman-test" / run / "pool" / "sb-1" for h in hierarchies]
+    sandbox = [h / top / run / "pool" / "sb-1" for h in hierarchies]
     for directory in sandbox:
         directory.mkdir(parents=True)
     try:
@@ -26,5 +29,5 @@ def test_a_cgroup_parent_goes_with_its_empty_ancestors_and_only_them() -> None:
         for directory in sandbox:
             directory.rmdir()
     assert remove_cgroup_parent(parent) == []
-    assert not any((h / "sandman-test" / run).exists() for h in hierarchies)
+    assert not any((h / top).exists() for h in hierarchies)
     assert remove_cgroup_parent(parent) == []  # nothing there: nothing to do

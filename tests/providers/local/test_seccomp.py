@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -243,7 +244,9 @@ async def test_runc_applies_the_same_profile(
 ) -> None:
     """runc ignores crun's compiled-filter annotation: it compiles the JSON."""
     config = LocalConfig(
-        state_dir=state_dir, runtime="runc", cgroup_parent="/sandman-test/runc-seccomp"
+        state_dir=state_dir,
+        runtime="runc",
+        cgroup_parent=f"/sandman-test/runc-seccomp-{uuid.uuid4().hex[:8]}",
     )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")
