@@ -18,7 +18,7 @@ from sandman.providers.base import SandboxInfo
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
-from tests.providers.local.leaks import leftovers, loop_devices
+from tests.providers.local.leaks import assert_nothing_left, leftovers, loop_devices
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
 
@@ -116,7 +116,7 @@ async def test_the_default_limit_applies_and_a_default_sandbox_works(
         await provider.delete(small.id)
         await provider.delete(large.id)
         await provider.aclose()
-    assert await _left_after_close(provider) == []
+    await assert_nothing_left(provider)  # and its cgroup parent goes
 
 
 async def test_the_builtin_default_is_ten_gib(provider: LocalProvider) -> None:
@@ -145,7 +145,7 @@ async def test_no_limit_means_no_filesystem(state_dir: Path, busybox_tar: Path) 
     finally:
         await provider.delete(info.id)
         await provider.aclose()
-    assert await _left_after_close(provider) == []
+    await assert_nothing_left(provider)  # and its cgroup parent goes
 
 
 async def test_a_layer_without_a_record_is_listed_and_deleted(provider: LocalProvider) -> None:
