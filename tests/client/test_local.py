@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
@@ -157,6 +158,53 @@ async def test_sigkill_of_the_client_process_leaves_nothing(
         while await imported.list():
             await anyio.sleep(0.1)
     assert time.monotonic() - started < 30
+
+
+FORKED = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    import sandman
+
+    async def main() -> None:
+        client = sandman.local(state_dir=sys.argv[1])
+        held = await client.acquire("busybox")
+        child = os.fork()  # as multiprocessing does: every descriptor is inherited
+        if child == 0:
+            time.sleep(3600)
+            os._exit(0)
+        print("holding", held.id, child, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_forked_child_does_not_keep_the_watchdog_from_sweeping(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", FORKED, str(local_state)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        _, sandbox_id, child = process.stdout.readline().split()
+        assert [info.id for info in await imported.list()] == [sandbox_id]
+        os.kill(process.pid, signal.SIGKILL)  # the pool's process only: its child lives on
+        process.wait()
+        with anyio.fail_after(30):
+            while await imported.list():
+                await anyio.sleep(0.1)
+        os.kill(int(child), 0)  # still alive, still holding the pipe's write end
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 @pytest.mark.anyio

@@ -1,12 +1,14 @@
 """A watchdog process bound to the life of an embedded pool's process.
 
 A process killed by SIGKILL runs no code of ours, so the pool starts this
-small process with a pipe that only the pool's process holds open. When that
-process dies, for whatever reason, the pipe reaches end-of-file and the
-watchdog deletes every sandbox labelled with the pool's name, then exits. A
-pool that closes normally has released everything already, and says ``bye``
-so the watchdog exits without a sweep; ``detach`` leaves sandboxes for a
-later pool to adopt.
+small process, which watches the pool's process itself (a pidfd: readable
+once it has exited) and a pipe from it. When that process dies, for
+whatever reason, the watchdog deletes every sandbox labelled with the
+pool's name, then exits. The pipe alone would not do: a child the pool's
+process forks (multiprocessing's default on Linux) inherits its write end
+and keeps it open after the parent is gone. A pool that closes normally has
+released everything already, and says ``bye`` so the watchdog exits
+without a sweep; ``detach`` leaves sandboxes for a later pool to adopt.
 
 It reads the provider's settings (a `LocalConfig` as JSON) from the first
 line of stdin.
@@ -15,7 +17,9 @@ line of stdin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import selectors
 import subprocess
 import sys
 
@@ -37,7 +41,7 @@ class Watchdog:
     def start(cls, config: LocalConfig, pool_name: str) -> Watchdog:
         process = subprocess.Popen(
             # Not `-m`: the package imports this module before runpy would run it.
-            [sys.executable, "-c", _ENTRY, pool_name],
+            [sys.executable, "-c", _ENTRY, pool_name, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             # Its own session: a signal to our process group must not reach it.
@@ -80,14 +84,67 @@ async def sweep(config: LocalConfig, pool_name: str) -> int:
     return len(infos)
 
 
+def _first_line() -> tuple[bytes, bytes]:
+    """The first line from the pipe, and whatever came after it already."""
+    data = b""
+    while b"\n" not in data:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return line, rest
+
+
+def _last_word(owner: int, received: bytes) -> bytes:
+    """Wait until the pool's process says its last word, closes the pipe, or exits;
+    returns the last line it wrote (empty: it died without one)."""
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        return _last(received + _drain())
+    if os.getppid() != owner:
+        # It died before we looked (we were re-parented): its pid may be another's now.
+        return _last(received + _drain())
+    with selectors.DefaultSelector() as selector:
+        selector.register(0, selectors.EVENT_READ, "pipe")
+        selector.register(pidfd, selectors.EVENT_READ, "owner")
+        while True:
+            for key, _ in selector.select():
+                if key.data == "owner":
+                    # Gone; whatever it wrote before is in the pipe already.
+                    return _last(received + _drain())
+                chunk = os.read(0, 1 << 16)
+                received = received[-4096:] + chunk
+                # The last word ends it even while a forked child keeps the pipe open.
+                if not chunk or _last(received) in _LAST_WORDS:
+                    return _last(received)
+
+
+def _drain() -> bytes:
+    os.set_blocking(0, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(0, 1 << 16):
+            data += chunk
+    return data
+
+
+def _last(received: bytes) -> bytes:
+    lines = received.strip().splitlines()
+    return lines[-1].strip() if lines else b""
+
+
+_LAST_WORDS = (b"bye", b"detach")
+
+
 def main() -> int:
     pool_name = sys.argv[1]
-    config = LocalConfig.model_validate_json(sys.stdin.buffer.readline())
-    last = b""
-    # Blocks until the pool's process writes its last word or dies.
-    for line in sys.stdin.buffer:
-        last = line.strip()
-    if last in (b"bye", b"detach"):
+    owner = int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid()
+    # The raw descriptor, never sys.stdin: a "bye" must not wait in a buffer.
+    line, rest = _first_line()
+    config = LocalConfig.model_validate_json(line)
+    if _last_word(owner, rest) in _LAST_WORDS:
         return 0
     asyncio.run(sweep(config, pool_name))
     return 0
