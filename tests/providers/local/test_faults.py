@@ -60,3 +60,36 @@ async def test_full_disk_is_a_clear_error_and_the_sandbox_lives_on(
     finally:
         await provider.delete(info.id)
     await assert_nothing_left(provider)
+
+
+def _run(*argv: str, check: bool = True) -> None:
+    subprocess.run(argv, check=check, capture_output=True)
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+async def test_a_broken_state_directory_is_a_provider_error_and_leaves_nothing(
+    small_disk: Path, busybox_tar: Path, fault: str
+) -> None:
+    config = LocalConfig(
+        state_dir=small_disk, cgroup_parent=f"/sandman-test/{uuid.uuid4().hex[:12]}", disk=None
+    )
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    (small_disk / "sandboxes").mkdir(exist_ok=True)
+    filler = small_disk / "filler"
+    if fault == "read-only":
+        _run("mount", "-o", "remount,ro", str(small_disk))
+        cause = "Read-only file system"
+    else:
+        _run("dd", "if=/dev/zero", f"of={filler}", "bs=1M", check=False)  # until it is full
+        cause = "No space left on device"
+    try:
+        with pytest.raises(sandman.ProviderError, match=f"state directory failed at .*{cause}"):
+            await provider.create(SandboxSpec(image="busybox"))
+        assert list((small_disk / "sandboxes").iterdir()) == []
+    finally:
+        if fault == "read-only":
+            _run("mount", "-o", "remount,rw", str(small_disk))
+        filler.unlink(missing_ok=True)
+    await provider.aclose()
+    await assert_nothing_left(provider)

@@ -180,17 +180,19 @@ class LocalProvider:
             directory.mkdir(mode=0o700)
         except FileExistsError:
             raise errors.ConfigError(f"sandbox {sid} already exists") from None
+        except OSError as exc:
+            raise _state_error(sid, directory, exc) from exc
         # The record comes before anything else, so that a crash from here on
         # leaves a sandbox that list() finds and delete() removes.
         meta = {
             "id": sid, "labels": all_labels, "image": spec.image, "image_id": image.id,
             "created_at": created_at, "spec": spec.model_dump(mode="json"),
         }  # fmt: skip
-        _write(directory / "meta.json", json.dumps(meta))
         try:
+            _write(directory / "meta.json", json.dumps(meta))
             token = secrets.token_urlsafe(32)
             endpoint = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
-        except BaseException:
+        except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 try:
                     await self.delete(sid)
@@ -198,6 +200,8 @@ class LocalProvider:
                     # The record stays: a later delete (the pool retries) or the
                     # reconciler removes it. The caller hears the first failure.
                     logger.warning("cleanup of half-created %s failed", sid, exc_info=True)
+            if isinstance(exc, OSError) and not isinstance(exc, errors.SandboxError):
+                raise _state_error(sid, directory, exc) from exc
             raise
         return SandboxInfo(
             id=sid, provider=self.name, state="running", labels=all_labels,
@@ -369,6 +373,14 @@ class LocalProvider:
     async def aclose(self) -> None:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
         await anyio.to_thread.run_sync(self.disk.release)
+
+
+def _state_error(sid: str, directory: Path, exc: OSError) -> errors.ProviderError:
+    """A failure of this host's state directory (read-only, full...), named as such."""
+    where = exc.filename or directory
+    return errors.ProviderError(
+        f"cannot create sandbox {sid}: the state directory failed at {where}: {exc.strerror or exc}"
+    )
 
 
 def _endpoint(directory: Path, socket_path: Path, token: str) -> DaemonEndpoint:
