@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -150,6 +151,27 @@ async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(fake: FakeP
         assert fake.live == 1 and pool.get(kept.id).state == "leased"
         with pytest.raises(sandman.SandboxNotFound):
             pool.heartbeat(quiet)
+
+
+async def test_a_stall_of_the_pools_own_loop_expires_no_session(fake: FakeProvider) -> None:
+    """A debugger, a long synchronous step or SIGSTOP stops the loop that would have
+    served the heartbeats: that time must not count against the sessions."""
+    events: list[PoolEvent] = []
+    async with Pool(fake, PoolConfig(name="t", lease=1.0), hook=events.append) as pool:
+        session = pool.open_session()
+        record = await pool.acquire(SPEC, session=session)
+        stall(2.5)  # blocks the event loop: nothing of the pool runs
+        await asyncio.sleep(0.3)
+        pool.heartbeat(session)  # not "unknown or expired"
+        assert record.state == "leased" and fake.live == 1
+        assert "pool.stalled" in [e.name for e in events]
+        assert "session.expired" not in [e.name for e in events]
+        # A session that really stops heartbeating still goes.
+        await eventually(lambda: "session.expired" in [e.name for e in events], timeout=5)
+
+
+def stall(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 async def test_hard_lifetime_is_enforced(fake: FakeProvider) -> None:

@@ -17,7 +17,8 @@ logger = logging.getLogger("sandman.pool")
 class PoolEvent:
     """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
     ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
-    ``delete.failed``, ``session.expired``, ``reconcile.orphan``."""
+    ``delete.failed``, ``session.expired``, ``reconcile.orphan``, ``pool.stalled`` (its own
+    loop stood still for ``seconds``: not counted against any session)."""
 
     name: str
     pool: str

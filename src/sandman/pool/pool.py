@@ -543,10 +543,20 @@ class Pool:
 
     async def _maintain(self) -> None:
         """Expire sessions and sandboxes, top up warm spares, reconcile now and then."""
-        last_reconcile = time.monotonic()
+        last_reconcile = previous = time.monotonic()
+        interval = min(1.0, self.config.lease / 4)
         while True:
-            await asyncio.sleep(min(1.0, self.config.lease / 4))
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            # This loop itself stood still (a debugger, a long synchronous step,
+            # SIGSTOP): no heartbeat could have been served meanwhile, so that
+            # time does not count against any session's lease.
+            stalled = now - previous - interval
+            previous = now
+            if stalled > interval:
+                self._emit("pool.stalled", None, seconds=round(stalled, 3))
+                for session in self._sessions.values():
+                    session.last_seen += stalled
             for session in list(self._sessions.values()):
                 if now - session.last_seen > session.lease:
                     self._emit("session.expired", None, session=session.id)
