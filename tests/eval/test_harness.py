@@ -174,6 +174,25 @@ async def test_the_sdk_call_a_reward_function_makes(demo: Demo, client: AsyncCli
     }
 
 
+async def test_pre_test_runs_first_and_its_environment_reaches_the_tests(
+    demo: Demo, client: AsyncClient
+) -> None:
+    """As SWE-bench's eval script: activation-style exports before the test command
+    (one spanning lines), run in an exec of their own; nothing they start lives on."""
+    instance, patch = demo.shipped("calc-1", "gold")
+    staged = instance.model_copy(
+        update={
+            "pre_test": ["export SANDMAN_T_MULTI='one\ntwo'", "export SANDMAN_T_READY=1",
+                         "sleep 300 &"],
+            "test_cmd": 'test "$SANDMAN_T_READY" = 1 && test "$(echo "$SANDMAN_T_MULTI" | wc -l)" = 2'
+            " && ! (cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -q 'sleep 30[0]') && "
+            + instance.test_cmd,
+        }
+    )  # fmt: skip
+    report = await evaluate_report(staged, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "resolved", (report.verdict.reason, report.test_output)
+
+
 async def test_a_test_patch_that_does_not_apply_is_a_harness_error(
     demo: Demo, client: AsyncClient
 ) -> None:

@@ -48,6 +48,14 @@ type daemon struct {
 	exited chan error
 }
 
+// unixClient speaks HTTP to the unix socket at path, whatever the URL's host.
+func unixClient(path string) *http.Client {
+	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var dl net.Dialer
+		return dl.DialContext(ctx, "unix", path)
+	}}}
+}
+
 func startDaemon(t testing.TB, env []string, args ...string) *daemon {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "run", "d.sock")
@@ -78,10 +86,7 @@ func startDaemon(t testing.TB, env []string, args ...string) *daemon {
 		io.Copy(d.stderr, pr)
 		d.exited <- cmd.Wait()
 	}()
-	d.client = &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		var dl net.Dialer
-		return dl.DialContext(ctx, "unix", sock)
-	}}}
+	d.client = unixClient(sock)
 	t.Cleanup(func() {
 		cmd.Process.Kill()
 	})

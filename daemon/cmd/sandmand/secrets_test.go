@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"io"
 	"net"
 	"net/http"
@@ -13,7 +12,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // The env token is gone from the daemon's /proc/<pid>/environ (not only
@@ -76,10 +74,7 @@ func TestListenOnPassedDescriptor(t *testing.T) {
 	if err != nil || int(cred.Pid) != cmd.Process.Pid {
 		t.Fatalf("SO_PEERCRED: want the daemon's pid %d, got %+v (%v)", cmd.Process.Pid, cred, err)
 	}
-	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		var dl net.Dialer
-		return dl.DialContext(ctx, "unix", path)
-	}}}
+	client := unixClient(path)
 	req, _ := http.NewRequest("GET", "http://sandmand/v1/processes", nil)
 	req.Header.Set("Authorization", "Bearer fd-token")
 	resp, err := client.Do(req)

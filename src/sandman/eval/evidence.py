@@ -28,7 +28,6 @@ __all__ = ["WITNESS_PREFIX", "Witnessed", "audit_patch", "read_witness", "witnes
 WITNESS_PREFIX = "SANDMAN-WITNESS "
 _RECORD = re.compile(r"SANDMAN-WITNESS (\{.*\}) ([0-9a-f]{64})$")
 _PID = re.compile(r"/proc/\d+/")
-_GOOD: frozenset[str] = frozenset({"PASSED", "XFAIL"})
 
 
 @dataclass
@@ -48,11 +47,6 @@ class Witnessed:
     """Tests in the order the framework reported them."""
     aliases: dict[str, str] = field(default_factory=dict)
     """A unittest test's docstring line, which its verbose runner prints in place of the name."""
-
-    def passed(self, name: str) -> bool:
-        """Whether the framework itself reported ``name`` as passing (every phase)."""
-        seen = self.statuses.get(name, [])
-        return bool(seen) and all(status in _GOOD for status in seen)
 
     def status(self, name: str) -> TestStatus:
         """The framework's own word on ``name``: its worst phase, or MISSING."""
@@ -128,8 +122,6 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
         found.audits.append(reason)
         if record.get("patch"):
             found.attributed.append(reason)
-    elif kind == "collect_error":
-        pass
 
 
 _UNITTEST_WORDS = {

@@ -74,6 +74,8 @@ _METADATA_DIRS = (".dist-info", ".egg-info")
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 _WITNESS_CONFIG = "sandman-witness.json"  # the name witness.start reads
 _PASS_WORDS = frozenset({"PASSED", "XFAIL"})
+_ENV_MARK = "sandman-pre-test-environment"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The witness (sandman/eval/witness/) runs inside the test process: pytest loads
 # it as a plugin (-p), other runners through its sitecustomize. Its records go
 # to the test command's original stderr (kept as fd 3 for it), the test output
@@ -366,7 +368,8 @@ class _Evaluation:
         """
         if not self.instance.pre_test:
             return None
-        script = "\n".join(self.instance.pre_test) + "\necho\nenv -0\n"
+        # A separator no command prints, then the environment (values may span lines).
+        script = "\n".join(self.instance.pre_test) + f"\nprintf '\\0{_ENV_MARK}\\0'\nenv -0\n"
         done = await sb.exec(
             script, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
             max_output=_MAX_OUTPUT,
@@ -374,11 +377,10 @@ class _Evaluation:
         await self._exec(sb, ["sh", "-c", "kill -9 -1 2>/dev/null; true"])
         if done.exit_code != 0 or done.timed_out:
             raise _Abort("error", f"the pre-test commands failed: {_both(done)[-1000:].strip()}")
-        # What the commands printed comes first; the environment is the tail after a newline.
         env = {}
-        for item in done.stdout.rsplit("\n", 1)[-1].split("\0"):
+        for item in done.stdout.rpartition(f"\0{_ENV_MARK}\0")[2].split("\0"):
             key, sep, value = item.partition("=")
-            if sep and key.replace("_", "a").isalnum():
+            if sep and _ENV_NAME.fullmatch(key):
                 env[key] = value
         return env
 

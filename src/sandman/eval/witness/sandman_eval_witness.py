@@ -98,8 +98,10 @@ class _Witness:
             if value is not None:
                 self.watched.append((label + "." + name, owner, name, value))
 
-    def check(self, config: Any = None) -> None:
-        """Report framework code replaced by code from files the patch changed."""
+    def check(self) -> None:
+        """Report framework code replaced by code from files the patch changed
+        (and, under pytest, reporting hooks implemented in them)."""
+        config = self.config
         for i, (label, owner, name, value) in enumerate(self.watched):
             now = _raw(owner, name)
             if now is value:
@@ -358,20 +360,15 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_runtest_logreport(report: Any) -> None:
     if _witness is not None:
-        _witness.check(_witness.config)
+        _witness.check()
         status = _pytest_status(report)
         if status is not None:
             _witness.test(report.nodeid, status)
 
 
-def pytest_collectreport(report: Any) -> None:
-    if _witness is not None and report.failed:
-        _witness.emit("collect_error", name=report.nodeid)
-
-
 def pytest_sessionfinish(session: Any, exitstatus: Any) -> None:
     if _witness is not None:
-        _witness.check(_witness.config)
+        _witness.check()
         _witness.finish(
             exitstatus=int(exitstatus), collected=int(getattr(session, "testscollected", 0))
         )
