@@ -425,5 +425,11 @@ def _remove_cgroup_dirs(parent: str, sandbox_id: str, patience: float = 5.0) -> 
 
 
 def _remove_tree(directory: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    try:
         shutil.rmtree(directory)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a read-only or full state directory: the record stays
+        raise errors.ProviderError(
+            f"cannot remove {exc.filename or directory}: {exc.strerror or exc}"
+        ) from exc
