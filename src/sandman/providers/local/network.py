@@ -494,9 +494,17 @@ class NetworkManager:
         # Shared: a reset elsewhere cannot remove the rules until our veth exists.
         async with _host_lock(shared=True):
             taken = await _host_slots(self.subnet)
+            # Saved before anything is made: if the state directory cannot take it (read-only,
+            # full), nothing was; once it is saved, teardown knows what to remove.
             async with self._locked() as state:
                 attachment = self._allocate(state, sandbox_id, mode, netns, host_if, taken)
-                await self._admit(state, host_if if uplink is not None else None, uplink)
+            try:
+                async with self._locked() as state:
+                    await self._admit(state, host_if if uplink is not None else None, uplink)
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await self.teardown(sandbox_id)  # if it fails, the record stays for the next
+                raise
             await self._make_links(sandbox_id, attachment)
         logger.debug("network %s for %s: %s", mode, sandbox_id, attachment)
         return attachment
