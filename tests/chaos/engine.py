@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,10 +50,12 @@ from tests.chaos.inventory import Item, Scope, Tracker
 from tests.chaos.processes import REPO, ServiceProcess, WorkerProcess, child_env, signal_pid
 from tests.chaos.worker import WorkerConfig
 
+_WORKER_PARAMS = ("tasks", "rounds", "hold", "cancel_rate")
+
 LEASE = 3.0
 HEARTBEAT = 0.5
 RECONCILE = 1.0
-SETTLE = 20.0
+SETTLE = 10.0
 
 FAULTS: dict[str, tuple[str, ...]] = {
     "embedded": (
@@ -62,7 +64,8 @@ FAULTS: dict[str, tuple[str, ...]] = {
     ),
     "service": (
         "kill-service", "term-service", "stop-service", "kill-service-slow-watchdog",
-        "kill-client", "stop-client", "kill-daemon", "cancel-storm", "state-ro", "state-full",
+        "release-during-outage", "kill-client", "stop-client", "kill-daemon", "cancel-storm",
+        "state-ro", "state-full",
     ),
 }  # fmt: skip
 """Faults drawn at random per scenario; ``none`` (a control) is only run when asked for."""
@@ -90,31 +93,43 @@ class Plan:
 
 
 def plan_for(
-    seed: int, iteration: int, *, scenario: str | None = None, fault: str | None = None
+    seed: int,
+    iteration: int,
+    *,
+    scenario: str | None = None,
+    fault: str | None = None,
+    at: float | None = None,
+    **params: Any,
 ) -> Plan:
-    """The plan of ``iteration`` of ``seed``; ``scenario``/``fault`` force those choices."""
+    """The plan of ``iteration`` of ``seed``; ``scenario``, ``fault``, ``at`` and ``params``
+    (``duration``, ``when``, ``adopt``, ``on_shutdown``, ``restart_after``) force those."""
     rng = random.Random(f"chaos:{seed}:{iteration}")
     drawn_scenario = rng.choice(sorted(FAULTS))
     scenario = scenario or drawn_scenario
     drawn_fault = rng.choice(FAULTS[scenario])
     fault = fault or drawn_fault
-    at = round(rng.uniform(0.0, 1.5), 2)
-    params: dict[str, Any] = {}
+    drawn_at = round(rng.uniform(0.0, 1.5), 2)
+    drawn: dict[str, Any] = {}
     if fault.startswith("stop-"):
-        params["duration"] = round(rng.choice([0.3, 0.8, 1.5, 2.5]) * LEASE, 2)
+        drawn["duration"] = round(rng.choice([0.3, 0.8, 1.5, 2.5]) * LEASE, 2)
     if fault.startswith("state-"):
-        params["duration"] = round(rng.uniform(0.3, 3.0), 2)
+        drawn["duration"] = round(rng.uniform(0.3, 3.0), 2)
     if fault == "kill-daemon":
-        params["when"] = rng.choice(["burst", "hold"])
+        drawn["when"] = rng.choice(["burst", "hold"])
     if scenario == "service":
-        params["on_shutdown"] = rng.choice(["release", "leave"])
+        drawn["on_shutdown"] = rng.choice(["release", "leave"])
         if fault in ("kill-service", "term-service"):
-            params["adopt"] = rng.random() < 0.5
-            params["restart_after"] = round(rng.uniform(0.0, 1.5), 2)
+            drawn["adopt"] = rng.random() < 0.5
+            drawn["restart_after"] = round(rng.uniform(0.0, 1.5), 2)
         if fault == "kill-service-slow-watchdog":
-            params["on_shutdown"] = "release"  # only a releasing service has a watchdog
+            drawn["on_shutdown"] = "release"  # only a releasing service has a watchdog
+        if fault == "release-during-outage":
+            # Clients release what they hold while the service is down; the next instance
+            # adopts what the last one left.
+            drawn |= {"on_shutdown": "leave", "adopt": True, "when": "hold"}
     seeds = tuple(rng.randrange(2**31) for _ in range(3))
-    return Plan(seed, iteration, scenario, fault, at, params, seeds)
+    return Plan(seed, iteration, scenario, fault, drawn_at if at is None else at,
+                drawn | params, seeds)  # fmt: skip
 
 
 @dataclass
@@ -182,6 +197,8 @@ class Iteration:
             "name": name, "seed": seed, "heartbeat": HEARTBEAT,
             "cancel_rate": 0.9 if plan.fault == "cancel-storm" else 0.3,
         }  # fmt: skip
+        # The burst's shape, when the plan says (tasks, rounds, hold, cancel_rate).
+        values |= {k: v for k, v in plan.params.items() if k in _WORKER_PARAMS}
         if plan.scenario == "embedded":
             values |= {
                 "mode": "embedded", "state_dir": str(self.scope.state_dir),
@@ -276,6 +293,8 @@ class Iteration:
             await self.full(duration)
         elif fault in ("kill-service", "term-service", "kill-service-slow-watchdog"):
             await self.restart_service()
+        elif fault == "release-during-outage":
+            await self.restart_service(meanwhile=self.release_all)
         elif fault == "stop-service":
             assert self.service is not None
             self.service.signal(signal.SIGSTOP)
@@ -331,7 +350,14 @@ class Iteration:
         finally:
             filler.unlink(missing_ok=True)
 
-    async def restart_service(self) -> None:
+    async def release_all(self) -> None:
+        """Every live client gives back what it holds (it cannot reach the service)."""
+        await asyncio.gather(*(w.command("release", "released-all", 60) for w in self.live()))
+
+    async def restart_service(
+        self, meanwhile: Callable[[], Coroutine[Any, Any, None]] | None = None
+    ) -> None:
+        """Stop the service (SIGKILL or SIGTERM), run ``meanwhile``, start it again."""
         service = self.service
         assert service is not None
         plan = self.plan
@@ -352,6 +378,8 @@ class Iteration:
                 self.notes.append(f"the service exited {code} on SIGTERM")
         else:
             await service.kill()
+        if meanwhile is not None:
+            await meanwhile()
         await asyncio.sleep(float(plan.params.get("restart_after", 0.0)))
         await self.start_service(on_shutdown=mode, adopt=adopt)
         # A client that comes after the restart: the new instance must serve it, and keep
@@ -445,7 +473,8 @@ class Iteration:
                 )
 
     async def close(self) -> None:
-        await asyncio.gather(*(worker.stop() for worker in self.workers))
+        problems = await asyncio.gather(*(worker.stop() for worker in self.workers))
+        self.notes += [problem for problem in problems if problem]
         service = self.service
         if service is None:
             return

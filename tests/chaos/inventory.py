@@ -115,11 +115,16 @@ def describe(items: Iterable[Item]) -> list[str]:
         for kind, named in kinds.items():
             if kind == "cgroup":
                 parts.append(f"{len(named)} cgroups")
-            elif kind in ("dir", "disk layer", "runtime state"):
+            elif kind == "dir":
+                parts.append(f"dir [{named[0].rpartition(' [')[2]}")
+            elif kind in ("disk layer", "runtime state"):
                 parts.append(kind)
             else:
                 parts.append(f"{kind} {', '.join(named)}")
-        lines.append(f"{owner}: {'; '.join(parts)}")
+        if len(found) == 1 and owner == str(found[0]):
+            lines.append(owner)
+        else:
+            lines.append(f"{owner}: {'; '.join(parts)}")
     return lines
 
 
@@ -143,11 +148,22 @@ def take(scope: Scope, tracker: Tracker | None = None) -> list[Item]:
 def _dirs(scope: Scope) -> list[Item]:
     found = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        found += [Item("dir", e.path, e.name) for e in os.scandir(scope.sandboxes)]
+        found += [
+            Item("dir", f"{e.path} [{_listing(e.path)}]", e.name)
+            for e in os.scandir(scope.sandboxes)
+        ]
     runtime = scope.state_dir / "runtime" / scope.runtime
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         found += [Item("runtime state", e.path, e.name) for e in os.scandir(runtime)]
     return found
+
+
+def _listing(path: str) -> str:
+    """What a sandbox directory holds (a stray one's content tells how it came to stay)."""
+    try:
+        return " ".join(sorted(os.listdir(path))) or "empty"
+    except OSError as exc:
+        return exc.strerror or "unreadable"
 
 
 def _containers(scope: Scope) -> list[Item]:
@@ -368,6 +384,8 @@ def scrub(scope: Scope, tracker: Tracker, baseline: Iterable[Item] = ()) -> list
 
     if scope.state_dir.exists():
         asyncio.run(delete_all())
+    # Elements of a sandbox whose network record is gone: teardown no longer knows them.
+    _drop_elements({names(sid)[1] for sid in tracker.ids})
     left = settle(scope, tracker, baseline=baseline, timeout=5)
     if left:
         # What the provider could not delete (a disk filesystem gone read-only...): by force.
@@ -377,3 +395,37 @@ def scrub(scope: Scope, tracker: Tracker, baseline: Iterable[Item] = ()) -> list
         left = settle(scope, tracker, baseline=baseline, timeout=10)
     remove_cgroup_parent(scope.cgroup_parent)
     return left
+
+
+def _drop_elements(interfaces: set[str]) -> None:
+    """Delete the elements of ``interfaces`` from the ``sandman`` nftables sets."""
+    for which in _NFT_SETS:
+        done = subprocess.run(
+            ["nft", "-j", "list", "set", "inet", TABLE, which],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            continue
+        for entry in json.loads(done.stdout)["nftables"]:
+            for element in entry.get("set", {}).get("elem", []):
+                text = _element(element)
+                if text is not None and text.split(" . ")[0].strip('"') in interfaces:
+                    subprocess.run(
+                        ["nft", "delete", "element", "inet", TABLE, which, f"{{ {text} }}"],
+                        capture_output=True, timeout=30, check=False,
+                    )  # fmt: skip
+
+
+def _element(element: object) -> str | None:
+    """An element of ``nft -j`` output in nft's own syntax (the forms our sets hold)."""
+    if isinstance(element, str):
+        return json.dumps(element)
+    if isinstance(element, dict) and "concat" in element:
+        parts = [_element(part) for part in element["concat"]]
+        return None if None in parts else " . ".join(str(p) for p in parts)
+    if isinstance(element, dict) and "prefix" in element:
+        return f"{element['prefix']['addr']}/{element['prefix']['len']}"
+    if isinstance(element, dict) and "range" in element:
+        low, high = element["range"]
+        return f"{low}-{high}"
+    return None

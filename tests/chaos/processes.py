@@ -173,20 +173,24 @@ class WorkerProcess:
                 self.killed = True
             signal_pid(self.pid, sig)
 
-    async def stop(self, timeout: float = 60.0) -> None:
-        """Ask it to close; SIGKILL it after ``timeout``."""
-        if self.alive:
-            await self.command("close", "closed", timeout)
+    async def stop(self, timeout: float = 15.0) -> str:
+        """Ask it to close; SIGKILL it if it has not exited ``timeout`` seconds later.
+        Returns what went wrong ("" if nothing)."""
+        problem = ""
+        if self.alive and await self.command("close", "closed", timeout) is None and self.alive:
+            problem = f"{self.name} did not close within {timeout:.0f} s: killed"
         if self.process is not None:
             try:
-                async with asyncio.timeout(10 if not self.alive else timeout):
+                async with asyncio.timeout(5):
                     await self.process.wait()
             except TimeoutError:
+                problem = problem or f"{self.name} did not exit after closing: killed"
                 self.signal(signal.SIGKILL)
                 await self.process.wait()
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await self._reader
+        return problem
 
     def crashed(self) -> str:
         """A traceback it died with, if it died on its own."""

@@ -12,9 +12,11 @@ It reports on stdout, one JSON object a line (`Report` events):
   ``released``, ``told`` (a call said the sandbox is gone: the holder drops it);
 - ``error``: an exception that reached this caller, with whether it is typed (a
   `sandman.SandboxError`); a cancellation or deadline this worker caused itself is not;
-- ``check``: answer to the ``check`` command (see `Worker.check`), ``closed``.
+- ``check``: answer to the ``check`` command (see `Worker.check`), ``released-all``
+  (to ``release``: each sandbox held was given back, or the error said why not),
+  ``closed``.
 
-Commands on stdin, one a line: ``check``, ``close``.
+Commands on stdin, one a line: ``check``, ``release``, ``close``.
 """
 
 from __future__ import annotations
@@ -199,13 +201,18 @@ class Worker:
                 await asyncio.sleep(self.rng.uniform(0, 0.5))
                 await self.release(sb)
 
+    async def keep(self, deadline: float) -> None:
+        """One sandbox to keep: as a trainer would, it tries again (for a while) when an
+        acquire fails."""
+        while time.monotonic() < deadline:
+            if await self.acquire(cancel=False) is not None:
+                return
+            await asyncio.sleep(0.5)
+
     async def burst(self) -> None:
         await asyncio.gather(*(self.task() for _ in range(self.config.tasks)))
-        # What it keeps: as a trainer would, it tries again (for a while) when an acquire fails.
         deadline = time.monotonic() + 20
-        while len(self.held) < self.config.hold and time.monotonic() < deadline:
-            if await self.acquire(cancel=False) is None:
-                await asyncio.sleep(0.5)
+        await asyncio.gather(*(self.keep(deadline) for _ in range(self.config.hold)))
         emit("holding", held=sorted(self.held))
 
     # -- commands ---------------------------------------------------------------------
@@ -270,6 +277,10 @@ async def main(config: WorkerConfig) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await burst
             await worker.check()
+        elif line == "release":
+            for sb in list(worker.held.values()):
+                await worker.release(sb)
+            emit("released-all")
         elif line == "close":
             burst.cancel()
             with contextlib.suppress(asyncio.CancelledError):
