@@ -142,6 +142,17 @@ async def test_a_long_state_dir_is_refused(tmp_path: Path) -> None:
         assert provider.live == 0 and provider.calls == []
 
 
+async def test_relabel_merges_and_removes_labels() -> None:
+    async with FakeProvider(daemon=False) as provider:
+        info = await provider.create(SPEC, labels={"a": "1", "b": "2"})
+        await provider.relabel(info.id, {"a": None, "c": "3"})
+        assert (await provider.inspect(info.id)).labels == {"b": "2", "c": "3"}
+        assert [i.id for i in await provider.list(labels={"c": "3"})] == [info.id]
+        await provider.delete(info.id)
+        with pytest.raises(sandman.SandboxNotFound):
+            await provider.relabel(info.id, {"a": "1"})
+
+
 # -- faults on create ------------------------------------------------------------
 
 

@@ -174,7 +174,7 @@ class FakeProvider:
     Introspection for tests: `live`, `creating`, ``created_total``,
     ``deleted_total`` (always ``live == created_total - deleted_total``),
     ``calls`` (every ``(op, sandbox_id)`` in call order; ``op`` is
-    ``create``, ``delete``, ``inspect``, ``list`` or ``aclose``, the id is
+    ``create``, ``delete``, ``inspect``, ``list``, ``relabel`` or ``aclose``, the id is
     ``""`` where there is none) and ``max_concurrent_creates``.
     """
 
@@ -343,6 +343,15 @@ class FakeProvider:
         self.calls.append(("list", ""))
         wanted = dict(labels or {}).items()
         return [self._info(s) for s in self._sandboxes.values() if wanted <= s.labels.items()]
+
+    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
+        """Merge ``labels`` into the sandbox's; `SandboxNotFound` when it is not held."""
+        self.calls.append(("relabel", sandbox_id))
+        sandbox = self._sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise errors.SandboxNotFound(f"fake: no sandbox {sandbox_id}")
+        merged = {**sandbox.labels, **labels}
+        sandbox.labels = {k: v for k, v in merged.items() if v is not None}
 
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; `SandboxNotFound` when it is not held."""

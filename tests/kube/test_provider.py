@@ -18,6 +18,7 @@ from sandman import errors
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
+from sandman.providers.base import SandboxInfo
 from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from sandman.providers.kubernetes.watch import PodWatch
@@ -182,6 +183,15 @@ async def test_list_selects_by_label_page_by_page(
         assert version
         with pytest.raises(errors.ConfigError, match="invalid value"):
             await provider.list(labels={POOL: "not a label value"})
+        # Relabelled as the identity (it may patch pods): a new list sees it.
+        await provider.relabel(session0[0].id, {"sandman.io/session": "s9", "k": None})
+        moved = await wait_for(
+            "the relabel to reach the list", 10,
+            lambda: _listed(provider, {POOL: pool_name, "sandman.io/session": "s9"}),
+        )  # fmt: skip
+        assert [info.id for info in moved] == [session0[0].id]
+        with pytest.raises(errors.SandboxNotFound):
+            await provider.relabel("sb-none", {"k": "v"})
         for info in everything:
             await provider.delete(info.id)
             await provider.delete(info.id)  # idempotent: 404 is fine
@@ -224,3 +234,7 @@ async def test_the_watch_resumes_where_the_server_ended_it(
         assert watch.relists == 1
     finally:
         await watch.aclose()
+
+
+async def _listed(provider: KubernetesProvider, labels: dict[str, str]) -> list[SandboxInfo] | None:
+    return await provider.list(labels=labels) or None

@@ -84,6 +84,12 @@ class Provider(Protocol):
         """Every sandbox this provider owns whose labels include ``labels``."""
         ...
 
+    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
+        """Merge ``labels`` into the sandbox's (a None value removes that label), durably:
+        a later `list`, in this process or another, sees them. SandboxNotFound when
+        there is no such sandbox."""
+        ...
+
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; raises SandboxNotFound when there is none."""
         ...

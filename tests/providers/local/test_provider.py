@@ -76,6 +76,13 @@ async def test_list_and_inspect_survive_a_new_provider(provider: LocalProvider) 
     assert [i.id for i in await again.list(labels={"k": "2"})] == [two.id]
     inspected = await again.inspect(one.id)
     assert inspected.endpoint == one.endpoint
+    # Relabelled durably: another provider's list sees it (None removes a label).
+    await provider.relabel(two.id, {"k": None, "sandman.io/session": "s-1"})
+    relabelled = await again.inspect(two.id)
+    assert relabelled.labels == {"sandman.io/pool": "p", "sandman.io/session": "s-1"}
+    assert await again.list(labels={"k": "2"}) == []
+    with pytest.raises(sandman.SandboxNotFound):
+        await again.relabel("sb-none", {"k": "v"})
     async with await _ready(inspected) as sb:
         assert (await sb.exec(["true"])).ok
     await again.delete(one.id)

@@ -166,6 +166,11 @@ class KubernetesProvider:
         infos = [self._info(pod) for pod in items]
         return sorted(infos, key=lambda info: info.created_at)
 
+    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
+        """Merge ``labels`` into the pod's labels (one PATCH)."""
+        pods.validate_labels({k: v for k, v in labels.items() if v is not None})
+        await self.api.patch_pod_labels(sandbox_id, labels)
+
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; SandboxNotFound when its pod is gone. A pod that was evicted,
         OOM-killed or exited is reported ``stopped`` (the SDK then says it is lost)."""

@@ -331,6 +331,16 @@ class LocalProvider:
         wanted = dict(labels or {})
         return [info for info in infos if wanted.items() <= info.labels.items()]
 
+    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
+        """Rewrite the record's labels (atomically: a reader sees the old or the new)."""
+        directory = self._dir(sandbox_id)
+        try:
+            await anyio.to_thread.run_sync(_relabel, directory / "meta.json", dict(labels))
+        except FileNotFoundError:
+            raise errors.SandboxNotFound(f"no sandbox {sandbox_id} in {self._sandboxes}") from None
+        except (OSError, ValueError) as exc:
+            raise errors.ProviderError(f"cannot relabel sandbox {sandbox_id}: {exc}") from exc
+
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; SandboxNotFound when neither a record nor a container exists."""
         directory = self._dir(sandbox_id)
@@ -389,6 +399,15 @@ def _endpoint(directory: Path, socket_path: Path, token: str) -> DaemonEndpoint:
         where = json.loads((directory / _TCP_ENDPOINT).read_text())
         return DaemonEndpoint(host=str(where["host"]), port=int(where["port"]), token=token)
     return DaemonEndpoint(uds=str(socket_path), token=token, pid=read_pid(directory / "pid"))
+
+
+def _relabel(meta_path: Path, labels: dict[str, str | None]) -> None:
+    meta = json.loads(meta_path.read_text())
+    merged = {**meta.get("labels", {}), **labels}
+    meta["labels"] = {k: v for k, v in merged.items() if v is not None}
+    staged = meta_path.with_name(f".{meta_path.name}.{secrets.token_hex(4)}")
+    _write(staged, json.dumps(meta))
+    os.replace(staged, meta_path)
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> None:
