@@ -95,7 +95,7 @@ async def test_end_to_end_with_a_real_daemon(state_dir: Path) -> None:
             assert (result.exit_code, result.stdout) == (0, "hi\n")
             assert (await client.exec("echo $GREETING")).stdout == "hello\n"
             # A background process in a process group of its own dies with the sandbox too.
-            background = await client.start_process(["sleep", "1000"])
+            background = await client.spawn(["sleep", "1000"])
         assert _alive(background.pid)
         await provider.delete(info.id)
         assert not _alive(pid) and not _alive(background.pid)
@@ -412,7 +412,7 @@ async def test_aclose_kills_every_daemon_but_keeps_the_records(state_dir: Path) 
         assert info.endpoint is not None
         async with info.endpoint.client() as client:
             await client.wait_ready(timeout=10)
-            await client.start_process(["sleep", "1000"])
+            await client.spawn(["sleep", "1000"])
     late = await provider.create(SPEC)  # its daemon has not started yet
     assert len(_processes_under(state_dir)) == 6
     await provider.aclose()

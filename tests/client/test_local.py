@@ -32,7 +32,7 @@ async def test_async_client_end_to_end(
     ):
         result = await sb.exec("echo hi from $(hostname)")
         assert result.stdout == f"hi from {sb.id}\n"
-        assert (await sb.run(["true"])).ok
+        assert (await sb.exec(["true"])).ok
         await sb.write_file("/root/a.txt", "persisted")
         assert await sb.read_file("/root/a.txt") == b"persisted"
 
@@ -41,9 +41,9 @@ async def test_async_client_end_to_end(
         out = await sb.read_output(proc.id, wait=5)
         assert "started" in out.stdout
 
-        shell = await sb.shell()
-        await sb.shell_run(shell.id, "cd /tmp && export X=1", check=True)
-        assert (await sb.shell_run(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
+        shell = await sb.create_session()
+        await sb.run_in_session(shell.id, "cd /tmp && export X=1", check=True)
+        assert (await sb.run_in_session(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
 
         local_dir = tmp_path / "up"
         (local_dir / "sub").mkdir(parents=True)
@@ -114,6 +114,19 @@ def test_both_faces_have_the_same_signatures(async_cls: type, sync_cls: type) ->
         assert list(signature.parameters) == list(sync_members[name].parameters), name
         for param, spec in signature.parameters.items():
             assert spec.default == sync_members[name].parameters[param].default, (name, param)
+
+
+def test_a_sandbox_speaks_its_daemons_vocabulary() -> None:
+    # One vocabulary: a sandbox has every call of its daemon's client (but the
+    # connection's own), with the same parameters and words.
+    daemon = _public(sandman.DaemonClient)
+    sandbox = _public(sandman.AsyncSandbox)
+    assert daemon.keys() - {"aclose", "wait_ready"} <= sandbox.keys()
+    assert sandbox.keys() - daemon.keys() == {"release", "timeline"}
+    for name in daemon.keys() & sandbox.keys():
+        assert daemon[name] == sandbox[name], name
+        assert getattr(sandman.AsyncSandbox, name).__doc__, name
+        assert getattr(sandman.Sandbox, name).__doc__ == getattr(sandman.DaemonClient, name).__doc__
 
 
 KILLED = textwrap.dedent(
