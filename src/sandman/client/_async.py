@@ -80,7 +80,7 @@ class AsyncSandbox:
 
     async def timeline(self) -> dict[str, float]:
         """When each step happened (queued, create_called, ..., handed_out, released, gone)."""
-        return await self._backend.timeline(self.id)
+        return await self._backend.timeline(self._lease)
 
     async def __aenter__(self) -> Self:
         return self

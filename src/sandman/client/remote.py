@@ -274,7 +274,6 @@ class RemoteBackend:
         self._transport = transport
         self._parsed = parsed
         self._http = self._wire()
-        self._timelines: dict[str, dict[str, float]] = {}
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
@@ -345,7 +344,6 @@ class RemoteBackend:
         if endpoint.uds is None and endpoint.host is None:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
-        self._timelines[sandbox_id] = dict(data.get("timeline") or {})
         try:
             if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
                 endpoint = self.proxied(sandbox_id)
@@ -355,7 +353,7 @@ class RemoteBackend:
             with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
                 await self.release(sandbox_id)
             raise
-        return Lease(sandbox_id, endpoint, float(data["expires_at"]))
+        return Lease(sandbox_id, endpoint, float(data["expires_at"]), _timeline(data))
 
     async def _reachable(self, endpoint: DaemonEndpoint) -> bool:
         """Whether this process can reach ``endpoint`` itself: a unix socket must exist
@@ -420,15 +418,14 @@ class RemoteBackend:
         data = response.json()
         return data.get("state") == "leased" and data.get("running") is True
 
-    async def timeline(self, sandbox_id: str) -> dict[str, float]:
+    async def timeline(self, lease: Lease) -> dict[str, float]:
         try:
-            response = await self._call("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
+            response = await self._call("GET", f"/v1/sandboxes/{_segment(lease.id)}")
         except errors.SandboxNotFound:
-            # The service forgot it (long gone): what was seen at the hand-over.
-            return dict(self._timelines.get(sandbox_id, {}))
-        timeline = {str(k): float(v) for k, v in (response.json().get("timeline") or {}).items()}
-        self._timelines[sandbox_id] = timeline
-        return dict(timeline)
+            # The service forgot it (long gone): what was seen last.
+            return dict(lease.timeline)
+        lease.timeline.update(_timeline(response.json()))
+        return dict(lease.timeline)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -474,3 +471,7 @@ def connect_sync(
         connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
                 via_proxy=via_proxy)
     )  # fmt: skip
+
+
+def _timeline(data: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (data.get("timeline") or {}).items()}
