@@ -12,6 +12,8 @@ from sandman.client import (
     Sandbox,
     connect,
     connect_sync,
+    kubernetes,
+    kubernetes_sync,
     local,
     local_sync,
 )
@@ -115,6 +117,8 @@ __all__ = [
     "connect",
     "connect_sync",
     "daemon_path",
+    "kubernetes",
+    "kubernetes_sync",
     "local",
     "local_sync",
 ]

@@ -17,6 +17,8 @@ import pytest
 
 import sandman
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
+from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
 
 pytestmark = needs_root_and_crun
@@ -62,6 +64,24 @@ async def test_async_client_end_to_end(
             "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
         ]  # fmt: skip
     assert await imported.list() == []
+
+
+@pytest.mark.anyio
+async def test_every_local_setting_reaches_the_provider(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    parent = f"/sandman-test/entry-{os.getpid()}"
+    client = sandman.local(state_dir=local_state, cgroup_parent=parent, disk=None)
+    async with client, client.sandbox("busybox") as sb:
+        assert (await sb.exec("true")).ok
+        assert Path(f"/sys/fs/cgroup/memory{parent}/{sb.id}").is_dir()
+    remove_cgroup_parent(parent)
+    with pytest.raises(sandman.ConfigError, match="cgroup_parent"):
+        sandman.local(state_dir=local_state, cgroup_parent="no leading slash")
+    with pytest.raises(sandman.ConfigError, match="not both"):
+        sandman.local(LocalConfig(state_dir=local_state), runtime="runc")
+    with pytest.raises(sandman.ConfigError, match="no_such_setting"):
+        sandman.kubernetes(no_such_setting=1)
 
 
 @pytest.mark.anyio

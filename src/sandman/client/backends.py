@@ -44,11 +44,15 @@ class Backend(Protocol):
 
 
 class InProcessBackend:
-    """A backend over a `Pool` in this process (``sandman.local()``)."""
+    """A backend over a `Pool` in this process (``sandman.local()``, ``sandman.kubernetes()``).
 
-    def __init__(self, pool: Pool, *, own_pool: bool = True) -> None:
+    Closing it closes the pool (``own_pool``) and then its provider (``own_provider``).
+    """
+
+    def __init__(self, pool: Pool, *, own_pool: bool = True, own_provider: bool = False) -> None:
         self.pool = pool
         self._own_pool = own_pool
+        self._own_provider = own_provider
 
     async def open_session(self) -> str:
         await self.pool.start()
@@ -90,3 +94,7 @@ class InProcessBackend:
     async def aclose(self) -> None:
         if self._own_pool:
             await self.pool.aclose()
+        if self._own_provider:
+            # Its sandboxes are gone; the provider's own resources go now (a
+            # local one unmounts its disk filesystem if no other holds a layer).
+            await self.pool.provider.aclose()
