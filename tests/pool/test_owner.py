@@ -188,3 +188,21 @@ async def test_what_cannot_be_relabelled_is_not_adopted(dead_owner: str) -> None
         async with Pool(fake, PoolConfig(name="t", adopt_orphans=True)) as pool:
             await eventually(lambda: fake.live == 0)
             assert left.id not in {r.id for r in pool.list()}
+
+
+@pytest.mark.anyio
+async def test_what_a_pool_leaves_at_close_is_no_longer_its_process_s(
+    fake: FakeProvider,
+) -> None:
+    """Left for the next pool of the name: this process's exit must not make them a
+    dead owner's, which any pool (and gc) would reap before the successor adopts them."""
+    pool = Pool(fake, PoolConfig(name="t"))
+    await pool.start()
+    session = pool.open_session()
+    held = await pool.acquire(SPEC, session=session)
+    await pool.aclose(release=False)
+    [left] = await fake.list()
+    assert left.id == held.id and LABEL_OWNER not in left.labels
+    async with Pool(fake, PoolConfig(name="t", adopt_orphans=True)) as successor:
+        assert successor.get(held.id).state == "leased"
+        assert (await fake.inspect(held.id)).labels[LABEL_OWNER] == successor.owner

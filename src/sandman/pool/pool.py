@@ -181,6 +181,8 @@ class Pool:
         if release:
             for record in list(self._records.values()):
                 self._release(record, reason="pool closed")
+        else:
+            self._spawn(self._disown(), "sandman-pool-disown")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while self._tasks:
@@ -188,6 +190,21 @@ class Pool:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+    async def _disown(self) -> None:
+        """Left for the next pool of this name: no longer this process's, whose exit
+        would make them a dead owner's, for any pool (and `sandman gc`) to reap."""
+        gate = asyncio.Semaphore(32)
+
+        async def one(record: Record) -> None:
+            async with gate:
+                try:
+                    await self.provider.relabel(record.id, {owners.LABEL_OWNER: None})
+                except errors.SandboxError as exc:
+                    self._emit("disown.failed", record, error=repr(exc))
+
+        kept = [r for r in self._records.values() if r.state in ("ready", "leased")]
+        await asyncio.gather(*(one(record) for record in kept))
 
     def _check_open(self) -> None:
         if self._closed:
