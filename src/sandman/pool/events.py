@@ -18,7 +18,8 @@ class PoolEvent:
     """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
     ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
     ``delete.failed``, ``session.expired``, ``reconcile.orphan``, ``pool.stalled`` (its own
-    loop stood still for ``seconds``: not counted against any session)."""
+    loop stood still for ``seconds``: not counted against any session), ``disown.failed``
+    (a sandbox left at close kept this process as its owner)."""
 
     name: str
     pool: str

@@ -31,10 +31,11 @@ from typing import Any, Literal, Self
 
 from sandman import errors
 from sandman.models import SandboxSpec
+from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
-from sandman.providers.base import Provider
+from sandman.providers.base import Provider, SandboxInfo
 
 __all__ = ["Pool", "PoolConfig"]
 
@@ -63,6 +64,14 @@ class PoolConfig:
     adopt_orphans: bool = False
     """At start, keep running sandboxes a previous life of this pool left (as leased to their
     session label) instead of deleting them."""
+    reap_dead_owners: bool | None = None
+    """Reconcile also deletes sandboxes of any pool whose owner (``sandman.io/owner``, see
+    `sandman.pool.owner`) is a dead process, and records of nothing that run nothing
+    (older than ``stray_grace``). None: on the local provider only, where listing every
+    sandbox is cheap and owners are processes of this host."""
+    stray_grace: float = 60.0
+    """How old a record of nothing must be before it is reaped: a create in flight is one
+    for a moment."""
     pacing: PacingConfig = field(default_factory=PacingConfig)
 
 
@@ -127,6 +136,8 @@ class Pool:
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self.owner = owners.current()
+        """This pool's process, as every sandbox it creates or adopts names it."""
 
     def __repr__(self) -> str:
         return f"Pool({self.config.name!r}, provider={self.provider.name!r}, sandboxes={len(self._records)})"
@@ -170,6 +181,8 @@ class Pool:
         if release:
             for record in list(self._records.values()):
                 self._release(record, reason="pool closed")
+        else:
+            self._spawn(self._disown(), "sandman-pool-disown")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while self._tasks:
@@ -177,6 +190,21 @@ class Pool:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+    async def _disown(self) -> None:
+        """Left for the next pool of this name: no longer this process's, whose exit
+        would make them a dead owner's, for any pool (and `sandman gc`) to reap."""
+        gate = asyncio.Semaphore(32)
+
+        async def one(record: Record) -> None:
+            async with gate:
+                try:
+                    await self.provider.relabel(record.id, {owners.LABEL_OWNER: None})
+                except errors.SandboxError as exc:
+                    self._emit("disown.failed", record, error=repr(exc))
+
+        kept = [r for r in self._records.values() if r.state in ("ready", "leased")]
+        await asyncio.gather(*(one(record) for record in kept))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -393,7 +421,7 @@ class Pool:
         record = Record(
             id=f"sb-{secrets.token_hex(6)}", spec=request.spec, state="creating",
             labels={LABEL_POOL: self.config.name, LABEL_SESSION: request.session,
-                    LABEL_EXPIRES: f"{expires:.0f}"},
+                    LABEL_EXPIRES: f"{expires:.0f}", owners.LABEL_OWNER: self.owner},
             expires_at=expires, session=None if request.warm else request.session,
         )  # fmt: skip
         record.stamp("queued", request.queued_at)
@@ -589,30 +617,70 @@ class Pool:
         """Delete what the provider holds for this pool that the pool does not know, or expired.
 
         With ``adopt``, running unexpired orphans are kept as leased to their
-        session label (a session that then never heartbeats loses them).
+        session label (a session that then never heartbeats loses them), each
+        relabelled as this process's first. A sandbox of this pool's name that
+        another live process owns is left alone. With ``reap_dead_owners``,
+        also deleted: any pool's sandboxes whose owner process is dead, and
+        records of nothing that run nothing (a crash's leftovers).
         """
-        infos = await self.provider.list(labels={LABEL_POOL: self.config.name})
+        everyone = self.config.reap_dead_owners
+        if everyone is None:
+            everyone = self.provider.name == "local"
+        mine = {LABEL_POOL: self.config.name}
+        infos = await self.provider.list(labels=None if everyone else mine)
         wall = time.time()
+        liveness = owners.Liveness()
         for info in infos:
             if info.id in self._records:
                 continue
+            owner = info.labels.get(owners.LABEL_OWNER)
+            status = liveness(owner) if owner is not None and owner != self.owner else None
+            if info.labels.get(LABEL_POOL) != self.config.name:
+                # Another pool's, or nobody's: only what is certainly abandoned.
+                if status == "dead":
+                    self._orphan(info, reason=f"owner {owners.describe(owner or '')} is dead")
+                elif (
+                    not info.labels
+                    and info.state == "unknown"
+                    and wall - info.created_at > self.config.stray_grace
+                ):
+                    self._orphan(info, reason="no record")
+                continue
+            if status == "alive":
+                continue  # a pool of the same name in another live process: its own
             try:
                 expires = float(info.labels.get(LABEL_EXPIRES, "0"))
             except ValueError:
                 expires = 0.0
             session = info.labels.get(LABEL_SESSION)
-            record = Record(
-                id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
-                labels=dict(info.labels), expires_at=expires, info=info,
-            )  # fmt: skip
-            self._records[info.id] = record
             if adopt and info.state == "running" and expires > wall and session:
+                record = self._record_of(info, expires)
+                try:
+                    # Ours before it counts as adopted: a sweep by its old owner spares it.
+                    await self.provider.relabel(info.id, {owners.LABEL_OWNER: self.owner})
+                except errors.SandboxError as exc:
+                    self._emit("reconcile.orphan", record, state=info.state, error=repr(exc))
+                    self._release(record, reason="orphan")
+                    continue
+                record.labels[owners.LABEL_OWNER] = self.owner
                 self.open_session(session)
                 self._lease(record, session)
                 self._emit("reconcile.adopted", record)
             else:
-                self._emit("reconcile.orphan", record, state=info.state)
-                self._release(record, reason="orphan")
+                self._orphan(info, expires=expires)
+
+    def _record_of(self, info: SandboxInfo, expires: float = 0.0) -> Record:
+        record = Record(
+            id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
+            labels=dict(info.labels), expires_at=expires, info=info,
+        )  # fmt: skip
+        self._records[info.id] = record
+        return record
+
+    def _orphan(self, info: SandboxInfo, *, expires: float = 0.0, reason: str = "orphan") -> None:
+        record = self._record_of(info, expires)
+        self._emit("reconcile.orphan", record, state=info.state, reason=reason)
+        self._release(record, reason=reason)
 
 
 def _classify(exc: BaseException) -> tuple[FailureKind, float | None]:

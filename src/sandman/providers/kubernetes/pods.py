@@ -49,11 +49,13 @@ TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
 RESERVED_PREFIX = "sandman.io/"
-# The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session,
+# The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session, owner,
 # expires-at, as `pod_manifest`'s ``labels``), the service (tenant, in the spec) and
 # this module (egress). Anything else under sandman.io/ -- sandman.io/client above all,
 # which deploy/networkpolicy.yaml trusts -- never reaches a sandbox pod.
-_POOL_LABELS = frozenset({"sandman.io/pool", "sandman.io/session", "sandman.io/expires-at"})
+_POOL_LABELS = frozenset(
+    {"sandman.io/pool", "sandman.io/session", "sandman.io/expires-at", "sandman.io/owner"}
+)
 _SPEC_LABELS = frozenset({"sandman.io/tenant"})
 CAPABILITIES = (
     "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "NET_BIND_SERVICE",
