@@ -26,7 +26,8 @@ def _guarded(
     method: Callable[Concatenate[DaemonClient, P], Awaitable[T]],
 ) -> Callable[Concatenate[AsyncSandbox, P], Coroutine[Any, Any, T]]:
     """The daemon's ``method`` as a sandbox's: same signature and docstring, with
-    "the daemon is gone" turned into SandboxNotFound when the sandbox is."""
+    "the daemon is gone" turned into SandboxLost (why) or SandboxNotFound when the
+    sandbox is."""
 
     @functools.wraps(method)
     async def call(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -54,9 +55,10 @@ class AsyncSandbox:
     """One leased sandbox. Commands and files go straight to its daemon.
 
     A non-zero exit code is data (``ExecResult.exit_code``). A sandbox that
-    died, was evicted or expired raises `SandboxNotFound` on the next call:
-    catch it to drop that rollout. Its operations are `DaemonClient`'s, with
-    the same names, parameters and words.
+    died (OOM, a crash, killed, its pod evicted) raises `SandboxLost` on the next
+    call, whose ``reason`` says why; one released or expired `SandboxNotFound`
+    (which `SandboxLost` is too): catch it to drop that rollout. Its operations
+    are `DaemonClient`'s, with the same names, parameters and words.
     """
 
     def __init__(self, lease: Lease, backend: Backend) -> None:
@@ -103,14 +105,17 @@ class AsyncSandbox:
 
     @asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
-        """Turn "the daemon is gone" into SandboxNotFound when the sandbox really is."""
+        """Turn "the daemon is gone" into SandboxLost (why) or SandboxNotFound when the
+        sandbox really is gone."""
         if self._released:
             raise errors.SandboxNotFound(f"sandbox {self.id} was released")
         try:
             yield
         except errors.DaemonUnavailable as exc:
-            if not await self._backend.alive(self.id):
-                raise errors.SandboxNotFound(f"sandbox {self.id} is gone: {exc.message}") from exc
+            try:
+                await self._backend.check(self.id)
+            except errors.SandboxNotFound as gone:
+                raise gone from exc
             raise
 
     # -- the daemon's operations, each guarded ------------------------------------

@@ -38,7 +38,11 @@ class Backend(Protocol):
     async def close_session(self, session: str) -> None: ...
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease: ...
     async def release(self, sandbox_id: str) -> None: ...
-    async def alive(self, sandbox_id: str) -> bool: ...
+    async def check(self, sandbox_id: str) -> None:
+        """Return if the sandbox is held and runs; raise `SandboxLost` (with the reason)
+        if it died, `SandboxNotFound` if it is gone otherwise (released, expired)."""
+        ...
+
     async def timeline(self, lease: Lease) -> dict[str, float]: ...
     async def aclose(self) -> None: ...
 
@@ -76,17 +80,8 @@ class InProcessBackend:
     async def release(self, sandbox_id: str) -> None:
         self.pool.release(sandbox_id)
 
-    async def alive(self, sandbox_id: str) -> bool:
-        try:
-            record = self.pool.get(sandbox_id)
-        except errors.SandboxNotFound:
-            return False
-        if record.state != "leased":
-            return False
-        try:
-            return (await self.pool.provider.inspect(sandbox_id)).state == "running"
-        except errors.SandboxNotFound:
-            return False
+    async def check(self, sandbox_id: str) -> None:
+        await self.pool.check(sandbox_id)
 
     async def timeline(self, lease: Lease) -> dict[str, float]:
         return dict(lease.timeline)

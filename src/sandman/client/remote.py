@@ -51,6 +51,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "not_found": errors.ConfigError,
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
+    "sandbox_lost": errors.SandboxLost,
     "session_expired": errors.SandboxNotFound,
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
@@ -183,10 +184,11 @@ def _retry_after(response: _Answer) -> float | None:
 
 def _error(response: _Answer) -> errors.SandboxError:
     """The package's exception for an error answer of the service."""
-    code, message = "", ""
+    code, message, reason = "", "", None
     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
         detail = response.json()["error"]
         code, message = str(detail["code"]), str(detail["message"])
+        reason = detail.get("reason")
     if not code:
         code = "internal" if response.status >= 500 else "invalid_request"
         text = response.body[:200].decode(errors="replace")
@@ -195,6 +197,8 @@ def _error(response: _Answer) -> errors.SandboxError:
     text = f"{message} [{code}]"
     if cls is errors.ThrottledError:
         return errors.ThrottledError(text, retry_after=_retry_after(response))
+    if cls is errors.SandboxLost:
+        return errors.SandboxLost(text, reason=str(reason or "unknown"))
     if issubclass(cls, errors.DaemonError):
         return cls(message, code=code, status=response.status)
     return cls(text)
@@ -408,15 +412,17 @@ class RemoteBackend:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
-    async def alive(self, sandbox_id: str) -> bool:
-        try:
-            response = await self._call(
-                "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
-            )
-        except errors.SandboxNotFound:
-            return False
+    async def check(self, sandbox_id: str) -> None:
+        response = await self._call(
+            "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
+        )
         data = response.json()
-        return data.get("state") == "leased" and data.get("running") is True
+        state = data.get("state")
+        if state == "lost":
+            reason = str(data.get("lost_reason") or "unknown")
+            raise errors.SandboxLost.of(sandbox_id, reason, str(data.get("lost_detail") or ""))
+        if state != "leased" or data.get("running") is not True:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is gone ({state})")
 
     async def timeline(self, lease: Lease) -> dict[str, float]:
         try:

@@ -59,7 +59,7 @@ _DEFAULT_KILL_GRACE = 2.0
 
 _M = TypeVar("_M", bound=BaseModel)
 # What a gateway in front of the daemon answers when the sandbox is out of reach.
-_GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found"})
+_GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found", "sandbox_lost"})
 
 
 def _unavailable(address: str, exc: Exception) -> errors.DaemonError:
