@@ -103,6 +103,32 @@ async def test_command_failure_is_data_and_a_lost_sandbox_is_an_exception(
             await client.acquire("no-such-image")
 
 
+@pytest.mark.anyio
+async def test_a_daemon_killed_from_the_host_is_a_lost_sandbox_and_freed_at_once(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    async with sandman.local(state_dir=local_state) as client:
+        sb = await client.acquire("busybox")
+        other = await client.acquire("busybox")
+        await sb.spawn("sleep 1000")
+        pid = int((local_state / "sandboxes" / sb.id / "pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        # The pool hears of it at once and frees its container, cgroups and directory
+        # while the holder still holds it (before any reconcile pass: 15 s).
+        with anyio.fail_after(10):
+            while sb.id in {info.id for info in await imported.list()}:
+                await anyio.sleep(0.01)
+        with pytest.raises(sandman.SandboxLost, match="SIGKILL") as lost:
+            await sb.exec(["true"])
+        assert lost.value.reason == "killed"
+        assert isinstance(lost.value, sandman.SandboxNotFound)
+        with pytest.raises(sandman.SandboxLost):
+            await sb.read_file("/etc/hostname")  # every call says so
+        await sb.release()
+        assert (await other.exec(["true"])).exit_code == 0  # its neighbour lives on
+        assert [info.id for info in await imported.list()] == [other.id]
+
+
 def test_sync_client(imported: LocalProvider, local_state: Path) -> None:
     with sandman.local_sync(state_dir=local_state) as client, client.sandbox("busybox") as sb:
         assert sb.exec(["echo", "sync"]).stdout == "sync\n"

@@ -11,6 +11,10 @@ point, mounted only inside the container's mount namespace),
 ``sandmand.sock`` (the daemon's socket: bound here by the host, handed to
 the daemon as a descriptor; the sandbox sees no path to it), ``token``,
 ``pid`` and ``log``. The directory is root's alone (0700).
+
+The provider tells at once of a sandbox whose daemon dies by itself (`watch_lost`,
+`lost`; see `exits`): not under gVisor, whose daemon has no pid on this host; the
+pool's reconcile pass finds those stopped.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInfo, SandboxState
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
+from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
@@ -115,6 +120,7 @@ class LocalProvider:
         self._prepare_lock = asyncio.Lock()
         self._images: dict[str, tuple[float, Image]] = {}
         self._users: dict[tuple[str, str], tuple[int, int]] = {}
+        self._exits = ExitWatch(self._loss)
 
     def __repr__(self) -> str:
         return f"LocalProvider(state_dir={str(self.config.state_dir)!r}, runtime={self.config.runtime!r})"
@@ -302,6 +308,7 @@ class LocalProvider:
     async def delete(self, sandbox_id: str) -> None:
         """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
         directory = self._dir(sandbox_id)
+        self._exits.forget(sandbox_id)  # killed here: no loss to tell of
         await self._runtime.delete(sandbox_id)
         # After the container: its processes are gone, so the netns goes at once.
         await self.network.teardown(sandbox_id)
@@ -323,6 +330,31 @@ class LocalProvider:
         )
         if left:
             raise errors.ProviderError(f"cgroups of {sandbox_id} still busy: {left}")
+
+    # -- lost sandboxes (sandman.providers.base.WatchesLost) ---------------------
+
+    def watch_lost(self, sandbox: SandboxInfo) -> None:
+        """Tell through `lost` when this sandbox's daemon dies (a pidfd of it); a
+        gVisor sandbox (no daemon pid here) is not watched."""
+        endpoint = sandbox.endpoint
+        if endpoint is None or endpoint.pid is None:
+            return
+        parent = self.config.cgroup_parent.strip("/")
+        self._exits.watch(
+            sandbox.id, endpoint.pid, lambda pid: in_cgroup(pid, f"{parent}/{sandbox.id}")
+        )
+
+    def lost(self) -> LostReports:
+        """Each watched sandbox whose daemon died, as it happens, with the reason."""
+        return self._exits.reports()
+
+    def _loss(self, sandbox_id: str, status: int | None) -> Lost:
+        """Why the sandbox's daemon died: its wait status, the OOM kills of its memory
+        cgroup (read before a delete removes it) and the end of its log."""
+        parent = self.config.cgroup_parent.strip("/")
+        oom = oom_kills(parent, sandbox_id)
+        reason, detail = classify(status, oom, log_tail(self._sandboxes / sandbox_id / "log"))
+        return Lost(sandbox_id=sandbox_id, reason=reason, detail=detail)
 
     # -- list / inspect -------------------------------------------------------
 
@@ -388,6 +420,7 @@ class LocalProvider:
         return SandboxInfo(
             id=sid, provider=self.name, state=state, labels=meta.get("labels", {}),
             created_at=created_at or 0.0, image=meta.get("image", ""), endpoint=endpoint,
+            lost=self._loss(sid, None) if state == "stopped" else None,
         )  # fmt: skip
 
     async def remove_strays(self, *, older_than: float) -> builtins.list[str]:
@@ -411,6 +444,7 @@ class LocalProvider:
 
     async def aclose(self) -> None:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
+        self._exits.close()
         await anyio.to_thread.run_sync(self.disk.release)
 
 
