@@ -394,7 +394,7 @@ class Pool:
                 info: SandboxInfo | None = await self.provider.inspect(sandbox_id)
             except errors.SandboxNotFound:
                 info = None
-            if record.state == "leased" and (info is None or info.state == "stopped"):
+            if record.state == "leased" and _dead(info):
                 self._lose(record, _loss_of(sandbox_id, info))
         if record.lost is not None:
             raise errors.SandboxLost.of(sandbox_id, record.lost.reason, record.lost.detail)
@@ -727,11 +727,11 @@ class Pool:
 
     def _notice_lost(self, held: Iterable[Record], infos: Iterable[SandboxInfo]) -> None:
         """Mark lost each of ``held`` (ready or leased before the provider listed ``infos``)
-        that the provider lists as stopped, or no longer lists at all."""
+        that the provider lists as dead (stopped, its container gone), or no more."""
         listed = {info.id: info for info in infos}
         for record in held:
             info = listed.get(record.id)
-            if info is None or info.state == "stopped":
+            if _dead(info):
                 self._lose(record, _loss_of(record.id, info))
 
     async def reconcile(self, *, adopt: bool = False) -> None:
@@ -808,12 +808,18 @@ class Pool:
         self._release(record, reason=reason)
 
 
+def _dead(info: SandboxInfo | None) -> bool:
+    """Whether a sandbox that was ready, as the provider lists it now (None: not at all),
+    is dead: stopped, gone, or back to ``creating`` (its record without its container)."""
+    return info is None or info.state in ("stopped", "creating")
+
+
 def _loss_of(sandbox_id: str, info: SandboxInfo | None) -> Lost:
     """Why a sandbox the provider lists as ``info`` (None: not at all) is lost."""
     if info is None:
         return Lost(sandbox_id=sandbox_id, reason="deleted", detail="the backend has it no more")
     return info.lost or Lost(
-        sandbox_id=sandbox_id, reason="unknown", detail="the backend says it stopped"
+        sandbox_id=sandbox_id, reason="unknown", detail=f"the backend says it is {info.state}"
     )
 
 
