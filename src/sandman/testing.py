@@ -393,6 +393,7 @@ class FakeProvider:
             self._closing = False
         if forget:
             self._sandboxes.clear()
+            self._watched.clear()
         if self._own_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self._own_dir, ignore_errors=True)
             self._own_dir = None
