@@ -89,13 +89,13 @@ async def test_identity_is_ordinary_and_least_privileged(
         r.raise_for_status()
         return bool(r.json()["status"]["allowed"])
 
-    for verb in ("create", "get", "list", "watch", "delete"):
+    for verb in ("create", "get", "list", "watch", "delete", "patch"):
         assert await can(verb, "pods", ns), verb
     assert await can("create", "pods", ns, "exec")
     assert await can("list", "events", ns)
     assert not await can("list", "pods", "default")
     assert not await can("get", "secrets", ns)
-    assert not await can("update", "pods", ns)
+    assert not await can("update", "pods", ns)  # labels are patched, never replaced
     assert not await can("deletecollection", "pods", ns)
     assert not await can("list", "nodes", "")
 

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
 
 DEPLOY = REPO / "deploy"
 SERVICE_ACCOUNT = "sandman"
-POD_VERBS = ("create", "delete", "get", "list", "watch")
+POD_VERBS = ("create", "delete", "get", "list", "patch", "watch")
 GONE_TIMEOUT = 120.0
 SERVICE_READY_TIMEOUT = 180.0
 RBAC_SETTLE_TIMEOUT = 30.0
@@ -160,7 +160,7 @@ def test_deploy_applies_with_least_privilege(
     for verb in POD_VERBS:
         assert can_i(kube_cluster, namespace, verb, "pods", namespace), verb
     denied = [
-        ("update", "pods"), ("patch", "pods"), ("deletecollection", "pods"),
+        ("update", "pods"), ("deletecollection", "pods"),
         ("create", "pods/exec"), ("get", "pods/exec"), ("get", "pods/log"),
         ("create", "pods/eviction"), ("create", "pods/portforward"),
         ("get", "secrets"), ("list", "secrets"), ("get", "configmaps"),

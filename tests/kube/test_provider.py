@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+import sandman
 from sandman import errors
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
+from sandman.providers.base import SandboxInfo
 from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from sandman.providers.kubernetes.watch import PodWatch
@@ -46,10 +48,11 @@ async def provider(kube_cluster: KubeCluster) -> AsyncIterator[KubernetesProvide
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 180)
 async def test_a_sandbox_from_an_unmodified_image_keeps_files_and_processes(
-    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
 ) -> None:
-    pool = Pool(provider, PoolConfig(name=pool_name))
-    async with AsyncClient(InProcessBackend(pool)) as client:
+    # The public entry point: the provider's settings as a config, its own pool name.
+    config = config_for(kube_cluster)
+    async with sandman.kubernetes(config, pool=PoolConfig(name=pool_name)) as client:
         async with client.sandbox(real_node_spec(kube_cluster), timeout=120) as sb:
             pod = await admin.pod(sb.id)
             assert pod is not None
@@ -182,6 +185,15 @@ async def test_list_selects_by_label_page_by_page(
         assert version
         with pytest.raises(errors.ConfigError, match="invalid value"):
             await provider.list(labels={POOL: "not a label value"})
+        # Relabelled as the identity (it may patch pods): a new list sees it.
+        await provider.relabel(session0[0].id, {"sandman.io/session": "s9", "k": None})
+        moved = await wait_for(
+            "the relabel to reach the list", 10,
+            lambda: _listed(provider, {POOL: pool_name, "sandman.io/session": "s9"}),
+        )  # fmt: skip
+        assert [info.id for info in moved] == [session0[0].id]
+        with pytest.raises(errors.SandboxNotFound):
+            await provider.relabel("sb-none", {"k": "v"})
         for info in everything:
             await provider.delete(info.id)
             await provider.delete(info.id)  # idempotent: 404 is fine
@@ -224,3 +236,7 @@ async def test_the_watch_resumes_where_the_server_ended_it(
         assert watch.relists == 1
     finally:
         await watch.aclose()
+
+
+async def _listed(provider: KubernetesProvider, labels: dict[str, str]) -> list[SandboxInfo] | None:
+    return await provider.list(labels=labels) or None

@@ -51,6 +51,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "not_found": errors.ConfigError,
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
+    "sandbox_lost": errors.SandboxLost,
     "session_expired": errors.SandboxNotFound,
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
@@ -183,10 +184,11 @@ def _retry_after(response: _Answer) -> float | None:
 
 def _error(response: _Answer) -> errors.SandboxError:
     """The package's exception for an error answer of the service."""
-    code, message = "", ""
+    code, message, reason = "", "", None
     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
         detail = response.json()["error"]
         code, message = str(detail["code"]), str(detail["message"])
+        reason = detail.get("reason")
     if not code:
         code = "internal" if response.status >= 500 else "invalid_request"
         text = response.body[:200].decode(errors="replace")
@@ -195,6 +197,8 @@ def _error(response: _Answer) -> errors.SandboxError:
     text = f"{message} [{code}]"
     if cls is errors.ThrottledError:
         return errors.ThrottledError(text, retry_after=_retry_after(response))
+    if cls is errors.SandboxLost:
+        return errors.SandboxLost(text, reason=str(reason or "unknown"))
     if issubclass(cls, errors.DaemonError):
         return cls(message, code=code, status=response.status)
     return cls(text)
@@ -274,7 +278,6 @@ class RemoteBackend:
         self._transport = transport
         self._parsed = parsed
         self._http = self._wire()
-        self._timelines: dict[str, dict[str, float]] = {}
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
@@ -345,7 +348,6 @@ class RemoteBackend:
         if endpoint.uds is None and endpoint.host is None:
             raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
-        self._timelines[sandbox_id] = dict(data.get("timeline") or {})
         try:
             if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
                 endpoint = self.proxied(sandbox_id)
@@ -355,7 +357,7 @@ class RemoteBackend:
             with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
                 await self.release(sandbox_id)
             raise
-        return Lease(sandbox_id, endpoint, float(data["expires_at"]))
+        return Lease(sandbox_id, endpoint, float(data["expires_at"]), _timeline(data))
 
     async def _reachable(self, endpoint: DaemonEndpoint) -> bool:
         """Whether this process can reach ``endpoint`` itself: a unix socket must exist
@@ -410,25 +412,26 @@ class RemoteBackend:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
-    async def alive(self, sandbox_id: str) -> bool:
-        try:
-            response = await self._call(
-                "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
-            )
-        except errors.SandboxNotFound:
-            return False
+    async def check(self, sandbox_id: str) -> None:
+        response = await self._call(
+            "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
+        )
         data = response.json()
-        return data.get("state") == "leased" and data.get("running") is True
+        state = data.get("state")
+        if state == "lost":
+            reason = str(data.get("lost_reason") or "unknown")
+            raise errors.SandboxLost.of(sandbox_id, reason, str(data.get("lost_detail") or ""))
+        if state != "leased" or data.get("running") is not True:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is gone ({state})")
 
-    async def timeline(self, sandbox_id: str) -> dict[str, float]:
+    async def timeline(self, lease: Lease) -> dict[str, float]:
         try:
-            response = await self._call("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
+            response = await self._call("GET", f"/v1/sandboxes/{_segment(lease.id)}")
         except errors.SandboxNotFound:
-            # The service forgot it (long gone): what was seen at the hand-over.
-            return dict(self._timelines.get(sandbox_id, {}))
-        timeline = {str(k): float(v) for k, v in (response.json().get("timeline") or {}).items()}
-        self._timelines[sandbox_id] = timeline
-        return dict(timeline)
+            # The service forgot it (long gone): what was seen last.
+            return dict(lease.timeline)
+        lease.timeline.update(_timeline(response.json()))
+        return dict(lease.timeline)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -474,3 +477,7 @@ def connect_sync(
         connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
                 via_proxy=via_proxy)
     )  # fmt: skip
+
+
+def _timeline(data: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (data.get("timeline") or {}).items()}

@@ -18,7 +18,10 @@ class PoolEvent:
     """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
     ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
     ``delete.failed``, ``session.expired``, ``reconcile.orphan``, ``pool.stalled`` (its own
-    loop stood still for ``seconds``: not counted against any session)."""
+    loop stood still for ``seconds``: not counted against any session), ``disown.failed``
+    (a sandbox left at close kept this process as its owner), ``sandbox.lost`` (it died
+    by itself: ``reason``, one of `sandman.SandboxLost.REASONS`, and ``detail``),
+    ``lost.watch_failed`` (the provider's reports of lost sandboxes broke; asked again)."""
 
     name: str
     pool: str

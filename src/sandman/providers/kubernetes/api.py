@@ -79,7 +79,7 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
         raise errors.CapacityError(message)
     if status in (401, 403):
         error = Forbidden if status == 403 else errors.ConfigError
-        raise error(f"{message} (check the identity's Role: pods create/get/list/"
+        raise error(f"{message} (check the identity's Role: pods create/get/list/patch/"
                     "watch/delete in the namespace)")  # fmt: skip
     if status == 404:
         raise errors.SandboxNotFound(message)
@@ -166,6 +166,19 @@ class KubeAPI:
     async def get_pod(self, name: str) -> dict[str, Any]:
         """The pod; SandboxNotFound when there is none."""
         return await self.request("GET", f"{self._pods}/{name}", f"get pod {name}")
+
+    async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
+        """Merge ``labels`` into the pod's (JSON merge patch: None removes a label)."""
+        what = f"relabel pod {name}"
+        body = json.dumps({"metadata": {"labels": dict(labels)}}).encode()
+        headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
+        with _transport_errors(what):
+            async with self._http().request(
+                "PATCH", f"{self._pods}/{name}", data=body, headers=headers
+            ) as response:
+                data = await response.read()
+                status, response_headers = response.status, response.headers
+        raise_for_status(status, response_headers, data, what)
 
     async def delete_pod(self, name: str) -> None:
         """Delete at once (grace 0); a missing pod is fine."""
