@@ -253,6 +253,13 @@ class Iteration:
         if when == "hold":
             for worker in self.workers:
                 await worker.wait_for("holding", 120)
+        elif when == "first-acquired":
+            # The first sandbox is handed out: the others of the burst are being made.
+            await asyncio.wait(
+                [asyncio.ensure_future(w.wait_for("acquired", 60)) for w in self.workers],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            await asyncio.sleep(plan.at)
         else:
             await asyncio.sleep(plan.at)
         duration = float(plan.params.get("duration", 0.0))
@@ -431,7 +438,8 @@ class Iteration:
             if sandbox not in holders:
                 owner = next((n for n, s in sessions.items() if s == session), "a session gone")
                 outcome.lost.append(
-                    f"{sandbox} is leased to {session} ({owner}), and no live holder holds it"
+                    f"{sandbox} is leased to {session} ({owner}), and no live holder holds it "
+                    f"({self.history(sandbox)})"
                 )
         for record in records:
             if record["state"] in ("queued", "creating", "starting", "ready"):
@@ -447,6 +455,19 @@ class Iteration:
                         f"{worker.name} was told {event['sandbox']} is gone ({event['type']}), "
                         "and no fault explains it"
                     )
+
+    def history(self, sandbox: str) -> str:
+        """What the clients saw of ``sandbox``: how a lost one came to be lost."""
+        seen = []
+        for worker in self.workers:
+            for event in worker.events:
+                if event.get("sandbox") != sandbox:
+                    continue
+                if event["event"] == "error":
+                    seen.append(f"{worker.name}: {event['op']} failed, {event['type']}")
+                elif event["event"] in ("acquired", "released", "told"):
+                    seen.append(f"{worker.name}: {event['event']}")
+        return "; ".join(seen) or "never handed to a client"
 
     def untyped(self, outcome: Outcome) -> None:
         for worker in self.workers:

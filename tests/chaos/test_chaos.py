@@ -5,7 +5,8 @@ Each case is one iteration (see `tests.chaos.engine`): a burst on two clients, t
 fault, then the accounting, which must come out clean: nothing leaked, nothing lost,
 no untyped error, no client stuck. A case whose fault a fix still has to land for is
 ``xfail(strict=True)`` naming issue 14's item: when the fix is merged it passes, and
-the mark must go.
+the mark must go. A race that fails only some runs is ``xfail(strict=False)``, to become
+a plain case once its fix is merged.
 
 A seed fixes the plan (scenario, fault, timing, parameters), not the interleaving of
 processes: these cases are chosen to fail, or not, whatever the interleaving.
@@ -45,18 +46,8 @@ EVERY_FAULT = [
     case("embedded", "stop-client", at=0.5, duration=5.0),
     case("embedded", "kill-watchdog", at=0.5),
     case("embedded", "stop-watchdog-kill-client", when="hold"),
-    case(
-        "embedded",
-        "kill-client-and-watchdog",
-        pending("item 2", "`sandman gc` reaps no sandbox of a pool whose owner is dead"),
-        when="hold",
-    ),
-    case(
-        "embedded",
-        "kill-daemon",
-        pending("item 4", "the pool keeps a sandbox whose daemon died leased"),
-        when="hold",
-    ),
+    case("embedded", "kill-client-and-watchdog", when="hold"),
+    case("embedded", "kill-daemon", when="hold"),
     case("embedded", "cancel-storm"),
     case("embedded", "state-ro", at=0.3, duration=2.0),
     # The service killed, stopped, restarted; its clients killed, stopped.
@@ -77,12 +68,7 @@ EVERY_FAULT = [
         adopt=True,
         restart_after=0.3,
     ),
-    case(
-        "service",
-        "kill-service-slow-watchdog",
-        pending("item 8", "the old watchdog's sweep deletes the new instance's sandboxes"),
-        at=0.5,
-    ),
+    case("service", "kill-service-slow-watchdog", when="hold"),
     case("service", "kill-client", at=0.5, on_shutdown="release"),
     case(
         "service",
@@ -92,13 +78,7 @@ EVERY_FAULT = [
         duration=5.0,
         on_shutdown="release",
     ),
-    case(
-        "service",
-        "kill-daemon",
-        pending("item 4", "the pool keeps a sandbox whose daemon died leased"),
-        when="hold",
-        on_shutdown="release",
-    ),
+    case("service", "kill-daemon", when="hold", on_shutdown="release"),
     case("service", "cancel-storm", on_shutdown="release"),
     case("service", "state-ro", at=0.3, duration=2.0, on_shutdown="release"),
     # Found by the chaos suite itself.
@@ -120,17 +100,19 @@ EVERY_FAULT = [
     case(
         "service",
         "kill-service",
-        pending(
-            "items 9 and 5",
-            "adoption leases half-created sandboxes nobody was handed; "
-            "a client whose session was not adopted never opens a new one",
+        # A race (about one run in three), hence not strict.
+        pytest.mark.xfail(
+            strict=False,
+            reason="issue 14, item 9: adoption leases a sandbox the killed instance made "
+            "but never handed to its caller",
         ),
-        at=0.5,
+        when="first-acquired",
+        at=0.1,
         on_shutdown="leave",
         adopt=True,
         restart_after=0.3,
         rounds=0,
-        hold=6,
+        hold=10,
         cancel_rate=0,
     ),
     case(
