@@ -70,14 +70,6 @@ EVERY_FAULT = [
     ),
     case("service", "kill-service-slow-watchdog", when="hold"),
     case("service", "kill-client", at=0.5, on_shutdown="release"),
-    case(
-        "service",
-        "stop-client",
-        pending("item 5", "a client whose session expired never opens a new one"),
-        at=0.5,
-        duration=5.0,
-        on_shutdown="release",
-    ),
     case("service", "kill-daemon", when="hold", on_shutdown="release"),
     case("service", "cancel-storm", on_shutdown="release"),
     case("service", "state-ro", at=0.3, duration=2.0, on_shutdown="release"),
@@ -116,15 +108,6 @@ EVERY_FAULT = [
         cancel_rate=0,
     ),
     case(
-        "service",
-        "release-during-outage",
-        pending(
-            "no item yet",
-            "a release the service never received is dropped by the "
-            "client: the sandbox stays leased to its live session",
-        ),
-    ),
-    case(
         "embedded",
         "state-full",
         pending(
@@ -144,4 +127,42 @@ async def test_every_fault(
 ) -> None:
     plan = plan_for(SEED, 0, scenario=scenario, fault=fault, **params)
     outcome = await run_iteration(plan, busybox_tar, chaos_work)
+    assert not outcome.failed, outcome.details()
+
+
+# Iterations of `benchmarks/chaos.py` runs that failed, replayed as drawn (same plan).
+SEEDS_THAT_FAILED = [
+    pytest.param(
+        1, 0,
+        marks=pending(
+            "no item yet",
+            "a release the service never received (it was down) is dropped by the client: "
+            "the next instance adopts the sandbox, leased to a live session, held by no one",
+        ),
+        id="1-0-service-release-during-outage",
+    ),
+    pytest.param(
+        1, 12,
+        marks=pending("item 5", "a client whose session expired never opens a new one"),
+        id="1-12-service-stop-client-7.5s",
+    ),
+    pytest.param(
+        1, 9,
+        # Its failures are races (which requests were in flight at the kill), hence not strict.
+        marks=pytest.mark.xfail(
+            strict=False,
+            reason="issue 14, items 9 and 5, and releases dropped during the outage: a "
+            "sandbox never handed to its caller adopted as leased, a session not adopted "
+            "never replaced",
+        ),
+        id="1-9-service-kill-service-slow-watchdog",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("seed", "iteration"), SEEDS_THAT_FAILED)
+async def test_seeds_that_failed(
+    seed: int, iteration: int, busybox_tar: Path, chaos_work: Path
+) -> None:
+    outcome = await run_iteration(plan_for(seed, iteration), busybox_tar, chaos_work)
     assert not outcome.failed, outcome.details()
