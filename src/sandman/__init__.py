@@ -49,6 +49,7 @@ from sandman.errors import (
     StdinClosed,
     ThrottledError,
     Unauthorized,
+    UnknownUser,
     UnsafeArchive,
     UntrustedDaemon,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
+    "UnknownUser",
     "UnsafeArchive",
     "UntrustedDaemon",
     "__version__",
