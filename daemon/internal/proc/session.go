@@ -37,7 +37,8 @@ type Session struct {
 	stdout     *os.File
 	stderr     *os.File
 	pumpDone   chan struct{}
-	runMu      sync.Mutex // held for a whole run; TryLock failing means busy
+	ready      chan struct{} // closed once the shell's first line (its trap) is done
+	runMu      sync.Mutex    // held for a whole run; TryLock failing means busy
 
 	mu       sync.Mutex
 	cur      *sessRun
@@ -139,6 +140,7 @@ func (s *Session) script(o RunOptions, mark string) string {
 
 // Run evaluates o.Cmd in the shell.
 func (s *Session) Run(ctx context.Context, o RunOptions) (*RunResult, error) {
+	<-s.ready // the shell reads its lines in order: this costs the run nothing
 	if !s.runMu.TryLock() {
 		return nil, apierr.New(http.StatusConflict, "session_busy", "a run is already in progress on session %s", s.ID)
 	}
@@ -298,9 +300,11 @@ func DefaultSessionShell() string {
 // sessionInitTimeout bounds the shell's first run, which sets its SIGINT trap.
 const sessionInitTimeout = 10 * time.Second
 
-// Start launches a shell, as user if not empty, and sets its SIGINT trap
-// (see interruptTrap) before it takes any run, so that no interrupt can come
-// before it. A shell that cannot be launched is not_found.
+// Start launches a shell, as user if not empty, and has it set its SIGINT
+// trap (see interruptTrap) before it takes any run, so that no interrupt can
+// come before it; that first line runs in the background (the shell would
+// read it before a run's anyway), so starting a session costs no round trip.
+// A shell that cannot be launched is not_found.
 func (m *SessionManager) Start(shell, dir string, env map[string]string, user string) (*Session, error) {
 	if shell == "" {
 		shell = DefaultSessionShell()
@@ -317,15 +321,21 @@ func (m *SessionManager) Start(shell, dir string, env map[string]string, user st
 		Shell: shell, Pid: st.child.Pid, child: st.child, stdinRedir: "</dev/null",
 		stdin: st.stdin, stdout: st.stdout, stderr: st.stderr,
 		pumpDone: make(chan struct{}, 2), progress: make(chan struct{}, 1),
+		ready: make(chan struct{}),
 	}
 	if m.r.devNull == nil {
 		s.stdinRedir = "<&-"
 	}
 	go s.pump(st.stdout, Stdout)
 	go s.pump(st.stderr, Stderr)
-	// A shell that dies here (or hangs) is reported with alive false, as
-	// one that exits on its own.
-	_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: sessionInitTimeout})
+	s.runMu.Lock()
+	go func() {
+		defer close(s.ready)
+		defer s.runMu.Unlock()
+		// A shell that dies here (or hangs) is then reported with alive
+		// false, as one that exits on its own.
+		_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: sessionInitTimeout})
+	}()
 	m.mu.Lock()
 	m.seq++
 	s.seq = m.seq
