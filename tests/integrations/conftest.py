@@ -1,0 +1,69 @@
+"""Fixtures for the adapters' tests: a local state directory with the busybox image, made
+the adapters' own (``SANDMAN_STATE_DIR``), and checked empty afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandman.integrations._client import ENV_API_KEY, ENV_STATE_DIR, ENV_URL, close_shared
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner at import
+
+
+def leftovers(provider: LocalProvider) -> list[str]:
+    """What the state directory still holds: sandboxes listed, their directories, containers."""
+    state = provider.config.state_dir
+    listed = [info.id for info in asyncio.run(provider.list())]
+    dirs = (
+        [p.name for p in (state / "sandboxes").iterdir()] if (state / "sandboxes").exists() else []
+    )
+    crun = state / "runtime" / "crun"
+    containers = [p.name for p in crun.iterdir()] if crun.exists() else []
+    return listed + dirs + containers
+
+
+def wait_gone(provider: LocalProvider, timeout: float = 30.0) -> list[str]:
+    """`leftovers` once they are gone, or as they are after ``timeout`` seconds (a
+    released sandbox is deleted in the background)."""
+    deadline = time.monotonic() + timeout
+    while (left := leftovers(provider)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.fixture
+def local_provider(busybox_tar: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalProvider]:
+    """The provider behind the adapters' embedded pool, on a fresh state directory with
+    busybox imported as ``busybox``; at the end the shared clients are closed and
+    nothing may be left: no sandbox, no sandbox directory, no container, no mount."""
+    path = Path(tempfile.mkdtemp(prefix="sm-int-", dir="/tmp"))
+    provider = LocalProvider(LocalConfig(state_dir=path))
+    asyncio.run(provider.images.import_archive(busybox_tar, name="busybox"))
+    monkeypatch.delenv(ENV_URL, raising=False)
+    monkeypatch.delenv(ENV_API_KEY, raising=False)
+    monkeypatch.setenv(ENV_STATE_DIR, str(path))
+    try:
+        yield provider
+        close_shared()
+        assert leftovers(provider) == [], "the adapter left sandboxes behind"
+    finally:
+        close_shared()
+
+        async def sweep() -> None:
+            for info in await provider.list():
+                await provider.delete(info.id)
+            await provider.aclose()  # unmounts the state dir's disk filesystem
+
+        asyncio.run(sweep())
+        shutil.rmtree(path, ignore_errors=True)
+    assert f" {path}/" not in Path("/proc/self/mountinfo").read_text(), "a mount is left"

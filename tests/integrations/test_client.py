@@ -1,0 +1,106 @@
+"""The adapters' shared client: one per process (or loop) and URL, usable from any loop,
+closed with its loop or at exit, and nothing left when the process dies."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sandman.client import AsyncSandbox
+from sandman.integrations._client import close_shared, loop_client, resolve_url, shared_client
+from sandman.providers.local import LocalProvider
+from tests.integrations.conftest import wait_gone
+
+pytestmark = pytest.mark.integrations
+
+
+def test_one_client_per_url_until_closed(local_provider: LocalProvider) -> None:
+    first = shared_client()
+    assert shared_client() is first
+    close_shared()
+    assert first.closed
+    assert shared_client() is not first
+
+
+def test_the_url_comes_from_the_argument_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SANDMAN_URL", raising=False)
+    assert resolve_url() is None
+    assert resolve_url("http://a") == "http://a"
+    monkeypatch.setenv("SANDMAN_URL", "http://b")
+    assert resolve_url() == "http://b"
+    assert resolve_url("http://a") == "http://a"
+
+
+def test_a_sandbox_outlives_the_event_loops_that_use_it(local_provider: LocalProvider) -> None:
+    # SWE-agent runs each runtime call in its own asyncio.run.
+    shared = shared_client()
+
+    async def acquire() -> AsyncSandbox:
+        return await shared.run(shared.client.acquire, "busybox")
+
+    sandbox = asyncio.run(acquire())
+
+    async def echo() -> str:
+        result = await shared.run(sandbox.exec, "echo hi")
+        return result.stdout
+
+    assert asyncio.run(echo()) == "hi\n"
+    assert asyncio.run(echo()) == "hi\n"
+    assert shared.call(sandbox.exec, "echo sync").stdout == "sync\n"
+    asyncio.run(shared.run(sandbox.release))
+    assert wait_gone(local_provider) == []
+
+
+def test_cancelling_a_run_cancels_the_call(local_provider: LocalProvider) -> None:
+    shared = shared_client()
+    sandbox = shared.call(shared.client.acquire, "busybox")
+
+    async def impatient() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await shared.run(sandbox.exec, "sleep 30; echo late > /tmp/late", timeout=60)
+
+    asyncio.run(impatient())
+    # The command is killed with the call (the daemon sees the client leave).
+    deadline = time.monotonic() + 10
+    while "sleep 30" in (ps := shared.call(sandbox.exec, "ps").stdout):
+        assert time.monotonic() < deadline, ps
+        time.sleep(0.05)
+    shared.call(sandbox.release)
+
+
+def test_a_loop_client_is_closed_with_its_loop(local_provider: LocalProvider) -> None:
+    async def forgetful() -> str:
+        client = await loop_client()
+        assert await loop_client() is client
+        sandbox = await client.acquire("busybox")  # never released
+        return sandbox.id
+
+    sandbox_id = asyncio.run(forgetful())
+    assert sandbox_id
+    assert wait_gone(local_provider) == []
+
+
+def test_nothing_is_left_when_the_process_dies(local_provider: LocalProvider) -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from sandman.integrations._client import shared_client
+        shared = shared_client()
+        sandbox = shared.call(shared.client.acquire, "busybox")
+        print(sandbox.id, flush=True)
+        os._exit(0)  # no atexit, no close: as if killed
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip()
+    assert wait_gone(local_provider) == []
