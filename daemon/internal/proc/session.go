@@ -198,9 +198,9 @@ func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 		select {
 		case <-s.progress:
 			s.mu.Lock()
-			o, e := run.out.complete, run.err.complete
+			outDone, errDone := run.out.complete, run.err.complete
 			s.mu.Unlock()
-			if o && e {
+			if outDone && errDone {
 				ended = true
 			} else if markerC == nil {
 				g := time.NewTimer(markerGrace)
@@ -214,11 +214,13 @@ func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 		case <-deadline:
 			res.TimedOut = true
 			deadline, ctxDone = nil, nil
-			kill = !s.interrupt(o, &graceC)
+			kill = !s.interrupt(o)
+			graceC = graceAfter(o, kill)
 		case <-ctxDone: // nobody waits for the result; treat it as a timeout
 			res.TimedOut = true
 			deadline, ctxDone = nil, nil
-			kill = !s.interrupt(o, &graceC)
+			kill = !s.interrupt(o)
+			graceC = graceAfter(o, kill)
 		case <-graceC: // SIGINT did not end the command line in time
 			kill = true
 		}
@@ -252,18 +254,18 @@ func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 	return res, nil
 }
 
-// interrupt sends SIGINT to the session's group when the run asked for it,
-// and arms *grace; false means "kill the session now".
-func (s *Session) interrupt(o RunOptions, grace *<-chan time.Time) bool {
-	if !o.Interrupt {
-		return false
+// interrupt sends SIGINT to the session's group when the run asked for it;
+// false means "kill the session now".
+func (s *Session) interrupt(o RunOptions) bool {
+	return o.Interrupt && syscall.Kill(-s.Pid, syscall.SIGINT) == nil
+}
+
+// graceAfter is when an interrupted run gives up on the command line.
+func graceAfter(o RunOptions, killing bool) <-chan time.Time {
+	if killing {
+		return nil
 	}
-	if err := syscall.Kill(-s.Pid, syscall.SIGINT); err != nil {
-		return false
-	}
-	t := time.NewTimer(o.Grace)
-	*grace = t.C
-	return true
+	return time.After(o.Grace)
 }
 
 // kill ends the shell and everything in its group.
