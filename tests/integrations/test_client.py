@@ -12,7 +12,13 @@ import time
 import pytest
 
 from sandman.client import AsyncSandbox
-from sandman.integrations._client import close_shared, loop_client, resolve_url, shared_client
+from sandman.integrations._client import (
+    close_loop_clients,
+    close_shared,
+    loop_client,
+    resolve_url,
+    shared_client,
+)
 from sandman.providers.local import LocalProvider
 from tests.integrations.conftest import wait_gone
 
@@ -85,6 +91,20 @@ def test_a_loop_client_is_closed_with_its_loop(local_provider: LocalProvider) ->
 
     sandbox_id = asyncio.run(forgetful())
     assert sandbox_id
+    assert wait_gone(local_provider) == []
+
+
+def test_loop_clients_closed_early_are_made_again(local_provider: LocalProvider) -> None:
+    async def twice() -> None:
+        first = await loop_client()
+        await first.acquire("busybox")
+        await close_loop_clients()
+        assert await asyncio.to_thread(wait_gone, local_provider) == []
+        second = await loop_client()
+        assert second is not first
+        await second.acquire("busybox")  # closed with the loop in turn
+
+    asyncio.run(twice())
     assert wait_gone(local_provider) == []
 
 

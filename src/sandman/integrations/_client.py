@@ -236,6 +236,7 @@ async def loop_client(url: str | None = None) -> AsyncClient:
     entry = _per_loop.get(loop)
     if entry is None:
         entry = _per_loop[loop] = _LoopClients()
+    if entry.guard is None or entry.guard.done():  # new, or cancelled by someone else
         entry.guard = loop.create_task(entry.close_at_end(), name="sandman-close-at-loop-end")
     key = _key(url)
     async with entry.lock:
