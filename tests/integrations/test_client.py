@@ -4,10 +4,12 @@ closed with its loop or at exit, and nothing left when the process dies."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 
@@ -106,6 +108,31 @@ def test_loop_clients_closed_early_are_made_again(local_provider: LocalProvider)
 
     asyncio.run(twice())
     assert wait_gone(local_provider) == []
+
+
+def test_a_forked_child_makes_its_own_client(local_provider: LocalProvider) -> None:
+    shared = shared_client()
+    sandbox = shared.call(shared.client.acquire, "busybox")
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # "multi-threaded, fork may deadlock": what this tests
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: the parent's client has no thread here
+        try:
+            mine = shared_client()
+            child_box = mine.call(mine.client.acquire, "busybox")
+            ok = mine is not shared and mine.call(child_box.exec, "echo child").stdout == "child\n"
+            close_shared()
+            os.write(write, b"ok" if ok else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        assert pipe.read() == b"ok"
+    os.waitpid(pid, 0)
+    # the parent's client and sandbox are untouched
+    assert shared_client() is shared
+    assert shared.call(sandbox.exec, "echo parent").stdout == "parent\n"
 
 
 def test_nothing_is_left_when_the_process_dies(local_provider: LocalProvider) -> None:

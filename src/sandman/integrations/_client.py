@@ -186,7 +186,14 @@ def close_shared() -> None:
             logger.debug("closing %r failed", client, exc_info=True)
 
 
+def _forget_shared() -> None:
+    # A forked child (multiprocessing, some Ray setups) inherits the parent's clients
+    # without their threads: it makes its own, and never closes the parent's.
+    _shared.clear()
+
+
 atexit.register(close_shared)
+os.register_at_fork(after_in_child=_forget_shared)
 
 
 # -- one client per running event loop --------------------------------------------------------
