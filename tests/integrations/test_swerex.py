@@ -147,6 +147,19 @@ def test_a_command_deaf_to_ctrl_c_costs_the_session_not_the_run(
     assert obs.output == "back\n"
 
 
+def test_a_slow_startup_file_times_out_but_leaves_the_session(
+    deployment: SandmanDeployment,
+) -> None:
+    runtime = deployment.runtime
+    run(runtime.write_file(WriteFileRequest(path="/root/.slow", content="sleep 30\n")))
+    slow = CreateBashSessionRequest(startup_source=["/root/.slow"], startup_timeout=0.3)
+    with pytest.raises(CommandTimeoutError):
+        run(runtime.create_session(slow))
+    with pytest.raises(SessionExistsError):  # registered all the same, as SWE-ReX does
+        run(runtime.create_session(slow))
+    assert bash(runtime, "echo ok") == ("ok\n", 0)
+
+
 def test_execute_is_subprocess_run(deployment: SandmanDeployment) -> None:
     runtime = deployment.runtime
     done = run(runtime.execute(Command(command=["sh", "-c", "echo o; echo e >&2; exit 3"])))

@@ -156,12 +156,13 @@ class SandmanDeployment(AbstractDeployment):
         config = self._config
         self._hooks.on_custom_step("Acquiring sandbox")
         client = shared_client(config.url)
-        spec = {"cpu": config.cpu, "memory": config.memory, "network": config.network}
+        spec = {
+            "cpu": config.cpu, "memory": config.memory, "network": config.network, **config.spec,
+        }  # fmt: skip
         try:
             sandbox = await client.run(
-                client.client.acquire, config.image, timeout=config.acquire_timeout,
-                **spec, **config.spec,
-            )  # fmt: skip
+                client.client.acquire, config.image, timeout=config.acquire_timeout, **spec
+            )
         except SandboxError as exc:
             raise DeploymentStartupError(f"no sandbox for {config.image}: {exc}") from exc
         self.logger.info("acquired sandbox %s (%s)", sandbox.id, config.image)
@@ -235,15 +236,16 @@ class SandmanRuntime(AbstractRuntime):
         """Start a shell and source ``startup_source`` in it (a missing file is reported, not fatal)."""
         if request.session in self._sessions:
             raise SessionExistsError(f"session {request.session} already exists")
-        session, output = await self._start_session(request)
-        self._sessions[request.session] = session
+        output = await self._start_session(request)
         return CreateBashSessionResponse(output=output)
 
-    async def _start_session(self, request: CreateBashSessionRequest) -> tuple[_Session, str]:
+    async def _start_session(self, request: CreateBashSessionRequest) -> str:
+        """Start the session's shell, register it (also if sourcing then times out, as
+        SWE-ReX does), source the startup files; their output."""
         info = await self._call(self._sandbox.create_session, shell=self._shell)
-        session = _Session(id=info.id, shell=info.shell, request=request)
+        session = self._sessions[request.session] = _Session(info.id, info.shell, request)
         if not request.startup_source:
-            return session, ""
+            return ""
         sources = "\n".join(
             f"if [ -r {shlex.quote(p)} ]; then . {shlex.quote(p)}; "
             f"else echo {shlex.quote(f'{p}: No such file or directory')} >&2; fi"
@@ -259,7 +261,7 @@ class SandmanRuntime(AbstractRuntime):
                 f"timeout after {request.startup_timeout} seconds while sourcing "
                 f"{request.startup_source}"
             )
-        return session, result.stdout
+        return result.stdout
 
     def _session(self, name: str) -> _Session:
         session = self._sessions.get(name)
@@ -275,9 +277,8 @@ class SandmanRuntime(AbstractRuntime):
         self.logger.warning("session %r had ended; starting it again", name)
         with contextlib.suppress(SandmanRuntimeError):
             await self._call(self._sandbox.close_session, session.id)
-        session, _ = await self._start_session(session.request)
-        self._sessions[name] = session
-        return session
+        await self._start_session(session.request)
+        return self._sessions[name]
 
     async def run_in_session(self, action: BashAction | BashInterruptAction) -> BashObservation:
         """Run a command in a session, or interrupt it.
