@@ -4,6 +4,7 @@ the adapters' own (``SANDMAN_STATE_DIR``), and checked empty afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -41,23 +42,21 @@ def wait_gone(provider: LocalProvider, timeout: float = 30.0) -> list[str]:
     return left
 
 
-@pytest.fixture
-def local_provider(busybox_tar: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalProvider]:
-    """The provider behind the adapters' embedded pool, on a fresh state directory with
-    busybox imported as ``busybox``; at the end the shared clients are closed and
-    nothing may be left: no sandbox, no sandbox directory, no container, no mount."""
+@contextlib.contextmanager
+def state_with(archives: dict[str, Path]) -> Iterator[LocalProvider]:
+    """A fresh state directory with ``archives`` imported (name: archive), and the provider
+    on it; at the end whatever is left is deleted, its disk unmounted, the directory removed."""
     path = Path(tempfile.mkdtemp(prefix="sm-int-", dir="/tmp"))
     provider = LocalProvider(LocalConfig(state_dir=path))
-    asyncio.run(provider.images.import_archive(busybox_tar, name="busybox"))
-    monkeypatch.delenv(ENV_URL, raising=False)
-    monkeypatch.delenv(ENV_API_KEY, raising=False)
-    monkeypatch.setenv(ENV_STATE_DIR, str(path))
     try:
+
+        async def load() -> None:
+            for name, archive in archives.items():
+                await provider.images.import_archive(archive, name=name)
+
+        asyncio.run(load())
         yield provider
-        close_shared()
-        assert leftovers(provider) == [], "the adapter left sandboxes behind"
     finally:
-        close_shared()
 
         async def sweep() -> None:
             for info in await provider.list():
@@ -67,3 +66,27 @@ def local_provider(busybox_tar: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
         asyncio.run(sweep())
         shutil.rmtree(path, ignore_errors=True)
     assert f" {path}/" not in Path("/proc/self/mountinfo").read_text(), "a mount is left"
+
+
+@contextlib.contextmanager
+def adapters_on(provider: LocalProvider, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The adapters' embedded pool on ``provider``'s state directory for the block; at its end
+    the shared clients are closed and nothing may be left: no sandbox, no sandbox directory,
+    no container."""
+    monkeypatch.delenv(ENV_URL, raising=False)
+    monkeypatch.delenv(ENV_API_KEY, raising=False)
+    monkeypatch.setenv(ENV_STATE_DIR, str(provider.config.state_dir))
+    try:
+        yield
+        close_shared()
+        assert leftovers(provider) == [], "the adapter left sandboxes behind"
+    finally:
+        close_shared()
+
+
+@pytest.fixture
+def local_provider(busybox_tar: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalProvider]:
+    """The provider behind the adapters' embedded pool, on a fresh state directory with
+    busybox imported as ``busybox``; nothing may be left at the end (`adapters_on`)."""
+    with state_with({"busybox": busybox_tar}) as provider, adapters_on(provider, monkeypatch):
+        yield provider
