@@ -9,6 +9,7 @@ SandboxError
 │   └── ImageError              permanent: pull or import failed
 │       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
+│   └── SessionExpired          the client's session is over (the client opens a new one)
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
 │   ├── UntrustedDaemon         the peer at the daemon's socket is another process
@@ -70,6 +71,7 @@ __all__ = [
     "SandboxTimeout",
     "SessionBusy",
     "SessionClosed",
+    "SessionExpired",
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
@@ -122,6 +124,12 @@ class ImageNotFound(ImageError, LookupError):
 
 class SandboxNotFound(SandboxError):
     """The sandbox is gone: released, expired or lost."""
+
+
+class SessionExpired(SandboxNotFound):
+    """The client's session with the pool or the service is over (not a shell session):
+    its lease passed without a heartbeat, or it was closed, and the sandboxes it held
+    went with it. `AsyncClient` opens a new session by itself and says what was lost."""
 
 
 class DaemonError(SandboxError):

@@ -17,8 +17,11 @@ logger = logging.getLogger("sandman.pool")
 class PoolEvent:
     """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
     ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
-    ``delete.failed``, ``session.expired``, ``reconcile.orphan``, ``pool.stalled`` (its own
-    loop stood still for ``seconds``: not counted against any session)."""
+    ``delete.failed``, ``session.expired``, ``reconcile.adopted``, ``reconcile.orphan``
+    (``handed_over``: whether a hand-over was on record), ``handover.failed`` (the
+    hand-over could not be recorded: the sandbox is deleted), ``pool.stalled`` (its own
+    loop stood still for ``seconds``: not counted against any session); and from a
+    client, ``session.replaced`` (see `AsyncClient`)."""
 
     name: str
     pool: str

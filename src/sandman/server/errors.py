@@ -59,6 +59,7 @@ _CODES: tuple[tuple[type[errors.SandboxError], str], ...] = (
     (errors.ThrottledError, "throttled"),
     (errors.CapacityError, "capacity"),
     (errors.ProviderError, "provider_error"),
+    (errors.SessionExpired, "session_expired"),
     (errors.SandboxNotFound, "sandbox_not_found"),
     (errors.PoolClosed, "pool_closed"),
     (errors.ConfigError, "invalid_request"),
