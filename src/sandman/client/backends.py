@@ -27,6 +27,11 @@ class Lease:
 
 
 class Backend(Protocol):
+    @property
+    def name(self) -> str:
+        """Where the sandboxes come from, for events and logs (a pool's name, a URL)."""
+        ...
+
     async def open_session(self) -> str: ...
     async def heartbeat(self, session: str) -> None: ...
     async def close_session(self, session: str) -> None: ...
@@ -44,6 +49,11 @@ class InProcessBackend:
         self.pool = pool
         self._own_pool = own_pool
         self._timelines: dict[str, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return self.pool.config.name
 
     async def open_session(self) -> str:
         await self.pool.start()

@@ -39,6 +39,7 @@ from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
 from sandman.daemon._http import ConnectionLost, HTTPTransport
 from sandman.models import SandboxSpec
+from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
 
 __all__ = ["SERVICE_ERRORS", "ProxiedEndpoint", "RemoteBackend", "connect", "connect_sync"]
@@ -51,7 +52,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "not_found": errors.ConfigError,
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
-    "session_expired": errors.SandboxNotFound,
+    "session_expired": errors.SessionExpired,
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
     "tenant_sandbox_limit": errors.CapacityError,
@@ -284,6 +285,11 @@ class RemoteBackend:
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
 
+    @property
+    def name(self) -> str:
+        """The service's URL."""
+        return self.url
+
     async def _call(
         self,
         method: str,
@@ -442,6 +448,7 @@ def connect(
     timeout: float = 30.0,
     transport: httpx.AsyncBaseTransport | None = None,
     via_proxy: bool | None = None,
+    hook: EventHook | None = None,
 ) -> AsyncClient:
     """An `AsyncClient` whose sandboxes come from the Sandman service at ``url``.
 
@@ -454,11 +461,15 @@ def connect(
     Commands and files go straight to each sandbox's daemon when this process
     can reach it, else through the service's proxy route; ``via_proxy=True``
     always takes the route (no route to pod IPs), ``False`` never does.
+
+    If the service says the session is over (this process was stopped past the
+    lease, the service lost its state), the client opens a new one and carries
+    on; ``hook`` gets a ``session.replaced`` event naming what was lost.
     """
     backend = RemoteBackend(
         url, api_key=api_key, timeout=timeout, transport=transport, via_proxy=via_proxy
     )
-    return AsyncClient(backend, heartbeat_interval=heartbeat_interval)
+    return AsyncClient(backend, heartbeat_interval=heartbeat_interval, hook=hook)
 
 
 def connect_sync(
@@ -468,9 +479,10 @@ def connect_sync(
     heartbeat_interval: float = 5.0,
     timeout: float = 30.0,
     via_proxy: bool | None = None,
+    hook: EventHook | None = None,
 ) -> Client:
     """The blocking twin of `connect`: ``with sandman.connect_sync(url, api_key=k) as client: ...``."""
     return Client(
         connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
-                via_proxy=via_proxy)
+                via_proxy=via_proxy, hook=hook)
     )  # fmt: skip
