@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import ssl
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -276,6 +277,12 @@ class RemoteBackend:
         self._parsed = parsed
         self._http = self._wire()
         self._timelines: dict[str, dict[str, float]] = {}
+        # What the caller got and has not released; the sessions an acquire's answer may
+        # have been lost in (see `_settle`); acquires in flight per session, and ever.
+        self._held: set[str] = set()
+        self._unsure: set[str] = set()
+        self._acquiring: Counter[str] = Counter()
+        self._acquires = 0
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
@@ -323,6 +330,37 @@ class RemoteBackend:
 
     async def heartbeat(self, session: str) -> None:
         await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
+        if session in self._unsure and not self._acquiring[session]:
+            try:
+                await self._settle(session)
+            except errors.SandboxError as exc:
+                logger.debug("session %s: could not settle lost answers yet: %s", session, exc)
+
+    async def _settle(self, session: str) -> None:
+        """Release what the service holds for ``session`` that never reached the caller.
+
+        The service records a hand-over before it answers, so an answer lost on
+        the way (the service killed just after, the connection cut) leaves a
+        sandbox leased to this session that no one here holds, for as long as
+        the session lives, a successor instance's adoption included. After such
+        an acquire, once the service answers again and no acquire is in flight,
+        this lists the session's sandboxes and gives back the strays.
+        """
+        started = self._acquires
+        listed = await self._call(
+            "GET", "/v1/sandboxes", params={"session": session, "state": "leased"}
+        )
+        if self._acquires != started or self._acquiring[session]:
+            return  # one began meanwhile: its sandbox may be listed, and not ours yet
+        strays = [str(s["id"]) for s in listed.json()["sandboxes"] if s["id"] not in self._held]
+        for sandbox_id in strays:
+            await self.release(sandbox_id)
+        self._unsure.discard(session)
+        if strays:
+            logger.warning(
+                "session %s: released %d sandboxes whose hand-over never reached this "
+                "client: %s", session, len(strays), ", ".join(strays),
+            )  # fmt: skip
 
     async def close_session(self, session: str) -> None:
         try:
@@ -337,6 +375,23 @@ class RemoteBackend:
             logger.warning("could not close session %s: %s", session, exc)
 
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
+        self._acquiring[session] += 1
+        self._acquires += 1
+        try:
+            lease = await self._acquire(spec, session=session, timeout=timeout)
+        except errors.ProviderError as exc:
+            if exc.__cause__ is not None:
+                self._unsure.add(session)  # no answer: it may have been handed over all the same
+            raise
+        except asyncio.CancelledError:
+            self._unsure.add(session)
+            raise
+        finally:
+            self._acquiring[session] -= 1
+        self._held.add(lease.id)
+        return lease
+
+    async def _acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
         # Cancelling this call closes the connection; the service then cancels the
         # acquire and the pool hands the sandbox to the next waiter or deletes it.
         read = None if timeout is None else timeout + _ACQUIRE_SLACK
@@ -348,9 +403,11 @@ class RemoteBackend:
             uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
             token=where.get("token", ""), pid=where.get("pid"),
         )  # fmt: skip
-        if endpoint.uds is None and endpoint.host is None:
-            raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
+        if endpoint.uds is None and endpoint.host is None:
+            with contextlib.suppress(errors.SandboxError):
+                await self.release(sandbox_id)  # the caller never gets it
+            raise errors.ProviderError(f"sandbox {sandbox_id} has no daemon endpoint")
         self._timelines[sandbox_id] = dict(data.get("timeline") or {})
         try:
             if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
@@ -413,6 +470,7 @@ class RemoteBackend:
         return direct
 
     async def release(self, sandbox_id: str) -> None:
+        self._held.discard(sandbox_id)
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
