@@ -9,8 +9,8 @@ so both see the same machine. Last line:
     recorded_median_ms=<x> unrecorded_median_ms=<y> relabel_median_ms=<z>
 
 Local provider (root, crun): ``.venv/bin/python benchmarks/handover.py -n 200``.
-Kubernetes: ``--kubeconfig PATH [--namespace NS]`` (a KWOK node is enough:
-readiness is the pod's Ready condition).
+Kubernetes: ``--kubeconfig PATH [--namespace NS]``: pods go to KWOK nodes (simulated,
+e.g. hack/kube with ``SANDMAN_KUBE_REAL_NODE=0``); readiness is the pod's Ready condition.
 """
 
 from __future__ import annotations
@@ -114,15 +114,24 @@ async def local(n: int) -> str:
 
 
 async def kubernetes(n: int, kubeconfig: str, namespace: str | None) -> str:
+    from sandman.models import KubernetesOptions
     from sandman.providers.kubernetes import KubernetesProvider
+    from sandman.providers.kubernetes import pods as pod_specs
     from sandman.settings import KubernetesConfig
 
-    settings: dict[str, object] = {"kubeconfig": kubeconfig, "readiness": "pod"}
+    settings: dict[str, object] = {
+        "kubeconfig": kubeconfig, "readiness": "pod", "annotations": pod_specs.KWOK_NO_DELAY,
+    }  # fmt: skip
     if namespace:
         settings["namespace"] = namespace
     provider = KubernetesProvider(KubernetesConfig.model_validate(settings))
+    kwok = KubernetesOptions(
+        cpu_request=0.001, memory_request="1Mi", node_selector={"type": "kwok"},
+        tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+    )  # fmt: skip
+    spec = SandboxSpec(image="sandman.local/busybox:1.35", cpu=0.1, memory="64Mi", kubernetes=kwok)
     try:
-        return await measure(provider, SandboxSpec(image="sandman.local/busybox:1.35"), n)
+        return await measure(provider, spec, n)
     finally:
         await provider.aclose()
 
