@@ -58,8 +58,8 @@ async def tour(sock: Path, token: str, workdir: Path) -> None:
         run = await sb.exec(["python3", "solution.py"], cwd=str(workdir))
         print(f"$ wrote solution.py and ran it: {run.stdout.strip()}")
 
-        server = await sb.start_process("for i in 1 2 3; do echo tick $i; sleep 0.1; done")
-        await sb.wait_process(server.id, timeout=10)
+        server = await sb.spawn("for i in 1 2 3; do echo tick $i; sleep 0.1; done")
+        await sb.wait(server.id, timeout=10)
         out = await sb.read_output(server.id)
         print(f"$ background process {server.id} said: {out.stdout.split()}")
 

@@ -52,9 +52,7 @@ async def tour(state_dir: Path) -> None:
             answer = await a.exec(["sh", "/root/solution.sh"])
             print(f"$ wrote /root/solution.sh and ran it: {answer.stdout.strip()}")
 
-            ticker = await a.start_process(
-                "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.1; done"
-            )
+            ticker = await a.spawn("i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.1; done")
             await asyncio.sleep(0.35)
             out = await a.read_output(ticker.id)
             print(f"$ background process {ticker.id} still running, said: {out.stdout.split()[:6]}")

@@ -17,7 +17,7 @@ LAYERS = {
     "providers": 2,
     "pool": 3, "testing": 3,
     "client": 4,
-    "server": 5, "eval": 5, "cli": 6,
+    "server": 5, "eval": 5, "integrations": 5, "cli": 6,
 }  # fmt: skip
 
 

@@ -95,7 +95,7 @@ async def test_end_to_end_with_a_real_daemon(state_dir: Path) -> None:
             assert (result.exit_code, result.stdout) == (0, "hi\n")
             assert (await client.exec("echo $GREETING")).stdout == "hello\n"
             # A background process in a process group of its own dies with the sandbox too.
-            background = await client.start_process(["sleep", "1000"])
+            background = await client.spawn(["sleep", "1000"])
         assert _alive(background.pid)
         await provider.delete(info.id)
         assert not _alive(pid) and not _alive(background.pid)
@@ -412,7 +412,7 @@ async def test_aclose_kills_every_daemon_but_keeps_the_records(state_dir: Path) 
         assert info.endpoint is not None
         async with info.endpoint.client() as client:
             await client.wait_ready(timeout=10)
-            await client.start_process(["sleep", "1000"])
+            await client.spawn(["sleep", "1000"])
     late = await provider.create(SPEC)  # its daemon has not started yet
     assert len(_processes_under(state_dir)) == 6
     await provider.aclose()
@@ -497,3 +497,35 @@ def test_public_surface_is_documented() -> None:
     for name, member in vars(FakeProvider).items():
         if not name.startswith("_") and callable(member):
             assert member.__doc__, name
+
+
+async def test_losses_of_watched_sandboxes_are_reported_deletes_are_not() -> None:
+    async with FakeProvider(daemon=False) as provider:
+        reports = provider.lost()  # sees every report from now on
+        deleted = await provider.create(SPEC)
+        provider.watch_lost(deleted)
+        await provider.delete(deleted.id)
+        provider.faults.lose_after = 0.05  # read at each create
+        lost, unwatched = [await provider.create(SPEC) for _ in range(2)]
+        provider.faults.lose_after = None
+        provider.watch_lost(lost)
+        async with asyncio.timeout(5):
+            report = await anext(reports)
+        assert (report.sandbox_id, report.reason) == (lost.id, "node_lost")
+        async with asyncio.timeout(5):  # lost too, but nobody asked to hear of it
+            while (stopped := await provider.inspect(unwatched.id)).state != "stopped":
+                await asyncio.sleep(0.01)
+        assert stopped.lost is not None
+        assert stopped.lost.reason == "node_lost"
+        provider.watch_lost(await provider.create(SPEC))
+        later = await provider.create(SPEC)
+        provider.watch_lost(later)
+        provider.lose(later.id, reason="evicted", detail="fake: a drain")
+        async with asyncio.timeout(5):
+            report = await anext(reports)
+        assert (report.sandbox_id, report.reason, report.detail) == (
+            later.id, "evicted", "fake: a drain",
+        )  # fmt: skip
+        await reports.aclose()
+        for info in await provider.list():
+            await provider.delete(info.id)

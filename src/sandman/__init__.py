@@ -12,6 +12,8 @@ from sandman.client import (
     Sandbox,
     connect,
     connect_sync,
+    kubernetes,
+    kubernetes_sync,
     local,
     local_sync,
 )
@@ -40,6 +42,7 @@ from sandman.errors import (
     ProtocolVersionError,
     ProviderError,
     SandboxError,
+    SandboxLost,
     SandboxNotFound,
     SandboxTimeout,
     SessionBusy,
@@ -100,6 +103,7 @@ __all__ = [
     "ProviderError",
     "Sandbox",
     "SandboxError",
+    "SandboxLost",
     "SandboxNotFound",
     "SandboxSpec",
     "SandboxTimeout",
@@ -117,6 +121,8 @@ __all__ = [
     "connect",
     "connect_sync",
     "daemon_path",
+    "kubernetes",
+    "kubernetes_sync",
     "local",
     "local_sync",
 ]

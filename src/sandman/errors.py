@@ -9,6 +9,7 @@ SandboxError
 │   └── ImageError              permanent: pull or import failed
 │       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
+│   ├── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
 │   └── SessionExpired          the client's session is over (the client opens a new one)
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
@@ -67,6 +68,7 @@ __all__ = [
     "ProtocolVersionError",
     "ProviderError",
     "SandboxError",
+    "SandboxLost",
     "SandboxNotFound",
     "SandboxTimeout",
     "SessionBusy",
@@ -124,6 +126,38 @@ class ImageNotFound(ImageError, LookupError):
 
 class SandboxNotFound(SandboxError):
     """The sandbox is gone: released, expired or lost."""
+
+
+class SandboxLost(SandboxNotFound):
+    """The sandbox died under its holder: its daemon (the sandbox's first process) is
+    gone, and with it every process and file in it. Acquire a new one.
+
+    ``reason`` says why, one of `REASONS` (a newer backend may add others):
+
+    - ``oom``: out of memory (the kernel's OOM killer, a pod ``OOMKilled``);
+    - ``killed``: a signal from outside (the host, an operator);
+    - ``evicted``: the node reclaimed it (memory or disk pressure, a drain);
+    - ``preempted``: a pod of higher priority took its place;
+    - ``node_lost``: its node went away;
+    - ``deleted``: removed behind the pool's back;
+    - ``daemon_exit``: the daemon ended by itself (a crash);
+    - ``unknown``: the backend did not say.
+    """
+
+    REASONS: ClassVar[tuple[str, ...]] = (
+        "oom", "killed", "evicted", "preempted", "node_lost", "deleted", "daemon_exit", "unknown",
+    )  # fmt: skip
+
+    def __init__(self, message: str, *, reason: str = "unknown") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @classmethod
+    def of(cls, sandbox_id: str, reason: str, detail: str = "") -> SandboxLost:
+        """The error for sandbox ``sandbox_id`` lost for ``reason`` (``detail``: what the
+        backend said of it)."""
+        said = f": {detail}" if detail else ""
+        return cls(f"sandbox {sandbox_id} is gone, lost ({reason}){said}", reason=reason)
 
 
 class SessionExpired(SandboxNotFound):

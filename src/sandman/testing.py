@@ -31,6 +31,12 @@ async def test_a_flaky_backend() -> None:
     assert provider.live == 0  # nothing leaked
 ```
 
+It tells of its sandboxes' deaths at once (``watch_lost`` and ``lost``, the
+optional `sandman.providers.base.WatchesLost` capability the pool uses): one lost
+through `FakeProvider.lose` (reason ``killed`` unless given), through
+``Faults.lose_after`` (``node_lost``), or whose daemon process ended by itself
+(``killed`` by a signal, else ``daemon_exit``).
+
 What it is not: a sandbox. The daemon runs on the host as the user running
 the test, in a working directory of its own (``<state_dir>/<id>/``); the
 spec's image, resources, network, workdir and user are recorded but not
@@ -69,7 +75,8 @@ from typing import Any, Self
 from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInfo, SandboxState
+from sandman.providers.losses import LossFeed
 
 __all__ = ["FakeProvider", "Faults"]
 
@@ -120,7 +127,7 @@ class Faults:
     lose_after: float | None = None
     """Seconds after a sandbox became running (its create returned) when it
     vanishes: its daemon is killed and its state becomes ``stopped``, as if
-    the node died. Read when each sandbox is created."""
+    the node died (reason ``node_lost``). Read when each sandbox is created."""
     image_errors: frozenset[str] = frozenset()
     """Images whose create raises `ImageError` at once."""
     leak_on_fail: float = 0.0
@@ -153,6 +160,8 @@ class _Sandbox:
     process: asyncio.subprocess.Process | None = None
     starter: asyncio.Task[None] | None = None  # starts the daemon after ready_latency
     loser: asyncio.Task[None] | None = None  # loses the sandbox after lose_after
+    monitor: asyncio.Task[None] | None = None  # notices the daemon ending by itself
+    lost: Lost | None = None  # why it stopped, when it died by itself
     stopping: asyncio.Task[None] | None = None  # kills the daemon; set once
     deleting: asyncio.Task[None] | None = None  # stops, removes files, forgets; set once
 
@@ -207,6 +216,8 @@ class FakeProvider:
         self._next_id = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._watched: set[str] = set()  # ids whose loss `lost` reports
+        self._losses = LossFeed()
 
     def __repr__(self) -> str:
         return f"FakeProvider(live={self.live}, daemon={self.daemon}, faults={self.faults!r})"
@@ -327,6 +338,7 @@ class FakeProvider:
         delete that has begun removing does not stop the removal.
         """
         self.calls.append(("delete", sandbox_id))
+        self._watched.discard(sandbox_id)  # a delete is no loss
         fails = self._rng.random() < self.faults.fail_delete
         await asyncio.sleep(self.faults.delete_latency)
         sandbox = self._sandboxes.get(sandbox_id)
@@ -381,24 +393,49 @@ class FakeProvider:
             self._closing = False
         if forget:
             self._sandboxes.clear()
+            self._watched.clear()
         if self._own_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self._own_dir, ignore_errors=True)
             self._own_dir = None
 
     # -- faults on demand ------------------------------------------------------
 
-    def lose(self, sandbox_id: str) -> None:
+    def lose(self, sandbox_id: str, *, reason: str = "killed", detail: str = "") -> None:
         """Make one sandbox vanish now: its daemon is killed, its state becomes ``stopped``.
 
         It stays held (listed, counted in `live`) until deleted, like a pod
-        whose node died. Raises `SandboxNotFound` for a sandbox not held.
-        Call it on the event loop the provider runs on (it stops the daemon there).
+        whose node died; if watched, `lost` reports it with ``reason`` (one of
+        `sandman.SandboxLost.REASONS`) and ``detail``. Raises `SandboxNotFound`
+        for a sandbox not held. Call it on the event loop the provider runs on
+        (it stops the daemon there).
         """
         sandbox = self._sandboxes.get(sandbox_id)
         if sandbox is None:
             raise errors.SandboxNotFound(f"fake: no sandbox {sandbox_id}")
-        logger.debug("fake: losing %s", sandbox_id)
+        logger.debug("fake: losing %s (%s)", sandbox_id, reason)
         self._stop_task(sandbox)
+        self._report(sandbox, reason, detail or f"fake: lost ({reason})")
+
+    # -- telling of losses (sandman.providers.base.WatchesLost) ------------------
+
+    def watch_lost(self, sandbox: SandboxInfo) -> None:
+        """Report ``sandbox`` through `lost` when it dies by itself (at once if it has)."""
+        held = self._sandboxes.get(sandbox.id)
+        if held is None:
+            return
+        self._watched.add(sandbox.id)
+        if held.lost is not None:
+            self._report(held, held.lost.reason, held.lost.detail)
+
+    def lost(self) -> LostReports:
+        """Every watched sandbox that dies by itself, as it happens (`WatchesLost`)."""
+        return self._losses.reader()
+
+    def _report(self, sandbox: _Sandbox, reason: str, detail: str) -> None:
+        sandbox.lost = Lost(sandbox_id=sandbox.id, reason=reason, detail=detail)
+        if sandbox.id in self._watched:
+            self._watched.discard(sandbox.id)
+            self._losses.report(sandbox.lost)
 
     # -- internals -------------------------------------------------------------
 
@@ -429,8 +466,10 @@ class FakeProvider:
 
     def _info(self, sandbox: _Sandbox) -> SandboxInfo:
         state = sandbox.state
+        lost = sandbox.lost
         if state == "running" and sandbox.process and sandbox.process.returncode is not None:
             state = "stopped"  # the daemon died on its own
+            lost = lost or _exit_loss(sandbox.id, sandbox.process.returncode)
         endpoint = None
         if state == "running" and sandbox.socket is not None and sandbox.token is not None:
             # The daemon calls listen(2) itself: connections check it is the peer.
@@ -439,6 +478,7 @@ class FakeProvider:
         return SandboxInfo(
             id=sandbox.id, provider=self.name, state=state, labels=dict(sandbox.labels),
             created_at=sandbox.created_at, image=sandbox.image, endpoint=endpoint,
+            lost=lost if state == "stopped" else None,
         )  # fmt: skip
 
     def _task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -456,6 +496,8 @@ class FakeProvider:
             return sandbox
         if start_after is not None:
             sandbox.starter = self._task(self._start_later(sandbox, start_after))
+        elif sandbox.process is not None:
+            sandbox.monitor = self._task(self._monitor(sandbox))
         lose_after = self.faults.lose_after
         if lose_after is not None:
             sandbox.loser = self._task(self._lose_later(sandbox, lose_after))
@@ -508,12 +550,26 @@ class FakeProvider:
         except errors.ProviderError:
             logger.warning("fake: the daemon of %s did not start", sandbox.id, exc_info=True)
             sandbox.state = "stopped"
+            self._report(sandbox, "daemon_exit", "fake: the daemon did not start")
+            return
+        sandbox.monitor = self._task(self._monitor(sandbox))
+
+    async def _monitor(self, sandbox: _Sandbox) -> None:
+        """Wait for the daemon to end; if nothing here stopped it, the sandbox is lost."""
+        assert sandbox.process is not None
+        code = await sandbox.process.wait()
+        if sandbox.stopping is None and self._sandboxes.get(sandbox.id) is sandbox:
+            logger.debug("fake: the daemon of %s ended by itself (%s)", sandbox.id, code)
+            self._stop_task(sandbox)  # what it started dies with it, as in a sandbox
+            lost = _exit_loss(sandbox.id, code)
+            self._report(sandbox, lost.reason, lost.detail)
 
     async def _lose_later(self, sandbox: _Sandbox, delay: float) -> None:
         await asyncio.sleep(delay)
         if self._sandboxes.get(sandbox.id) is sandbox and sandbox.stopping is None:
             logger.debug("fake: %s is lost after %s s", sandbox.id, delay)
             self._stop_task(sandbox)
+            self._report(sandbox, "node_lost", f"fake: lost after {delay} s (lose_after)")
 
     def _stop_task(self, sandbox: _Sandbox) -> asyncio.Task[None]:
         """Start stopping ``sandbox`` (state ``stopped`` at once), or return the stop under way."""
@@ -547,6 +603,16 @@ class FakeProvider:
             del self._sandboxes[sandbox.id]
             self.deleted_total += 1
             logger.debug("fake: deleted %s", sandbox.id)
+
+
+def _exit_loss(sandbox_id: str, returncode: int) -> Lost:
+    """Why a sandbox whose daemon ended with ``returncode`` (negative: a signal) is lost."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return Lost(sandbox_id=sandbox_id, reason="killed", detail=f"the daemon got {name}")
+    return Lost(
+        sandbox_id=sandbox_id, reason="daemon_exit", detail=f"the daemon exited {returncode}"
+    )
 
 
 def _prepare(socket: Path, sid: str) -> tuple[Path, int]:

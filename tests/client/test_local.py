@@ -17,6 +17,8 @@ import pytest
 
 import sandman
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.host import remove_cgroup_parent
+from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
 
 pytestmark = needs_root_and_crun
@@ -32,7 +34,7 @@ async def test_async_client_end_to_end(
     ):
         result = await sb.exec("echo hi from $(hostname)")
         assert result.stdout == f"hi from {sb.id}\n"
-        assert (await sb.run(["true"])).ok
+        assert (await sb.exec(["true"])).ok
         await sb.write_file("/root/a.txt", "persisted")
         assert await sb.read_file("/root/a.txt") == b"persisted"
 
@@ -41,9 +43,9 @@ async def test_async_client_end_to_end(
         out = await sb.read_output(proc.id, wait=5)
         assert "started" in out.stdout
 
-        shell = await sb.shell()
-        await sb.shell_run(shell.id, "cd /tmp && export X=1", check=True)
-        assert (await sb.shell_run(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
+        shell = await sb.create_session()
+        await sb.run_in_session(shell.id, "cd /tmp && export X=1", check=True)
+        assert (await sb.run_in_session(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
 
         local_dir = tmp_path / "up"
         (local_dir / "sub").mkdir(parents=True)
@@ -65,6 +67,24 @@ async def test_async_client_end_to_end(
 
 
 @pytest.mark.anyio
+async def test_every_local_setting_reaches_the_provider(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    parent = f"/sandman-test/entry-{os.getpid()}"
+    client = sandman.local(state_dir=local_state, cgroup_parent=parent, disk=None)
+    async with client, client.sandbox("busybox") as sb:
+        assert (await sb.exec("true")).ok
+        assert Path(f"/sys/fs/cgroup/memory{parent}/{sb.id}").is_dir()
+    remove_cgroup_parent(parent)
+    with pytest.raises(sandman.ConfigError, match="cgroup_parent"):
+        sandman.local(state_dir=local_state, cgroup_parent="no leading slash")
+    with pytest.raises(sandman.ConfigError, match="not both"):
+        sandman.local(LocalConfig(state_dir=local_state), runtime="runc")
+    with pytest.raises(sandman.ConfigError, match="no_such_setting"):
+        sandman.kubernetes(no_such_setting=1)
+
+
+@pytest.mark.anyio
 async def test_command_failure_is_data_and_a_lost_sandbox_is_an_exception(
     imported: LocalProvider, local_state: Path
 ) -> None:
@@ -81,6 +101,32 @@ async def test_command_failure_is_data_and_a_lost_sandbox_is_an_exception(
             await client.acquire("busybox", timeout=0.001)
         with pytest.raises(sandman.ImageError):
             await client.acquire("no-such-image")
+
+
+@pytest.mark.anyio
+async def test_a_daemon_killed_from_the_host_is_a_lost_sandbox_and_freed_at_once(
+    imported: LocalProvider, local_state: Path
+) -> None:
+    async with sandman.local(state_dir=local_state) as client:
+        sb = await client.acquire("busybox")
+        other = await client.acquire("busybox")
+        await sb.spawn("sleep 1000")
+        pid = int((local_state / "sandboxes" / sb.id / "pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        # The pool hears of it at once and frees its container, cgroups and directory
+        # while the holder still holds it (before any reconcile pass: 15 s).
+        with anyio.fail_after(10):
+            while sb.id in {info.id for info in await imported.list()}:
+                await anyio.sleep(0.01)
+        with pytest.raises(sandman.SandboxLost, match="SIGKILL") as lost:
+            await sb.exec(["true"])
+        assert lost.value.reason == "killed"
+        assert isinstance(lost.value, sandman.SandboxNotFound)
+        with pytest.raises(sandman.SandboxLost):
+            await sb.read_file("/etc/hostname")  # every call says so
+        await sb.release()
+        assert (await other.exec(["true"])).exit_code == 0  # its neighbour lives on
+        assert [info.id for info in await imported.list()] == [other.id]
 
 
 def test_sync_client(imported: LocalProvider, local_state: Path) -> None:
@@ -114,6 +160,19 @@ def test_both_faces_have_the_same_signatures(async_cls: type, sync_cls: type) ->
         assert list(signature.parameters) == list(sync_members[name].parameters), name
         for param, spec in signature.parameters.items():
             assert spec.default == sync_members[name].parameters[param].default, (name, param)
+
+
+def test_a_sandbox_speaks_its_daemons_vocabulary() -> None:
+    # One vocabulary: a sandbox has every call of its daemon's client (but the
+    # connection's own), with the same parameters and words.
+    daemon = _public(sandman.DaemonClient)
+    sandbox = _public(sandman.AsyncSandbox)
+    assert daemon.keys() - {"aclose", "wait_ready"} <= sandbox.keys()
+    assert sandbox.keys() - daemon.keys() == {"release", "timeline"}
+    for name in daemon.keys() & sandbox.keys():
+        assert daemon[name] == sandbox[name], name
+        assert getattr(sandman.AsyncSandbox, name).__doc__, name
+        assert getattr(sandman.Sandbox, name).__doc__ == getattr(sandman.DaemonClient, name).__doc__
 
 
 KILLED = textwrap.dedent(

@@ -241,6 +241,26 @@ async def test_stale_idle_connection_is_replaced(tmp_path: Path) -> None:
     assert len(conns) == 3
 
 
+async def test_a_streamed_body_takes_a_fresh_connection(tmp_path: Path) -> None:
+    # It could not be sent again if a kept-alive one turned out closed.
+    sock = tmp_path / "s"
+    sent: list[bytes] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        sent.append(b"once")
+        yield b"once"
+
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx"
+    async with scripted_server(sock, lambda _: ok) as conns:
+        transport = HTTPTransport(uds=str(sock))
+        assert (await transport.request("GET", "/")).body == b"x"
+        assert len(transport._idle) == 1
+        async with transport.stream("PUT", "/", body=body()) as response:
+            assert await response.read() == b"x"
+        assert len(conns) == 2 and sent == [b"once"]
+        await transport.aclose()
+
+
 async def test_fresh_connection_failure_is_not_retried(tmp_path: Path) -> None:
     sock = tmp_path / "s"
     async with scripted_server(sock, lambda _: None):

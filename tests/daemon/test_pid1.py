@@ -115,7 +115,7 @@ async def test_runs_as_pid1_and_reaps_orphans(pid1: Pid1) -> None:
 @pytest.mark.anyio
 async def test_sigterm_reaches_children_and_the_daemon_exits_cleanly(pid1: Pid1) -> None:
     async with pid1.client() as client:
-        await client.start_process(
+        await client.spawn(
             "trap 'echo term > /tmp/got-term; exit 0' TERM; while true; do sleep 0.05; done"
         )
         session = await client.create_session()

@@ -130,9 +130,9 @@ async def test_child_oom_score_adj_flag(tmp_path: Path) -> None:
     try:
         async with running.client() as client:
             # Set by the daemon right after the fork: look at a process that lives on.
-            proc = await client.start_process(["sleep", "1000"])
+            proc = await client.spawn(["sleep", "1000"])
             adj = Path(f"/proc/{proc.pid}/oom_score_adj").read_text()
-            await client.kill_process(proc.id)
+            await client.kill(proc.id)
             assert adj == "500\n"
     finally:
         assert running.stop() == 0

@@ -130,17 +130,17 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     await client.exec("echo hi", shell="/bin/sh")
     async with client.exec_stream("echo a; echo b >&2", timeout=5) as events:
         _ = [event async for event in events]
-    proc = await client.start_process(["cat"], stdin=True, max_buffer=1024, cwd=str(work))
+    proc = await client.spawn(["cat"], stdin=True, max_buffer=1024, cwd=str(work))
     await client.write_stdin(proc.id, "data", close=True)
-    await client.wait_process(proc.id, timeout=5)
+    await client.wait(proc.id, timeout=5)
     await client.read_output(proc.id, stdout_offset=0, stderr_offset=0, wait=0.1)
     await client.list_processes()
-    await client.get_process(proc.id)
-    await client.signal_process(proc.id, "TERM")
-    await client.kill_process(proc.id)
-    term = await client.start_process(["cat"], tty=True, rows=10, cols=20)
-    await client.resize_process(term.id, rows=11, cols=21)
-    await client.kill_process(term.id)
+    await client.poll(proc.id)
+    await client.signal(proc.id, "TERM")
+    await client.kill(proc.id)
+    term = await client.spawn(["cat"], tty=True, rows=10, cols=20)
+    await client.resize(term.id, rows=11, cols=21)
+    await client.kill(term.id)
     session = await client.create_session(shell="/bin/sh", cwd=str(work), env={"B": "2"})
     await client.run_in_session(session.id, "cd /", timeout=5, max_output=100)
     await client.list_sessions()
@@ -164,7 +164,7 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     for failing in (
         client.read_file(str(work / "missing")),
         client.list_dir(str(work / "a" / "t.txt")),
-        client.get_process("p-missing"),
+        client.poll("p-missing"),
         client.run_in_session("s-missing", "true"),
     ):
         with pytest.raises(sandman.DaemonError):

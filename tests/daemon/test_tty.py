@@ -51,7 +51,7 @@ async def test_shell_on_a_terminal(daemon: RunningDaemon) -> None:
     pid = daemon.process.pid
     before = _pty_fds(pid)
     async with daemon.client() as client:
-        proc = await client.start_process(
+        proc = await client.spawn(
             ["/bin/sh", "-i"], env={"PS1": "$ ", "ENV": ""}, tty=True, rows=30, cols=100
         )
         assert proc.tty and proc.stdin_open and proc.running
@@ -65,32 +65,30 @@ async def test_shell_on_a_terminal(daemon: RunningDaemon) -> None:
         # The foreground group hears of the resize (SIGWINCH), and the size sticks.
         await client.write_stdin(proc.id, "trap 'echo winched' WINCH\n")
         await term.until("$ ")
-        await client.resize_process(proc.id, rows=40, cols=120)
+        await client.resize(proc.id, rows=40, cols=120)
         await client.write_stdin(proc.id, "stty size\n")
         await term.until("40 120\r\n")
         assert "winched" in term.seen
         await client.write_stdin(proc.id, "exit 3\n")
-        done = await client.wait_process(proc.id, timeout=10)
+        done = await client.wait(proc.id, timeout=10)
         assert (done.running, done.exit_code, done.stdin_open) == (False, 3, False)
         out = await client.read_output(proc.id)
         assert out.stderr == "" and "exit 3" in out.stdout  # the terminal's echo
         with anyio.fail_after(10):
             while _pty_fds(pid) != before:
                 await anyio.sleep(0.01)
-        await client.kill_process(proc.id)
+        await client.kill(proc.id)
 
 
 async def test_killing_a_terminal_process_frees_its_terminal(daemon: RunningDaemon) -> None:
     pid = daemon.process.pid
     before = _pty_fds(pid)
     async with daemon.client() as client:
-        procs = [
-            await client.start_process("sleep 1000 & echo up; wait", tty=True) for _ in range(3)
-        ]
+        procs = [await client.spawn("sleep 1000 & echo up; wait", tty=True) for _ in range(3)]
         for proc in procs:
             await _Terminal(client, proc.id).until("up")
         for proc in procs:
-            await client.kill_process(proc.id)
+            await client.kill(proc.id)
         with anyio.fail_after(10):
             while _pty_fds(pid) != before:
                 await anyio.sleep(0.01)
@@ -100,14 +98,14 @@ async def test_killing_a_terminal_process_frees_its_terminal(daemon: RunningDaem
 async def test_terminal_mistakes_are_clear(daemon: RunningDaemon) -> None:
     async with daemon.client() as client:
         with pytest.raises(sandman.ConfigError, match="need tty"):
-            await client.start_process(["true"], rows=10)
-        plain = await client.start_process(["sleep", "1000"])
+            await client.spawn(["true"], rows=10)
+        plain = await client.spawn(["sleep", "1000"])
         assert not plain.tty
         with pytest.raises(sandman.InvalidRequest) as caught:
-            await client.resize_process(plain.id, rows=10, cols=10)
+            await client.resize(plain.id, rows=10, cols=10)
         assert caught.value.code == "not_a_tty"
-        term = await client.start_process(["cat"], tty=True)
+        term = await client.spawn(["cat"], tty=True)
         with pytest.raises(sandman.InvalidRequest, match="rows must be 1..65535"):
-            await client.resize_process(term.id, rows=0, cols=10)
+            await client.resize(term.id, rows=0, cols=10)
         for proc in (plain, term):
-            await client.kill_process(proc.id)
+            await client.kill(proc.id)

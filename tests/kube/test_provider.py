@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+import sandman
 from sandman import errors
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.models import SandboxSpec
@@ -47,10 +48,11 @@ async def provider(kube_cluster: KubeCluster) -> AsyncIterator[KubernetesProvide
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 180)
 async def test_a_sandbox_from_an_unmodified_image_keeps_files_and_processes(
-    kube_cluster: KubeCluster, provider: KubernetesProvider, admin: Admin, pool_name: str
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
 ) -> None:
-    pool = Pool(provider, PoolConfig(name=pool_name))
-    async with AsyncClient(InProcessBackend(pool)) as client:
+    # The public entry point: the provider's settings as a config, its own pool name.
+    config = config_for(kube_cluster)
+    async with sandman.kubernetes(config, pool=PoolConfig(name=pool_name)) as client:
         async with client.sandbox(real_node_spec(kube_cluster), timeout=120) as sb:
             pod = await admin.pod(sb.id)
             assert pod is not None

@@ -474,9 +474,63 @@ def test_a_pod_that_is_gone_is_stopped_with_a_reason() -> None:
             {"name": "sandbox", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
         ],
     )
-    assert pods.pod_info(oom, provider="kubernetes", port=1).state == "stopped"
-    assert "OOMKilled" in (pods.lost_reason(oom) or "")
-    assert pods.lost_reason(status(phase="Running")) is None
+    info = pods.pod_info(oom, provider="kubernetes", port=1)
+    assert info.state == "stopped"
+    assert info.lost is not None and info.lost.reason == "oom"
+    assert "OOMKilled" in info.lost.detail
+    assert pods.loss(status(phase="Running")) is None
+
+
+def _ended(exit_code: int, reason: str, **more: Any) -> dict[str, Any]:
+    terminated = {"exitCode": exit_code, "reason": reason, **more}
+    return {"name": "sandbox", "image": "x", "state": {"terminated": terminated}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        # The kubelet evicted it (node pressure): phase Failed, reason Evicted.
+        ({"phase": "Failed", "reason": "Evicted", "message": "low on resource: memory"},
+         "evicted"),
+        ({"phase": "Failed", "containerStatuses": [_ended(137, "OOMKilled")]}, "oom"),
+        ({"phase": "Failed", "containerStatuses": [_ended(137, "Error")]}, "killed"),
+        ({"phase": "Failed", "containerStatuses": [_ended(2, "Error")]}, "daemon_exit"),
+        ({"phase": "Succeeded", "containerStatuses": [_ended(0, "Completed")]}, "daemon_exit"),
+        ({"phase": "Failed", "reason": "NodeShutdown"}, "node_lost"),
+        # Kubernetes 1.26+ says why a pod is going in its DisruptionTarget condition.
+        ({"phase": "Running", "conditions": [
+            {"type": "DisruptionTarget", "status": "True",
+             "reason": "PreemptionByScheduler", "message": "preempted by pod x"}]},
+         "preempted"),
+        ({"phase": "Failed", "conditions": [
+            {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]},
+         "node_lost"),
+        ({"phase": "Failed", "conditions": [
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]},
+         "evicted"),
+        ({"phase": "Failed"}, "unknown"),
+    ],
+)  # fmt: skip
+def test_a_lost_pod_says_why(fields: dict[str, Any], reason: str) -> None:
+    pod = status(**fields)
+    if fields.get("phase") == "Running":
+        pod["metadata"]["deletionTimestamp"] = "2026-11-20T10:00:00Z"  # being preempted
+    lost = pods.loss(pod)
+    assert lost is not None and lost.reason == reason, lost
+    assert lost.sandbox_id == pod["metadata"]["name"]
+
+
+def test_a_pod_deleted_by_someone_else_is_lost_as_deleted() -> None:
+    running = status(phase="Running")
+    assert pods.loss(running) is None
+    deleted = pods.loss(running, deleted=True)
+    assert deleted is not None and deleted.reason == "deleted"
+    terminating = copy.deepcopy(running)
+    terminating["metadata"]["deletionTimestamp"] = "2026-11-20T10:00:00Z"
+    assert (pods.loss(terminating) or deleted).reason == "deleted"
+    # Its main container OOM-killed before it went: that is why.
+    oom = status(phase="Running", containerStatuses=[_ended(137, "OOMKilled")])
+    assert (pods.loss(oom, deleted=True) or deleted).reason == "oom"
 
 
 def test_credentials_come_from_a_kubeconfig_with_its_namespace(tmp_path: Path) -> None:

@@ -23,6 +23,10 @@ type config struct {
 	noAuth        bool
 	killGrace     time.Duration
 	shutdownGrace time.Duration
+	// readHeaderTimeout and idleTimeout bound connections that send
+	// nothing (see run.go for the values).
+	readHeaderTimeout time.Duration
+	idleTimeout       time.Duration
 	// childOOMScoreAdj makes the OOM killer prefer commands over the daemon.
 	childOOMScoreAdj int
 }
@@ -85,6 +89,8 @@ func parseFlags(args []string, envToken string) (config, error) {
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	fs.DurationVar(&cfg.killGrace, "kill-grace", 2*time.Second, "default SIGTERM-to-SIGKILL grace on timeouts")
 	fs.DurationVar(&cfg.shutdownGrace, "shutdown-grace", 5*time.Second, "how long children get to exit on shutdown")
+	fs.DurationVar(&cfg.readHeaderTimeout, "read-header-timeout", defaultReadHeaderTimeout, "how long a connection may take to send a request's headers")
+	fs.DurationVar(&cfg.idleTimeout, "idle-timeout", defaultIdleTimeout, "how long a keep-alive connection may wait for its next request")
 	// As PID 1 the daemon's death is the sandbox's: by default its children
 	// are the OOM killer's first choice.
 	defaultAdj := 0
@@ -136,6 +142,9 @@ func parseFlags(args []string, envToken string) (config, error) {
 	}
 	if cfg.killGrace < 0 || cfg.shutdownGrace < 0 {
 		return cfg, errors.New("grace durations must be >= 0")
+	}
+	if cfg.readHeaderTimeout <= 0 || cfg.idleTimeout <= 0 {
+		return cfg, errors.New("--read-header-timeout and --idle-timeout must be > 0")
 	}
 	return cfg, nil
 }

@@ -228,4 +228,12 @@ func TestParseFlags(t *testing.T) {
 	if cfg, err := parseFlags([]string{"--listen", "unix:/a", "--no-auth"}, ""); err != nil || !cfg.noAuth {
 		t.Fatal("--no-auth refused")
 	}
+	if cfg.readHeaderTimeout != defaultReadHeaderTimeout || cfg.idleTimeout != defaultIdleTimeout {
+		t.Fatalf("timeouts %v %v", cfg.readHeaderTimeout, cfg.idleTimeout)
+	}
+	for _, bad := range []string{"--read-header-timeout=0", "--idle-timeout=-1s"} {
+		if _, err := parseFlags([]string{"--listen", "unix:/a", "--no-auth", bad}, ""); err == nil {
+			t.Fatalf("%s accepted: it would turn the bound off", bad)
+		}
+	}
 }

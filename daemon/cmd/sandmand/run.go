@@ -21,6 +21,32 @@ import (
 	"sandman/daemon/internal/server"
 )
 
+// Bounds of the HTTP server. Request bodies and answers have none (no
+// ReadTimeout or WriteTimeout): uploads, downloads, streamed commands and
+// long polls last as long as they do.
+const (
+	// defaultReadHeaderTimeout is how long a connection may take to send a
+	// request's headers: from accept for its first request, from the first
+	// byte for later ones. The SDK writes a request's head in one send, so
+	// this is margin for a host stalled (GC, swap, a loaded node) between
+	// connect and send; a client that trickles headers, or connects and
+	// sends nothing, holds a connection no longer than this.
+	defaultReadHeaderTimeout = 10 * time.Second
+	// defaultIdleTimeout is how long a keep-alive connection may wait for its
+	// next request. It frees the connections of clients that went away or
+	// forgot them. The pause it must outlast is an agent's turn between two
+	// calls (model generation: seconds, sometimes minutes): a connection in
+	// use is never cut. Past it, the client's next call pays one reconnect
+	// (~0.1 ms on the unix socket) after a pause of minutes, and the SDK
+	// resends a request that met a connection closed while idle. A request
+	// in flight, however long, is never idle.
+	defaultIdleTimeout = 5 * time.Minute
+	// answerGrace is how long, once the children are stopped, the requests
+	// still running (mostly those that waited on them) get to answer before
+	// their connections are closed.
+	answerGrace = time.Second
+)
+
 // parseAddr splits unix:/path or tcp:host:port into a net network/address.
 func parseAddr(a string) (network, addr string, err error) {
 	switch {
@@ -116,7 +142,10 @@ func run(cfg config, logger *log.Logger) error {
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
 
-	hs := &http.Server{Handler: srv, ErrorLog: logger}
+	hs := &http.Server{
+		Handler: srv, ErrorLog: logger,
+		ReadHeaderTimeout: cfg.readHeaderTimeout, IdleTimeout: cfg.idleTimeout,
+	}
 	var sockets []string
 	var listeners []net.Listener
 	defer func() {
@@ -147,19 +176,47 @@ func run(cfg config, logger *log.Logger) error {
 	case err := <-serveErr:
 		return fmt.Errorf("serving: %w", err)
 	}
-	hs.SetKeepAlivesEnabled(false)
+	shutdown(hs, listeners, rp, cfg.shutdownGrace, logger)
+	return nil
+}
+
+// shutdown stops in order. First it stops accepting: the listening sockets
+// refuse connections, idle keep-alive connections are closed (a client
+// reusing one sees it closed before any answer, and may resend), and a
+// connection in use closes after its answer. Then it stops the processes
+// it started, so that requests waiting on them (an exec, a wait, a long
+// poll) answer; they get answerGrace to do so, then whatever connection is
+// left is closed. A request already read when this began may still start a
+// process after the SIGTERM: the SIGKILL after the grace ends it.
+func shutdown(hs *http.Server, listeners []net.Listener, rp *reaper.Reaper, grace time.Duration, logger *log.Logger) {
 	for _, l := range listeners {
-		l.Close()
+		stopListening(l)
 	}
-	stopChildren(rp, cfg.shutdownGrace)
-	// Let handlers of killed commands write their results, briefly.
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	hs.SetKeepAlivesEnabled(false) // closes the idle connections
+	stopChildren(rp, grace)
+	ctx, cancel := context.WithTimeout(context.Background(), answerGrace)
 	defer cancel()
-	if err := hs.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
-		logger.Printf("shutdown: %v", err)
+	// Shutdown reports the listeners it finds closed already; only its
+	// deadline matters here.
+	if err := hs.Shutdown(ctx); errors.Is(err, context.DeadlineExceeded) {
+		logger.Printf("requests still running %v after the children stopped: closing their connections", answerGrace)
 	}
 	hs.Close()
-	return nil
+}
+
+// stopListening makes l refuse connections at once, then closes it.
+// Closing alone is not enough for a socket passed as fd:N: while the host
+// (or anyone it passed the socket to) holds a copy, the socket stays in
+// listen state and connections queue up with no one to accept them, so the
+// client waits out its own timeout. shutdown(SHUT_RD) on a listening socket
+// makes connect fail with ECONNREFUSED, whoever holds it.
+func stopListening(l net.Listener) {
+	if sc, ok := l.(syscall.Conn); ok {
+		if raw, err := sc.SyscallConn(); err == nil {
+			_ = raw.Control(func(fd uintptr) { _ = syscall.Shutdown(int(fd), syscall.SHUT_RD) })
+		}
+	}
+	l.Close()
 }
 
 // stopChildren sends SIGTERM to every child's process group, waits up to

@@ -149,3 +149,20 @@ func TestHonestLinks(t *testing.T) {
 		}
 	}
 }
+
+// tarOf writes entries as a tar stream; regular files hold "data".
+func tarOf(entries ...tar.Header) []byte {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, h := range entries {
+		body := ""
+		if h.Typeflag == tar.TypeReg {
+			body = "data"
+			h.Size = 4
+		}
+		_ = tw.WriteHeader(&h)
+		_, _ = tw.Write([]byte(body))
+	}
+	tw.Close()
+	return buf.Bytes()
+}

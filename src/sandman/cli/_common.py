@@ -140,7 +140,7 @@ def open_client(
 
     if url:
         return connect(url, api_key=api_key or "", via_proxy=via_proxy or None)
-    return local(state_dir=local_config(ctx).state_dir)
+    return local(local_config(ctx))
 
 
 def via_proxy_option(command: F) -> F:

@@ -12,6 +12,8 @@ import signal
 import sys
 import tarfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import click
@@ -27,6 +29,9 @@ from sandman.cli._common import (
     via_proxy_option,
 )
 from sandman.daemon import DaemonClient
+from sandman.pool import owner as owners
+from sandman.pool.records import LABEL_EXPIRES
+from sandman.providers.base import SandboxInfo
 from sandman.providers.local import LocalProvider
 
 
@@ -259,26 +264,78 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
 
 @click.command()
 @click.option(
-    "--all", "everything", is_flag=True, help="Delete every sandbox, not just stale ones."
-)
+    "--all", "everything", is_flag=True,
+    help="Delete every sandbox of this state directory, those of live pools included "
+    "(they lose them in the middle of their work).",
+)  # fmt: skip
+@click.option(
+    "--grace", type=float, default=60.0, show_default=True,
+    help="Seconds a sandbox that does not run, or a directory a crash left, is spared "
+    "first: a create in flight is one for a moment.",
+)  # fmt: skip
 @click.pass_context
-def gc(ctx: click.Context, everything: bool) -> None:
-    """Reap now: sandboxes past their hard lifetime, and ones that are not running."""
+def gc(ctx: click.Context, everything: bool, grace: float) -> None:
+    """Reap what no live pool holds: sandboxes whose owner process is dead (whatever
+    their pool), past their hard lifetime, not running (for GRACE), and what creates
+    or deletes killed half-way left. A sandbox whose owner is alive is never touched
+    (but with --all). Prints each one reaped and why."""
 
-    async def go() -> int:
+    async def go() -> tuple[list[tuple[str, str]], list[str]]:
         provider = LocalProvider(local_config(ctx))
-        now = time.time()
-        reaped = 0
-        for info in await provider.list():
-            expires = float(info.labels.get("sandman.io/expires-at", "inf") or "inf")
-            stale = info.state != "running" and now - info.created_at > 60
-            if everything or expires < now or stale:
-                await provider.delete(info.id)
-                reaped += 1
-        await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
-        return reaped
+        reaped: list[tuple[str, str]] = []
+        failed: list[str] = []
+        try:
+            liveness = owners.Liveness()
+            now = time.time()
+            for info in await provider.list():
+                reason = "--all" if everything else reap_reason(info, now, grace, liveness)
+                if reason is None:
+                    continue
+                try:
+                    await provider.delete(info.id)
+                except errors.SandboxError as exc:
+                    failed.append(f"could not reap {info.id} ({reason}): {exc}")
+                    continue
+                reaped.append((info.id, reason))
+            strays = await provider.remove_strays(older_than=grace)
+            reaped += [(name, "a create killed before its record was whole") for name in strays]
+        finally:
+            await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
+        return reaped, failed
 
-    click.echo(f"reaped {run_async(ctx, go())} sandbox(es)")
+    reaped, failed = run_async(ctx, go())
+    for name, reason in reaped:
+        click.echo(f"reaped {name}: {reason}")
+    for line in failed:
+        click.echo(line, err=True)
+    counts = Counter(reason.split(" (")[0] for _, reason in reaped)
+    summary = ", ".join(f"{reason}: {n}" for reason, n in sorted(counts.items()))
+    click.echo(f"reaped {len(reaped)} sandbox(es)" + (f" ({summary})" if summary else ""))
+    if failed:
+        sys.exit(1)
+
+
+def reap_reason(
+    info: SandboxInfo, now: float, grace: float, liveness: Callable[[str], owners.OwnerStatus]
+) -> str | None:
+    """Why `gc` reaps a sandbox, or None to leave it."""
+    owner = info.labels.get(owners.LABEL_OWNER)
+    status = liveness(owner) if owner is not None else None
+    if status == "alive":
+        return None
+    try:
+        expires = float(info.labels.get(LABEL_EXPIRES) or "inf")
+    except ValueError:
+        expires = float("inf")
+    if expires < now:
+        return "past its lifetime"
+    if owner is not None and status == "dead":
+        return f"owner dead ({owners.describe(owner)})"
+    if info.state != "running" and now - info.created_at > grace:
+        if not info.labels and info.state == "unknown":
+            return "no record"
+        return f"not running ({info.state})"
+    return None
 
 
 COMMANDS: list[click.Command] = [run, exec_command, copy, list_sandboxes, remove, gc]

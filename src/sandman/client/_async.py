@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
+import functools
 import logging
-import tarfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from sandman import errors
 from sandman.client.backends import Backend, Lease
-from sandman.daemon.client import DEFAULT_MAX_READ
-from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED
-from sandman.models import (
-    Encoding,
-    ExecEvent,
-    ExecResult,
-    FileStat,
-    ProcessInfo,
-    ProcessOutput,
-    SandboxSpec,
-    SessionInfo,
-    SessionRunResult,
-)
+from sandman.daemon.client import DaemonClient
+from sandman.models import SandboxSpec
 from sandman.pool.events import EventHook, PoolEvent, emit
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
@@ -35,12 +22,47 @@ __all__ = ["AsyncClient", "AsyncSandbox"]
 logger = logging.getLogger(__name__)
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _guarded(
+    method: Callable[Concatenate[DaemonClient, P], Awaitable[T]],
+) -> Callable[Concatenate[AsyncSandbox, P], Coroutine[Any, Any, T]]:
+    """The daemon's ``method`` as a sandbox's: same signature and docstring, with
+    "the daemon is gone" turned into SandboxLost (why) or SandboxNotFound when the
+    sandbox is."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        async with self._guard():
+            return await method(self._daemon, *args, **kwargs)
+
+    return call
+
+
+def _guarded_stream(
+    method: Callable[Concatenate[DaemonClient, P], AbstractAsyncContextManager[T]],
+) -> Callable[Concatenate[AsyncSandbox, P], AbstractAsyncContextManager[T]]:
+    """`_guarded` for a call that is an async context manager (a stream)."""
+
+    @functools.wraps(method)
+    @asynccontextmanager
+    async def call(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[T]:
+        async with self._guard(), method(self._daemon, *args, **kwargs) as value:
+            yield value
+
+    return call
+
+
 class AsyncSandbox:
     """One leased sandbox. Commands and files go straight to its daemon.
 
     A non-zero exit code is data (``ExecResult.exit_code``). A sandbox that
-    died, was evicted or expired raises `SandboxNotFound` on the next call:
-    catch it to drop that rollout.
+    died (OOM, a crash, killed, its pod evicted) raises `SandboxLost` on the next
+    call, whose ``reason`` says why; one released or expired `SandboxNotFound`
+    (which `SandboxLost` is too): catch it to drop that rollout. Its operations
+    are `DaemonClient`'s, with the same names, parameters and words.
     """
 
     def __init__(
@@ -72,7 +94,7 @@ class AsyncSandbox:
 
     async def timeline(self) -> dict[str, float]:
         """When each step happened (queued, create_called, ..., handed_out, released, gone)."""
-        return await self._backend.timeline(self.id)
+        return await self._backend.timeline(self._lease)
 
     async def __aenter__(self) -> Self:
         return self
@@ -97,7 +119,8 @@ class AsyncSandbox:
 
     @asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
-        """Turn "the daemon is gone" into SandboxNotFound when the sandbox really is."""
+        """Turn "the daemon is gone" into SandboxLost (why) or SandboxNotFound when the
+        sandbox really is gone."""
         if self._released:
             raise errors.SandboxNotFound(f"sandbox {self.id} was released")
         if self._lost is not None:
@@ -105,232 +128,52 @@ class AsyncSandbox:
         try:
             yield
         except errors.DaemonUnavailable as exc:
-            if not await self._backend.alive(self.id):
-                raise errors.SandboxNotFound(f"sandbox {self.id} is gone: {exc.message}") from exc
+            try:
+                await self._backend.check(self.id)
+            except errors.SandboxNotFound as gone:
+                raise gone from exc
             raise
 
-    # -- commands -----------------------------------------------------------------
+    # -- the daemon's operations, each guarded ------------------------------------
+    # One vocabulary: every call of `DaemonClient` but its connection's own
+    # (`aclose`, `wait_ready`), with its signature and docstring.
 
-    async def exec(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
-        timeout: float | None = None,
-        max_output: int | None = None,
-        encoding: Encoding = "utf-8",
-        check: bool = False,
-    ) -> ExecResult:
-        """Run a command to completion: a string runs in ``sh -c``, a sequence as argv."""
-        async with self._guard():
-            return await self._daemon.exec(
-                command, cwd=cwd, env=env, stdin=stdin, timeout=timeout,
-                max_output=max_output, encoding=encoding, check=check,
-            )  # fmt: skip
+    health = _guarded(DaemonClient.health)
+    exec = _guarded(DaemonClient.exec)
+    exec_stream = _guarded_stream(DaemonClient.exec_stream)
 
-    run = exec
+    spawn = _guarded(DaemonClient.spawn)
+    poll = _guarded(DaemonClient.poll)
+    wait = _guarded(DaemonClient.wait)
+    signal = _guarded(DaemonClient.signal)
+    kill = _guarded(DaemonClient.kill)
+    resize = _guarded(DaemonClient.resize)
+    read_output = _guarded(DaemonClient.read_output)
+    write_stdin = _guarded(DaemonClient.write_stdin)
+    list_processes = _guarded(DaemonClient.list_processes)
 
-    @asynccontextmanager
-    async def exec_stream(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
-        """Run a command and read its output as it happens; the last event is ``exit``."""
-        async with (
-            self._guard(),
-            self._daemon.exec_stream(command, cwd=cwd, env=env, timeout=timeout) as events,
-        ):
-            yield events
+    create_session = _guarded(DaemonClient.create_session)
+    run_in_session = _guarded(DaemonClient.run_in_session)
+    close_session = _guarded(DaemonClient.close_session)
+    get_session = _guarded(DaemonClient.get_session)
+    list_sessions = _guarded(DaemonClient.list_sessions)
 
-    # -- background processes -------------------------------------------------------
+    read_file = _guarded(DaemonClient.read_file)
+    read_file_stream = _guarded_stream(DaemonClient.read_file_stream)
+    write_file = _guarded(DaemonClient.write_file)
+    stat = _guarded(DaemonClient.stat)
+    exists = _guarded(DaemonClient.exists)
+    list_dir = _guarded(DaemonClient.list_dir)
+    mkdir = _guarded(DaemonClient.mkdir)
+    move = _guarded(DaemonClient.move)
+    remove = _guarded(DaemonClient.remove)
 
-    async def spawn(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bool = False,
-        tty: bool = False,
-        rows: int | None = None,
-        cols: int | None = None,
-    ) -> ProcessInfo:
-        """Start a background process; it outlives this call (see `poll`, `read_output`).
-
-        ``tty=True`` runs it on a pseudo-terminal of ``rows`` x ``cols``
-        (default 24 x 80; see `resize`): all its output comes as stdout and
-        stdin is always open.
-        """
-        async with self._guard():
-            return await self._daemon.start_process(
-                command, cwd=cwd, env=env, stdin=stdin, tty=tty, rows=rows, cols=cols
-            )
-
-    async def resize(self, process_id: str, *, rows: int, cols: int) -> None:
-        """Set the size of a ``tty=True`` process's terminal (it gets SIGWINCH)."""
-        async with self._guard():
-            await self._daemon.resize_process(process_id, rows=rows, cols=cols)
-
-    async def poll(self, process_id: str) -> ProcessInfo:
-        """The process's state now (running, exit code)."""
-        async with self._guard():
-            return await self._daemon.get_process(process_id)
-
-    async def read_output(
-        self,
-        process_id: str,
-        *,
-        stdout_offset: int = 0,
-        stderr_offset: int = 0,
-        wait: float | None = None,
-        encoding: Encoding = "utf-8",
-    ) -> ProcessOutput:
-        """Its output from the given offsets; ``wait`` long-polls for new output.
-
-        ``encoding="base64"`` keeps the bytes exact (``stdout`` is then base64).
-        """
-        async with self._guard():
-            return await self._daemon.read_output(
-                process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait,
-                encoding=encoding,
-            )  # fmt: skip
-
-    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
-        """Write to a process started with ``stdin=True``."""
-        async with self._guard():
-            await self._daemon.write_stdin(process_id, data, close=close)
-
-    async def signal(self, process_id: str, signal: str | int = "TERM") -> ProcessInfo:
-        """Signal the process's group."""
-        async with self._guard():
-            return await self._daemon.signal_process(process_id, signal)
-
-    async def wait(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
-        """Wait for the process to exit (``running`` stays true if ``timeout`` passed first)."""
-        async with self._guard():
-            return await self._daemon.wait_process(process_id, timeout=timeout)
-
-    # -- shell sessions -------------------------------------------------------------
-
-    async def shell(
-        self, *, cwd: str | None = None, env: Mapping[str, str] | None = None
-    ) -> SessionInfo:
-        """A persistent shell: ``cd``, exports and functions persist between `shell_run` calls."""
-        async with self._guard():
-            return await self._daemon.create_session(cwd=cwd, env=env)
-
-    async def shell_run(
-        self, session_id: str, cmd: str, *, timeout: float | None = None, check: bool = False
-    ) -> SessionRunResult:
-        """Run one command in the shell session."""
-        async with self._guard():
-            return await self._daemon.run_in_session(session_id, cmd, timeout=timeout, check=check)
-
-    # -- files ------------------------------------------------------------------------
-
-    async def read_file(self, path: str, *, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
-        """The whole file's bytes; FileTooLarge past ``max_bytes`` (64 MiB by default).
-
-        A device, fifo or socket (a symlink to ``/dev/zero``) raises
-        NotARegularFile. Use `read_file_stream` or `download` for large files.
-        """
-        async with self._guard():
-            return await self._daemon.read_file(path, max_bytes=max_bytes)
-
-    @asynccontextmanager
-    async def read_file_stream(
-        self, path: str, *, max_bytes: int | None = None
-    ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """Read a file in pieces as they arrive: ``async for chunk in chunks``.
-
-        Memory stays bounded whatever the size; ``max_bytes`` (None: no
-        limit) raises FileTooLarge once more arrived.
-        """
-        async with (
-            self._guard(),
-            self._daemon.read_file_stream(path, max_bytes=max_bytes) as chunks,
-        ):
-            yield chunks
-
-    async def write_file(
-        self, path: str, data: bytes | str, *, mode: int | None = None
-    ) -> FileStat:
-        """Write a whole file atomically, creating parent directories."""
-        async with self._guard():
-            return await self._daemon.write_file(path, data, mode=mode)
-
-    async def stat(self, path: str) -> FileStat:
-        """Stat a path (a final symlink is not followed)."""
-        async with self._guard():
-            return await self._daemon.stat(path)
-
-    async def list_dir(self, path: str) -> list[FileStat]:
-        """A directory's entries, sorted by name."""
-        async with self._guard():
-            return await self._daemon.list_dir(path)
-
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Remove a file, or a directory (``recursive`` for a non-empty one)."""
-        async with self._guard():
-            await self._daemon.remove(path, recursive=recursive)
-
-    async def upload(self, local: str | Path, remote: str) -> None:
-        """Copy a local file or directory tree into the sandbox at ``remote``."""
-        source = Path(local)
-        if await asyncio.to_thread(source.is_file):
-            data, mode = await asyncio.to_thread(_read_file, source)
-            await self.write_file(remote, data, mode=mode)
-            return
-        data = await asyncio.to_thread(_tar_directory, source)
-        async with self._guard():
-            await self._daemon.upload_archive(remote, data)
-
-    async def download(
-        self,
-        remote: str,
-        local: str | Path,
-        *,
-        max_bytes: int = DEFAULT_MAX_UNPACKED,
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-    ) -> None:
-        """Copy a file or directory tree out of the sandbox to ``local``, as it arrives.
-
-        What the sandbox sends is not trusted: a tree is unpacked without
-        following any symlink and nothing lands outside ``local``
-        (UnsafeArchive otherwise); more than ``max_bytes`` of files or
-        ``max_entries`` entries raise FileTooLarge. A refused download leaves
-        nothing of itself behind.
-        """
-        target = Path(local)
-        async with self._guard():
-            kind = (await self._daemon.stat(remote)).type
-            if kind != "directory":
-                await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
-                await self._daemon.download_file(remote, target, max_bytes=max_bytes)
-                return
-            await self._daemon.download_tree(
-                remote, target, max_bytes=max_bytes, max_entries=max_entries
-            )
-
-
-def _read_file(source: Path) -> tuple[bytes, int]:
-    return source.read_bytes(), source.stat().st_mode & 0o7777
-
-
-def _tar_directory(source: Path) -> bytes:
-    if not source.is_dir():
-        raise errors.ConfigError(f"nothing to upload at {source}")
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name)
-    return buffer.getvalue()
+    upload = _guarded(DaemonClient.upload)
+    download = _guarded(DaemonClient.download)
+    download_file = _guarded(DaemonClient.download_file)
+    upload_archive = _guarded(DaemonClient.upload_archive)
+    download_archive = _guarded(DaemonClient.download_archive)
+    download_tree = _guarded(DaemonClient.download_tree)
 
 
 class AsyncClient:

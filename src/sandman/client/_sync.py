@@ -1,36 +1,26 @@
 """Client and Sandbox: the blocking facade. Each method is one call through an anyio portal
-into the async implementation, which runs on the portal's event loop thread."""
+into the async implementation, which runs on the portal's event loop thread; the
+sandbox's methods are derived from `AsyncSandbox`'s (`_blocking`), never written again."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
 from functools import partial
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from sandman.client._async import AsyncClient, AsyncSandbox
-from sandman.daemon.client import DEFAULT_MAX_READ
-from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED
-from sandman.models import (
-    Encoding,
-    ExecEvent,
-    ExecResult,
-    FileStat,
-    ProcessInfo,
-    ProcessOutput,
-    SandboxSpec,
-    SessionInfo,
-    SessionRunResult,
-)
+from sandman.models import SandboxSpec
 
 __all__ = ["Client", "Sandbox"]
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -42,8 +32,36 @@ def _iterate(portal: BlockingPortal, events: AsyncIterator[T]) -> Iterator[T]:
             return
 
 
+def _blocking(
+    method: Callable[Concatenate[AsyncSandbox, P], Awaitable[T]],
+) -> Callable[Concatenate[Sandbox, P], T]:
+    """The sandbox's async ``method`` as a blocking one: same signature and docstring."""
+
+    @functools.wraps(method)
+    def call(self: Sandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._portal.call(partial(method, self._async, *args, **kwargs))
+
+    return call
+
+
+def _blocking_stream(
+    method: Callable[Concatenate[AsyncSandbox, P], AbstractAsyncContextManager[AsyncIterator[T]]],
+) -> Callable[Concatenate[Sandbox, P], AbstractContextManager[Iterator[T]]]:
+    """`_blocking` for a stream: a context manager around an iterator."""
+
+    @functools.wraps(method)
+    @contextmanager
+    def call(self: Sandbox, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[Iterator[T]]:
+        stream = method(self._async, *args, **kwargs)
+        with self._portal.wrap_async_context_manager(stream) as items:
+            yield _iterate(self._portal, items)
+
+    return call
+
+
 class Sandbox:
-    """The blocking face of `AsyncSandbox`; see there for each method."""
+    """The blocking face of `AsyncSandbox`: the same operations, each one call through
+    the client's portal; see there (and `DaemonClient`) for each."""
 
     def __init__(self, sandbox: AsyncSandbox, portal: BlockingPortal) -> None:
         self._async = sandbox
@@ -73,142 +91,44 @@ class Sandbox:
     ) -> None:
         self.release()
 
-    def timeline(self) -> dict[str, float]:
-        """When each step happened (queued, create_called, ..., handed_out, released, gone)."""
-        return self._portal.call(self._async.timeline)
+    timeline = _blocking(AsyncSandbox.timeline)
+    release = _blocking(AsyncSandbox.release)
 
-    def release(self) -> None:
-        """Give the sandbox back; it is deleted. Idempotent."""
-        return self._portal.call(self._async.release)
+    # Streams: a context manager around an iterator.
+    exec_stream = _blocking_stream(AsyncSandbox.exec_stream)
+    read_file_stream = _blocking_stream(AsyncSandbox.read_file_stream)
 
-    def exec(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
-        timeout: float | None = None,
-        max_output: int | None = None,
-        encoding: Encoding = "utf-8",
-        check: bool = False,
-    ) -> ExecResult:
-        """Run a command to completion: a string runs in ``sh -c``, a sequence as argv."""
-        return self._portal.call(partial(self._async.exec, command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, encoding=encoding, check=check))  # fmt: skip
-
-    run = exec
-
-    @contextmanager
-    def exec_stream(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> Iterator[Iterator[ExecEvent]]:
-        """Run a command and read its output as it happens; the last event is ``exit``."""
-        with self._portal.wrap_async_context_manager(self._async.exec_stream(command, cwd=cwd, env=env, timeout=timeout)) as events:  # fmt: skip
-            yield _iterate(self._portal, events)
-
-    def spawn(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bool = False,
-        tty: bool = False,
-        rows: int | None = None,
-        cols: int | None = None,
-    ) -> ProcessInfo:
-        """Start a background process; it outlives this call (``tty=True``: on a terminal)."""
-        return self._portal.call(partial(self._async.spawn, command, cwd=cwd, env=env, stdin=stdin, tty=tty, rows=rows, cols=cols))  # fmt: skip
-
-    def resize(self, process_id: str, *, rows: int, cols: int) -> None:
-        """Set the size of a ``tty=True`` process's terminal."""
-        return self._portal.call(partial(self._async.resize, process_id, rows=rows, cols=cols))
-
-    def poll(self, process_id: str) -> ProcessInfo:
-        """The process's state now."""
-        return self._portal.call(self._async.poll, process_id)
-
-    def read_output(
-        self,
-        process_id: str,
-        *,
-        stdout_offset: int = 0,
-        stderr_offset: int = 0,
-        wait: float | None = None,
-        encoding: Encoding = "utf-8",
-    ) -> ProcessOutput:
-        """Its output from the given offsets; ``wait`` long-polls for new output."""
-        return self._portal.call(partial(self._async.read_output, process_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset, wait=wait, encoding=encoding))  # fmt: skip
-
-    def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
-        """Write to a process started with ``stdin=True``."""
-        return self._portal.call(partial(self._async.write_stdin, process_id, data, close=close))
-
-    def signal(self, process_id: str, signal: str | int = "TERM") -> ProcessInfo:
-        """Signal the process's group."""
-        return self._portal.call(self._async.signal, process_id, signal)
-
-    def wait(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
-        """Wait for the process to exit."""
-        return self._portal.call(partial(self._async.wait, process_id, timeout=timeout))
-
-    def shell(self, *, cwd: str | None = None, env: Mapping[str, str] | None = None) -> SessionInfo:
-        """A persistent shell session."""
-        return self._portal.call(partial(self._async.shell, cwd=cwd, env=env))
-
-    def shell_run(
-        self, session_id: str, cmd: str, *, timeout: float | None = None, check: bool = False
-    ) -> SessionRunResult:
-        """Run one command in the shell session."""
-        return self._portal.call(partial(self._async.shell_run, session_id, cmd, timeout=timeout, check=check))  # fmt: skip
-
-    def read_file(self, path: str, *, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
-        """The whole file's bytes; FileTooLarge past ``max_bytes`` (64 MiB by default)."""
-        return self._portal.call(partial(self._async.read_file, path, max_bytes=max_bytes))
-
-    @contextmanager
-    def read_file_stream(
-        self, path: str, *, max_bytes: int | None = None
-    ) -> Iterator[Iterator[bytes]]:
-        """Read a file in pieces as they arrive: ``for chunk in chunks``."""
-        with self._portal.wrap_async_context_manager(self._async.read_file_stream(path, max_bytes=max_bytes)) as chunks:  # fmt: skip
-            yield _iterate(self._portal, chunks)
-
-    def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> FileStat:
-        """Write a whole file atomically, creating parent directories."""
-        return self._portal.call(partial(self._async.write_file, path, data, mode=mode))
-
-    def stat(self, path: str) -> FileStat:
-        """Stat a path (a final symlink is not followed)."""
-        return self._portal.call(self._async.stat, path)
-
-    def list_dir(self, path: str) -> list[FileStat]:
-        """A directory's entries, sorted by name."""
-        return self._portal.call(self._async.list_dir, path)
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Remove a file, or a directory (``recursive`` for a non-empty one)."""
-        return self._portal.call(partial(self._async.remove, path, recursive=recursive))
-
-    def upload(self, local: str | Path, remote: str) -> None:
-        """Copy a local file or directory tree into the sandbox."""
-        return self._portal.call(self._async.upload, local, remote)
-
-    def download(
-        self,
-        remote: str,
-        local: str | Path,
-        *,
-        max_bytes: int = DEFAULT_MAX_UNPACKED,
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-    ) -> None:
-        """Copy a file or directory tree out of the sandbox to ``local``, as it arrives."""
-        return self._portal.call(partial(self._async.download, remote, local, max_bytes=max_bytes, max_entries=max_entries))  # fmt: skip
+    # Everything else, in `AsyncSandbox`'s order.
+    health = _blocking(AsyncSandbox.health)
+    exec = _blocking(AsyncSandbox.exec)
+    spawn = _blocking(AsyncSandbox.spawn)
+    poll = _blocking(AsyncSandbox.poll)
+    wait = _blocking(AsyncSandbox.wait)
+    signal = _blocking(AsyncSandbox.signal)
+    kill = _blocking(AsyncSandbox.kill)
+    resize = _blocking(AsyncSandbox.resize)
+    read_output = _blocking(AsyncSandbox.read_output)
+    write_stdin = _blocking(AsyncSandbox.write_stdin)
+    list_processes = _blocking(AsyncSandbox.list_processes)
+    create_session = _blocking(AsyncSandbox.create_session)
+    run_in_session = _blocking(AsyncSandbox.run_in_session)
+    close_session = _blocking(AsyncSandbox.close_session)
+    get_session = _blocking(AsyncSandbox.get_session)
+    list_sessions = _blocking(AsyncSandbox.list_sessions)
+    read_file = _blocking(AsyncSandbox.read_file)
+    write_file = _blocking(AsyncSandbox.write_file)
+    stat = _blocking(AsyncSandbox.stat)
+    exists = _blocking(AsyncSandbox.exists)
+    list_dir = _blocking(AsyncSandbox.list_dir)
+    mkdir = _blocking(AsyncSandbox.mkdir)
+    move = _blocking(AsyncSandbox.move)
+    remove = _blocking(AsyncSandbox.remove)
+    upload = _blocking(AsyncSandbox.upload)
+    download = _blocking(AsyncSandbox.download)
+    download_file = _blocking(AsyncSandbox.download_file)
+    upload_archive = _blocking(AsyncSandbox.upload_archive)
+    download_archive = _blocking(AsyncSandbox.download_archive)
+    download_tree = _blocking(AsyncSandbox.download_tree)
 
 
 class Client:

@@ -6,7 +6,7 @@ through it. Commands and files go straight to the sandbox's daemon.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sandman import errors
@@ -19,11 +19,17 @@ __all__ = ["Backend", "InProcessBackend", "Lease"]
 
 @dataclass(frozen=True)
 class Lease:
-    """A sandbox handed to a session: where its daemon is, and when it must be gone."""
+    """A sandbox handed to a session: where its daemon is, and when it must be gone.
+
+    ``timeline`` is where the sandbox's time went, kept with the sandbox
+    (never in a table of the backend's, which would grow with every sandbox
+    a long run ever acquires); a backend may update it in place.
+    """
 
     id: str
     endpoint: DaemonEndpoint
     expires_at: float
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -37,18 +43,25 @@ class Backend(Protocol):
     async def close_session(self, session: str) -> None: ...
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease: ...
     async def release(self, sandbox_id: str) -> None: ...
-    async def alive(self, sandbox_id: str) -> bool: ...
-    async def timeline(self, sandbox_id: str) -> dict[str, float]: ...
+    async def check(self, sandbox_id: str) -> None:
+        """Return if the sandbox is held and runs; raise `SandboxLost` (with the reason)
+        if it died, `SandboxNotFound` if it is gone otherwise (released, expired)."""
+        ...
+
+    async def timeline(self, lease: Lease) -> dict[str, float]: ...
     async def aclose(self) -> None: ...
 
 
 class InProcessBackend:
-    """A backend over a `Pool` in this process (``sandman.local()``)."""
+    """A backend over a `Pool` in this process (``sandman.local()``, ``sandman.kubernetes()``).
 
-    def __init__(self, pool: Pool, *, own_pool: bool = True) -> None:
+    Closing it closes the pool (``own_pool``) and then its provider (``own_provider``).
+    """
+
+    def __init__(self, pool: Pool, *, own_pool: bool = True, own_provider: bool = False) -> None:
         self.pool = pool
         self._own_pool = own_pool
-        self._timelines: dict[str, dict[str, float]] = {}
+        self._own_provider = own_provider
 
     @property
     def name(self) -> str:
@@ -70,28 +83,23 @@ class InProcessBackend:
         if record.info is None or record.info.endpoint is None:
             self.pool.release(record.id)  # the caller never gets it
             raise errors.ProviderError(f"sandbox {record.id} has no daemon endpoint")
-        # Kept after release too, so a caller can still see where the time went.
-        self._timelines[record.id] = record.timeline
-        return Lease(record.id, record.info.endpoint, record.expires_at)
+        # The pool's own record of it, stamped on until gone: the caller sees
+        # where the time went even after the release.
+        return Lease(record.id, record.info.endpoint, record.expires_at, record.timeline)
 
     async def release(self, sandbox_id: str) -> None:
         self.pool.release(sandbox_id)
 
-    async def alive(self, sandbox_id: str) -> bool:
-        try:
-            record = self.pool.get(sandbox_id)
-        except errors.SandboxNotFound:
-            return False
-        if record.state != "leased":
-            return False
-        try:
-            return (await self.pool.provider.inspect(sandbox_id)).state == "running"
-        except errors.SandboxNotFound:
-            return False
+    async def check(self, sandbox_id: str) -> None:
+        await self.pool.check(sandbox_id)
 
-    async def timeline(self, sandbox_id: str) -> dict[str, float]:
-        return dict(self._timelines.get(sandbox_id, {}))
+    async def timeline(self, lease: Lease) -> dict[str, float]:
+        return dict(lease.timeline)
 
     async def aclose(self) -> None:
         if self._own_pool:
             await self.pool.aclose()
+        if self._own_provider:
+            # Its sandboxes are gone; the provider's own resources go now (a
+            # local one unmounts its disk filesystem if no other holds a layer).
+            await self.pool.provider.aclose()

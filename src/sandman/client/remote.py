@@ -53,6 +53,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "not_found": errors.ConfigError,
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
+    "sandbox_lost": errors.SandboxLost,
     "session_expired": errors.SessionExpired,
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
@@ -185,10 +186,11 @@ def _retry_after(response: _Answer) -> float | None:
 
 def _error(response: _Answer) -> errors.SandboxError:
     """The package's exception for an error answer of the service."""
-    code, message = "", ""
+    code, message, reason = "", "", None
     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
         detail = response.json()["error"]
         code, message = str(detail["code"]), str(detail["message"])
+        reason = detail.get("reason")
     if not code:
         code = "internal" if response.status >= 500 else "invalid_request"
         text = response.body[:200].decode(errors="replace")
@@ -197,6 +199,8 @@ def _error(response: _Answer) -> errors.SandboxError:
     text = f"{message} [{code}]"
     if cls is errors.ThrottledError:
         return errors.ThrottledError(text, retry_after=_retry_after(response))
+    if cls is errors.SandboxLost:
+        return errors.SandboxLost(text, reason=str(reason or "unknown"))
     if issubclass(cls, errors.DaemonError):
         return cls(message, code=code, status=response.status)
     return cls(text)
@@ -276,10 +280,10 @@ class RemoteBackend:
         self._transport = transport
         self._parsed = parsed
         self._http = self._wire()
-        self._timelines: dict[str, dict[str, float]] = {}
-        # What the caller got and has not released; the sessions an acquire's answer may
-        # have been lost in (see `_settle`); acquires in flight per session, and ever.
-        self._held: set[str] = set()
+        # Per session, the sandboxes its caller got and has not released; the sessions an
+        # acquire's answer may have been lost in (see `_settle`); acquires in flight per
+        # session, and ever.
+        self._held: dict[str, set[str]] = {}
         self._unsure: set[str] = set()
         self._acquiring: Counter[str] = Counter()
         self._acquires = 0
@@ -329,12 +333,20 @@ class RemoteBackend:
         return str(data["id"])
 
     async def heartbeat(self, session: str) -> None:
-        await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
+        try:
+            await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
+        except errors.SessionExpired:
+            self._forget(session)
+            raise
         if session in self._unsure and not self._acquiring[session]:
             try:
                 await self._settle(session)
             except errors.SandboxError as exc:
                 logger.debug("session %s: could not settle lost answers yet: %s", session, exc)
+
+    def _forget(self, session: str) -> None:
+        self._held.pop(session, None)
+        self._unsure.discard(session)
 
     async def _settle(self, session: str) -> None:
         """Release what the service holds for ``session`` that never reached the caller.
@@ -352,7 +364,10 @@ class RemoteBackend:
         )
         if self._acquires != started or self._acquiring[session]:
             return  # one began meanwhile: its sandbox may be listed, and not ours yet
-        strays = [str(s["id"]) for s in listed.json()["sandboxes"] if s["id"] not in self._held]
+        leased = {str(s["id"]) for s in listed.json()["sandboxes"]}
+        held = self._held.setdefault(session, set())
+        held &= leased  # the rest is gone already
+        strays = sorted(leased - held)
         for sandbox_id in strays:
             await self.release(sandbox_id)
         self._unsure.discard(session)
@@ -363,6 +378,7 @@ class RemoteBackend:
             )  # fmt: skip
 
     async def close_session(self, session: str) -> None:
+        self._forget(session)
         try:
             await self._call("DELETE", f"/v1/sessions/{_segment(session)}")
         except errors.SandboxNotFound:
@@ -386,9 +402,14 @@ class RemoteBackend:
         except asyncio.CancelledError:
             self._unsure.add(session)
             raise
+        except errors.SessionExpired:
+            self._forget(session)
+            raise
         finally:
             self._acquiring[session] -= 1
-        self._held.add(lease.id)
+            if not self._acquiring[session]:
+                del self._acquiring[session]
+        self._held.setdefault(session, set()).add(lease.id)
         return lease
 
     async def _acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
@@ -408,7 +429,6 @@ class RemoteBackend:
             with contextlib.suppress(errors.SandboxError):
                 await self.release(sandbox_id)  # the caller never gets it
             raise errors.ProviderError(f"sandbox {sandbox_id} has no daemon endpoint")
-        self._timelines[sandbox_id] = dict(data.get("timeline") or {})
         try:
             if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
                 endpoint = self.proxied(sandbox_id)
@@ -418,7 +438,7 @@ class RemoteBackend:
             with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
                 await self.release(sandbox_id)
             raise
-        return Lease(sandbox_id, endpoint, float(data["expires_at"]))
+        return Lease(sandbox_id, endpoint, float(data["expires_at"]), _timeline(data))
 
     async def _reachable(self, endpoint: DaemonEndpoint) -> bool:
         """Whether this process can reach ``endpoint`` itself: a unix socket must exist
@@ -470,29 +490,31 @@ class RemoteBackend:
         return direct
 
     async def release(self, sandbox_id: str) -> None:
-        self._held.discard(sandbox_id)
+        for held in self._held.values():
+            held.discard(sandbox_id)
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
-    async def alive(self, sandbox_id: str) -> bool:
-        try:
-            response = await self._call(
-                "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
-            )
-        except errors.SandboxNotFound:
-            return False
+    async def check(self, sandbox_id: str) -> None:
+        response = await self._call(
+            "GET", f"/v1/sandboxes/{_segment(sandbox_id)}", params={"probe": "true"}
+        )
         data = response.json()
-        return data.get("state") == "leased" and data.get("running") is True
+        state = data.get("state")
+        if state == "lost":
+            reason = str(data.get("lost_reason") or "unknown")
+            raise errors.SandboxLost.of(sandbox_id, reason, str(data.get("lost_detail") or ""))
+        if state != "leased" or data.get("running") is not True:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is gone ({state})")
 
-    async def timeline(self, sandbox_id: str) -> dict[str, float]:
+    async def timeline(self, lease: Lease) -> dict[str, float]:
         try:
-            response = await self._call("GET", f"/v1/sandboxes/{_segment(sandbox_id)}")
+            response = await self._call("GET", f"/v1/sandboxes/{_segment(lease.id)}")
         except errors.SandboxNotFound:
-            # The service forgot it (long gone): what was seen at the hand-over.
-            return dict(self._timelines.get(sandbox_id, {}))
-        timeline = {str(k): float(v) for k, v in (response.json().get("timeline") or {}).items()}
-        self._timelines[sandbox_id] = timeline
-        return dict(timeline)
+            # The service forgot it (long gone): what was seen last.
+            return dict(lease.timeline)
+        lease.timeline.update(_timeline(response.json()))
+        return dict(lease.timeline)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -544,3 +566,7 @@ def connect_sync(
         connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
                 via_proxy=via_proxy, hook=hook)
     )  # fmt: skip
+
+
+def _timeline(data: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (data.get("timeline") or {}).items()}

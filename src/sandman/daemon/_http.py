@@ -466,8 +466,11 @@ class HTTPTransport:
     ) -> _Connection:
         head = self._head(method, target, body, content_type)
         no_body = method == "HEAD"
+        # A streamed body cannot be sent again once read: it never goes on a
+        # kept-alive connection the daemon may have closed while idle.
+        replayable = body is None or isinstance(body, bytes)
         while True:
-            conn = self._idle_connection() or await self._connect()
+            conn = (self._idle_connection() if replayable else None) or await self._connect()
             try:
                 if body is None or isinstance(body, bytes):
                     # One write of one buffer: one send() syscall, one packet.

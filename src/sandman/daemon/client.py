@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
+import tarfile
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -57,7 +59,7 @@ _DEFAULT_KILL_GRACE = 2.0
 
 _M = TypeVar("_M", bound=BaseModel)
 # What a gateway in front of the daemon answers when the sandbox is out of reach.
-_GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found"})
+_GATEWAY_CODES = frozenset({"daemon_unavailable", "sandbox_not_found", "sandbox_lost"})
 
 
 def _unavailable(address: str, exc: Exception) -> errors.DaemonError:
@@ -342,7 +344,7 @@ class DaemonClient:
 
     # -- background processes -------------------------------------------------
 
-    async def start_process(
+    async def spawn(
         self,
         command: str | Sequence[str],
         *,
@@ -355,11 +357,13 @@ class DaemonClient:
         rows: int | None = None,
         cols: int | None = None,
     ) -> ProcessInfo:
-        """Start a command in the background; it outlives this call.
+        """Start a command in the background; it outlives this call (see `poll`,
+        `read_output`, `wait`).
 
         ``stdin=True`` keeps a pipe open for `write_stdin`. ``tty=True`` runs
-        it on a pseudo-terminal of ``rows`` x ``cols`` (default 24 x 80): its
-        output, echo included, is all stdout, and stdin is always open.
+        it on a pseudo-terminal of ``rows`` x ``cols`` (default 24 x 80; see
+        `resize`): its output, echo included, is all stdout, and stdin is
+        always open. ``max_buffer`` bounds the output kept for `read_output`.
         """
         payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
         if stdin:
@@ -369,16 +373,18 @@ class DaemonClient:
         payload.update(protocol.tty_fields(tty=tty, rows=rows, cols=cols))
         return await self._model(ProcessInfo, "POST", "/v1/processes", payload)
 
-    async def resize_process(self, process_id: str, *, rows: int, cols: int) -> None:
+    async def resize(self, process_id: str, *, rows: int, cols: int) -> None:
         """Set the size of a ``tty`` process's terminal (it gets SIGWINCH)."""
         payload = {"rows": rows, "cols": cols}
         await self._call("POST", _process(process_id, "resize"), payload)
 
     async def list_processes(self) -> list[ProcessInfo]:
+        """Every background process the daemon knows, running or exited."""
         data = await self._json("GET", "/v1/processes")
         return [ProcessInfo.model_validate(item) for item in data["processes"]]
 
-    async def get_process(self, process_id: str) -> ProcessInfo:
+    async def poll(self, process_id: str) -> ProcessInfo:
+        """The process's state now (running, exit code)."""
         return await self._model(ProcessInfo, "GET", _process(process_id))
 
     async def read_output(
@@ -392,7 +398,8 @@ class DaemonClient:
     ) -> ProcessOutput:
         """Output of a background process from the given offsets.
 
-        ``wait`` (seconds) long-polls until there is new output or the process exits.
+        ``wait`` (seconds) long-polls until there is new output or the process
+        exits. ``encoding="base64"`` keeps the bytes exact (``stdout`` is then base64).
         """
         target = protocol.target(
             _process(process_id, "output"),
@@ -410,14 +417,14 @@ class DaemonClient:
         target = protocol.target(_process(process_id, "stdin"), close=close or None)
         await self._call("POST", target, body=body, content_type="application/octet-stream")
 
-    async def signal_process(
+    async def signal(
         self, process_id: str, signal: str | int = "TERM", *, group: bool = True
     ) -> ProcessInfo:
         """Send a signal (``"TERM"``, ``"KILL"``, ... or a number) to the process or its group."""
         payload = {"signal": signal, "group": group}
         return await self._model(ProcessInfo, "POST", _process(process_id, "signal"), payload)
 
-    async def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
+    async def wait(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
         """Wait for the process to exit; ``running`` is still true if ``timeout`` passed first."""
         deadline = None if timeout is None else timeout + self._request_timeout
         return await self._model(
@@ -425,7 +432,7 @@ class DaemonClient:
             deadline=deadline,
         )  # fmt: skip
 
-    async def kill_process(self, process_id: str) -> None:
+    async def kill(self, process_id: str) -> None:
         """Kill the process's group if it runs, and forget it."""
         await self._call("DELETE", _process(process_id))
 
@@ -438,7 +445,8 @@ class DaemonClient:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> SessionInfo:
-        """Start a persistent shell (bash if the image has it, else sh)."""
+        """Start a persistent shell (bash if the image has it, else sh): ``cd``,
+        exports and functions persist between `run_in_session` calls."""
         payload: dict[str, Any] = {}
         if shell is not None:
             payload["shell"] = shell
@@ -449,16 +457,18 @@ class DaemonClient:
         return await self._model(SessionInfo, "POST", "/v1/sessions", payload)
 
     async def list_sessions(self) -> list[SessionInfo]:
+        """Every shell session, alive or not."""
         data = await self._json("GET", "/v1/sessions")
         return [SessionInfo.model_validate(item) for item in data["sessions"]]
 
     async def get_session(self, session_id: str) -> SessionInfo:
+        """One session's state (``alive``)."""
         return await self._model(SessionInfo, "GET", _session(session_id))
 
     async def run_in_session(
         self,
         session_id: str,
-        cmd: str,
+        command: str,
         *,
         timeout: float | None = None,
         max_output: int | None = None,
@@ -469,7 +479,7 @@ class DaemonClient:
 
         On timeout the session is killed (``alive`` is false afterwards).
         """
-        payload: dict[str, Any] = {"cmd": cmd}
+        payload: dict[str, Any] = {"cmd": command}
         payload.update(
             protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
         )
@@ -479,7 +489,7 @@ class DaemonClient:
             timeout_error=errors.ExecTimeout,
         )  # fmt: skip
         if check:
-            _check(cmd, result.exit_code, result.timed_out, result.stdout, result.stderr)
+            _check(command, result.exit_code, result.timed_out, result.stdout, result.stderr)
         return result
 
     async def close_session(self, session_id: str) -> None:
@@ -600,6 +610,7 @@ class DaemonClient:
         return await self._model(FileStat, "GET", protocol.target("/v1/files/stat", path=path))
 
     async def exists(self, path: str) -> bool:
+        """Whether anything is at ``path`` (a dangling symlink counts)."""
         try:
             await self.stat(path)
         except errors.PathNotFound:
@@ -607,21 +618,25 @@ class DaemonClient:
         return True
 
     async def list_dir(self, path: str) -> list[FileStat]:
+        """A directory's entries, sorted by name."""
         data = await self._json("GET", protocol.target("/v1/files/list", path=path))
         return [FileStat.model_validate(item) for item in data["entries"]]
 
     async def mkdir(self, path: str, *, parents: bool = True, mode: int | None = None) -> FileStat:
+        """Make a directory (and its parents, unless ``parents=False``)."""
         payload: dict[str, Any] = {"path": path, "parents": parents}
         if mode is not None:
             payload["mode"] = format(mode, "o")
         return await self._model(FileStat, "POST", "/v1/files/mkdir", payload)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory (``recursive`` for a non-empty one)."""
         await self._call(
             "DELETE", protocol.target("/v1/files", path=path, recursive=recursive or None)
         )
 
     async def move(self, src: str, dst: str, *, overwrite: bool = False) -> FileStat:
+        """Rename ``src`` to ``dst`` (an existing ``dst`` only with ``overwrite``)."""
         payload = {"src": src, "dst": dst, "overwrite": overwrite}
         return await self._model(FileStat, "POST", "/v1/files/move", payload)
 
@@ -706,6 +721,52 @@ class DaemonClient:
             extractor.abort()
             raise
         return ArchiveResult(path=str(local), files=result.entries, bytes=result.bytes)
+
+    async def upload(self, local: str | os.PathLike[str], remote: str) -> None:
+        """Copy a local file or directory tree into the sandbox at ``remote``."""
+        source = Path(local)
+        if await asyncio.to_thread(source.is_file):
+            data, mode = await asyncio.to_thread(_read_local_file, source)
+            await self.write_file(remote, data, mode=mode)
+            return
+        await self.upload_archive(remote, await asyncio.to_thread(_tar_directory, source))
+
+    async def download(
+        self,
+        remote: str,
+        local: str | os.PathLike[str],
+        *,
+        max_bytes: int = DEFAULT_MAX_UNPACKED,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        """Copy a file or directory tree out of the sandbox to ``local``, as it arrives.
+
+        What the sandbox sends is not trusted: a tree is unpacked without
+        following any symlink and nothing lands outside ``local``
+        (UnsafeArchive otherwise); more than ``max_bytes`` of files or
+        ``max_entries`` entries raise FileTooLarge. A refused download leaves
+        nothing of itself behind.
+        """
+        target = Path(local)
+        if (await self.stat(remote)).type != "directory":
+            await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+            await self.download_file(remote, target, max_bytes=max_bytes)
+            return
+        await self.download_tree(remote, target, max_bytes=max_bytes, max_entries=max_entries)
+
+
+def _read_local_file(source: Path) -> tuple[bytes, int]:
+    return source.read_bytes(), source.stat().st_mode & 0o7777
+
+
+def _tar_directory(source: Path) -> bytes:
+    if not source.is_dir():
+        raise errors.ConfigError(f"nothing to upload at {source}")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for child in sorted(source.iterdir()):
+            tar.add(child, arcname=child.name)
+    return buffer.getvalue()
 
 
 def _check_limit(value: int | None, name: str) -> None:

@@ -6,6 +6,13 @@ Lifecycle of a sandbox (see `records.State`)::
     queued -> creating -> starting -> ready -> leased -> releasing -> gone
                   \\           \\                            ^
                    `-----------`-> failed ----------------'   (deleted until the backend says gone)
+    ready, leased -> lost   (died by itself: deleted the same way, the record stays lost)
+
+A ready or leased sandbox whose daemon dies (OOM, a crash, killed from the host, its
+pod evicted) is ``lost``: the provider tells at once (`WatchesLost`), else the
+reconcile pass finds it stopped or missing. Its resources are deleted as for a
+release, and its holder's next call raises `SandboxLost` with the reason; the record
+stays (in state ``lost``) among the last `PoolConfig.remember_lost` lost ones only.
 
 Invariants kept here:
 - the intent (id, labels, expiry) is recorded before the provider is called, so
@@ -17,6 +24,7 @@ Invariants kept here:
 - a session that stops heartbeating loses its sandboxes when its lease ends;
 - a hand-over is recorded on the sandbox (its session label) before the caller
   is answered, and adoption leases only sandboxes whose hand-over is on record.
+- a sandbox that died by itself is deleted, and its holder told why.
 """
 
 from __future__ import annotations
@@ -26,17 +34,18 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import deque
-from collections.abc import Coroutine
+from collections import OrderedDict, deque
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from sandman import errors
 from sandman.models import SandboxSpec
+from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
-from sandman.providers.base import Provider
+from sandman.providers.base import Lost, LostReports, Provider, SandboxInfo, WatchesLost
 
 __all__ = ["Pool", "PoolConfig"]
 
@@ -64,6 +73,9 @@ class PoolConfig:
     delete_backoff_max: float = 10.0
     retry_limit: int = 5
     """How often one request is re-queued after retryable failures (throttling, capacity)."""
+    remember_lost: int = 1000
+    """How many lost sandboxes (deleted already) are remembered, so that their holders'
+    next calls say why (`SandboxLost`); the oldest are forgotten first."""
     adopt_orphans: bool = False
     """At start, keep running sandboxes a previous life of this pool left instead of deleting
     them: those whose hand-over it recorded, as leased to that session. The rest (being
@@ -73,6 +85,14 @@ class PoolConfig:
     `Provider.relabel`) before the caller is answered, so a later pool of this name adopts
     exactly what callers received. Only a pool no one will ever adopt (a unique name,
     swept by its watchdog: ``sandman.local()``) may save the call."""
+    reap_dead_owners: bool | None = None
+    """Reconcile also deletes sandboxes of any pool whose owner (``sandman.io/owner``, see
+    `sandman.pool.owner`) is a dead process, and records of nothing that run nothing
+    (older than ``stray_grace``). None: on the local provider only, where listing every
+    sandbox is cheap and owners are processes of this host."""
+    stray_grace: float = 60.0
+    """How old a record of nothing must be before it is reaped: a create in flight is one
+    for a moment."""
     pacing: PacingConfig = field(default_factory=PacingConfig)
 
 
@@ -125,6 +145,9 @@ class Pool:
         self._hook = hook
         self._pacer: Pacer[_Request] = Pacer(self.config.pacing, time.monotonic())
         self._records: dict[str, Record] = {}
+        # Lost and deleted, kept (a bounded few) until their holders are told.
+        self._lost: OrderedDict[str, Record] = OrderedDict()
+        self._watcher = provider if isinstance(provider, WatchesLost) else None
         self._sessions: dict[str, _Session] = {}
         # Keyed by the spec's JSON: specs hold dicts, so they are not hashable.
         self._waiting: dict[str, deque[_Request]] = {}
@@ -137,6 +160,8 @@ class Pool:
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self.owner = owners.current()
+        """This pool's process, as every sandbox it creates or adopts names it."""
 
     def __repr__(self) -> str:
         return f"Pool({self.config.name!r}, provider={self.provider.name!r}, sandboxes={len(self._records)})"
@@ -155,11 +180,22 @@ class Pool:
         if self._started:
             return
         self._started = True
-        await self.reconcile(adopt=self.config.adopt_orphans)
+        # Asked for first, so that no loss among the sandboxes adopted is missed.
+        losses = self._watcher.lost() if self._watcher is not None else None
+        try:
+            await self.reconcile(adopt=self.config.adopt_orphans)
+        except BaseException:
+            if losses is not None:
+                await losses.aclose()
+            raise
         self._loops = [
             asyncio.create_task(self._schedule(), name="sandman-pool-scheduler"),
             asyncio.create_task(self._maintain(), name="sandman-pool-maintenance"),
         ]
+        if losses is not None:
+            self._loops.append(
+                asyncio.create_task(self._follow_losses(losses), name="sandman-pool-losses")
+            )
 
     async def aclose(self, *, release: bool = True, timeout: float = 60.0) -> None:
         """Stop handing out sandboxes; release them all (default) and wait until they are gone."""
@@ -180,6 +216,8 @@ class Pool:
         if release:
             for record in list(self._records.values()):
                 self._release(record, reason="pool closed")
+        else:
+            self._spawn(self._disown(), "sandman-pool-disown")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while self._tasks:
@@ -187,6 +225,21 @@ class Pool:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+    async def _disown(self) -> None:
+        """Left for the next pool of this name: no longer this process's, whose exit
+        would make them a dead owner's, for any pool (and `sandman gc`) to reap."""
+        gate = asyncio.Semaphore(32)
+
+        async def one(record: Record) -> None:
+            async with gate:
+                try:
+                    await self.provider.relabel(record.id, {owners.LABEL_OWNER: None})
+                except errors.SandboxError as exc:
+                    self._emit("disown.failed", record, error=repr(exc))
+
+        kept = [r for r in self._records.values() if r.state in ("ready", "leased")]
+        await asyncio.gather(*(one(record) for record in kept))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -306,11 +359,16 @@ class Pool:
                     ) from exc
                 continue
             if record.state != "leased" or record.session != session:
-                # Released while the hand-over was being recorded (its session ended).
+                # Released (its session ended) or lost while the hand-over was recorded.
                 if session not in self._sessions:
                     raise errors.SessionExpired(f"session {session} ended while waiting")
                 self._check_open()
-                raise errors.ProviderError(f"sandbox {record.id} was released at its hand-over")
+                self._emit("handover.failed", record, error=record.state, attempt=attempt)
+                if attempt == 2:
+                    raise errors.ProviderError(
+                        f"sandbox {record.id} was {record.state} at its hand-over"
+                    )
+                continue
             return record
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -390,16 +448,43 @@ class Pool:
 
     def release(self, sandbox_id: str) -> None:
         """Give a sandbox back; it is deleted in the background. Idempotent."""
+        # A lost one's holder has heard of it, or no longer cares: forget it.
+        self._lost.pop(sandbox_id, None)
         record = self._records.get(sandbox_id)
         if record is not None:
+            if record.state == "lost":
+                record.release_requested = True  # not remembered once deleted
             self._release(record, reason="released")
 
     def get(self, sandbox_id: str) -> Record:
-        record = self._records.get(sandbox_id)
+        """The sandbox's record: one the pool holds, or one recently lost (state ``lost``)."""
+        record = self._records.get(sandbox_id) or self._lost.get(sandbox_id)
         if record is None:
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} is not in pool {self.config.name!r}"
             )
+        return record
+
+    async def check(self, sandbox_id: str) -> Record:
+        """The sandbox's record if it is leased and the provider says it runs.
+
+        Raises `SandboxLost` (with the reason) for one that died by itself, also
+        when only this question finds it so (the provider says it stopped, or has it
+        no more: it is marked lost here), and `SandboxNotFound` for one released,
+        expired or unknown.
+        """
+        record = self.get(sandbox_id)
+        if record.state == "leased":
+            try:
+                info: SandboxInfo | None = await self.provider.inspect(sandbox_id)
+            except errors.SandboxNotFound:
+                info = None
+            if record.state == "leased" and _dead(info):
+                self._lose(record, _loss_of(sandbox_id, info))
+        if record.lost is not None:
+            raise errors.SandboxLost.of(sandbox_id, record.lost.reason, record.lost.detail)
+        if record.state != "leased":
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is gone ({record.state})")
         return record
 
     def list(self, *, session: str | None = None) -> list[Record]:
@@ -473,7 +558,8 @@ class Pool:
         record = Record(
             id=f"sb-{secrets.token_hex(6)}", spec=request.spec, state="creating",
             # No session label: that records the hand-over (`acquire`), not the request.
-            labels={LABEL_POOL: self.config.name, LABEL_EXPIRES: f"{expires:.0f}"},
+            labels={LABEL_POOL: self.config.name, LABEL_EXPIRES: f"{expires:.0f}",
+                    owners.LABEL_OWNER: self.owner},
             expires_at=expires, session=None if request.warm else request.session,
         )  # fmt: skip
         record.stamp("queued", request.queued_at)
@@ -489,6 +575,7 @@ class Pool:
             )
             record.info = info
             record.state = "starting"
+            self._watch(info)
             record.stamp("accepted")
             record.stamp("running")
             if info.endpoint is not None:
@@ -585,7 +672,7 @@ class Pool:
         state: Literal["releasing", "failed"] = "releasing",
         force: bool = False,
     ) -> None:
-        if record.state in ("releasing", "gone") or (
+        if record.state in ("releasing", "gone", "lost") or (
             record.state == "failed" and state == "failed"
         ):
             return
@@ -603,7 +690,9 @@ class Pool:
 
     async def _delete(self, record: Record) -> None:
         backoff = self.config.delete_backoff
-        record.state = "releasing"
+        lost = record.state == "lost"  # stays so: its holder is told why, not "gone"
+        if not lost:
+            record.state = "releasing"
         while True:
             try:
                 await self.provider.delete(record.id)
@@ -614,10 +703,67 @@ class Pool:
                 self._emit("delete.failed", record, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.delete_backoff_max)
-        record.state = "gone"
         record.stamp("gone")
         self._records.pop(record.id, None)
+        if not lost:
+            record.state = "gone"
+        elif record.session is not None and not record.release_requested:
+            self._remember_lost(record)
         self._emit("delete.complete", record)
+
+    # -- internals: lost sandboxes ---------------------------------------------------
+
+    def _watch(self, info: SandboxInfo) -> None:
+        """Have the provider tell of this sandbox's death at once, if it can."""
+        if self._watcher is None:
+            return
+        try:
+            self._watcher.watch_lost(info)
+        except Exception:  # the reconcile pass still finds it
+            logger.warning("cannot watch %s for its loss", info.id, exc_info=True)
+
+    async def _follow_losses(self, losses: LostReports) -> None:
+        """Mark lost what the provider says died; should its reports fail, ask again."""
+        assert self._watcher is not None
+        backoff = self.config.delete_backoff
+        try:
+            while True:
+                try:
+                    async for lost in losses:
+                        backoff = self.config.delete_backoff
+                        record = self._records.get(lost.sandbox_id)
+                        if record is not None:
+                            self._lose(record, lost)
+                    raise errors.ProviderError("the provider's reports of lost sandboxes ended")
+                except Exception as exc:  # noqa: BLE001 - reconcile covers the gap; ask again
+                    self._emit("lost.watch_failed", None, error=repr(exc))
+                    await losses.aclose()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.config.delete_backoff_max)
+                    losses = self._watcher.lost()
+        finally:
+            await losses.aclose()
+
+    def _lose(self, record: Record, lost: Lost) -> None:
+        """A ready or leased sandbox died by itself: mark it lost, delete what is left."""
+        if record.state not in ("ready", "leased"):
+            return  # being created (its create fails), or already released
+        record.lost = lost
+        if record.session is not None and (session := self._sessions.get(record.session)):
+            session.sandboxes.discard(record.id)
+        spares = self._idle.get(_key(record.spec))
+        if spares is not None and record.id in spares:
+            spares.remove(record.id)  # or the warm count would take it for a spare
+        record.state = "lost"
+        record.stamp("lost")
+        self._emit("sandbox.lost", record, reason=lost.reason, detail=lost.detail)
+        self._spawn(self._delete(record), f"sandman-delete-{record.id}")
+
+    def _remember_lost(self, record: Record) -> None:
+        self._lost[record.id] = record
+        self._lost.move_to_end(record.id)
+        while len(self._lost) > max(0, self.config.remember_lost):
+            self._lost.popitem(last=False)
 
     # -- internals: maintenance -----------------------------------------------------
 
@@ -665,41 +811,110 @@ class Pool:
                 self._pacer.enqueue(_WARM_CLIENT, request)
                 self._wake.set()
 
+    def _notice_lost(self, held: Iterable[Record], infos: Iterable[SandboxInfo]) -> None:
+        """Mark lost each of ``held`` (ready or leased before the provider listed ``infos``)
+        that the provider lists as dead (stopped, its container gone), or no more."""
+        listed = {info.id: info for info in infos}
+        for record in held:
+            info = listed.get(record.id)
+            if _dead(info):
+                self._lose(record, _loss_of(record.id, info))
+
     async def reconcile(self, *, adopt: bool = False) -> None:
-        """Delete what the provider holds for this pool that the pool does not know, or expired.
+        """Delete what the provider holds for this pool that the pool does not know, or expired;
+        mark lost what the pool holds that the provider lists as stopped, or no more.
 
         With ``adopt``, running unexpired orphans whose hand-over was recorded
         are kept as leased to that session (a session that then never heartbeats
-        loses them); the rest no caller ever received, and they are deleted (only
-        their image is on record, too little to serve as a spare of some spec).
+        loses them), each relabelled as this process's first; the rest no caller
+        ever received, and they are deleted (only their image is on record, too
+        little to serve as a spare of some spec). A sandbox of this pool's name
+        that another live process owns is left alone. With ``reap_dead_owners``,
+        also deleted: any pool's sandboxes whose owner process is dead, and
+        records of nothing that run nothing (a crash's leftovers).
         """
-        infos = await self.provider.list(labels={LABEL_POOL: self.config.name})
+        everyone = self.config.reap_dead_owners
+        if everyone is None:
+            everyone = self.provider.name == "local"
+        mine = {LABEL_POOL: self.config.name}
+        held = [r for r in self._records.values() if r.state in ("ready", "leased")]
+        infos = await self.provider.list(labels=None if everyone else mine)
+        self._notice_lost(held, infos)
         wall = time.time()
+        liveness = owners.Liveness()
         for info in infos:
             if info.id in self._records:
                 continue
+            owner = info.labels.get(owners.LABEL_OWNER)
+            status = liveness(owner) if owner is not None and owner != self.owner else None
+            if info.labels.get(LABEL_POOL) != self.config.name:
+                # Another pool's, or nobody's: only what is certainly abandoned.
+                if status == "dead":
+                    self._orphan(info, reason=f"owner {owners.describe(owner or '')} is dead")
+                elif (
+                    not info.labels
+                    and info.state == "unknown"
+                    and wall - info.created_at > self.config.stray_grace
+                ):
+                    self._orphan(info, reason="no record")
+                continue
+            if status == "alive":
+                continue  # a pool of the same name in another live process: its own
             try:
                 expires = float(info.labels.get(LABEL_EXPIRES, "0"))
             except ValueError:
                 expires = 0.0
             session = info.labels.get(LABEL_SESSION)
-            record = Record(
-                id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
-                labels=dict(info.labels), expires_at=expires, info=info,
-            )  # fmt: skip
-            self._records[info.id] = record
             if adopt and info.state == "running" and expires > wall and session:
+                record = self._record_of(info, expires)
+                try:
+                    # Ours before it counts as adopted: a sweep by its old owner spares it.
+                    await self.provider.relabel(info.id, {owners.LABEL_OWNER: self.owner})
+                except errors.SandboxError as exc:
+                    self._emit("reconcile.orphan", record, state=info.state, error=repr(exc))
+                    self._release(record, reason="orphan")
+                    continue
+                record.labels[owners.LABEL_OWNER] = self.owner
                 self.open_session(session)
                 self._lease(record, session)
+                self._watch(info)
                 self._emit("reconcile.adopted", record)
             else:
-                self._emit("reconcile.orphan", record, state=info.state, handed_over=bool(session))
-                self._release(record, reason="orphan" if session else "orphan, never handed over")
+                reason = "orphan" if session else "orphan, never handed over"
+                self._orphan(info, expires=expires, reason=reason)
+
+    def _record_of(self, info: SandboxInfo, expires: float = 0.0) -> Record:
+        record = Record(
+            id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
+            labels=dict(info.labels), expires_at=expires, info=info,
+        )  # fmt: skip
+        self._records[info.id] = record
+        return record
+
+    def _orphan(self, info: SandboxInfo, *, expires: float = 0.0, reason: str = "orphan") -> None:
+        record = self._record_of(info, expires)
+        self._emit("reconcile.orphan", record, state=info.state, reason=reason)
+        self._release(record, reason=reason)
 
 
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _dead(info: SandboxInfo | None) -> bool:
+    """Whether a sandbox that was ready, as the provider lists it now (None: not at all),
+    is dead: stopped, gone, or back to ``creating`` (its record without its container)."""
+    return info is None or info.state in ("stopped", "creating")
+
+
+def _loss_of(sandbox_id: str, info: SandboxInfo | None) -> Lost:
+    """Why a sandbox the provider lists as ``info`` (None: not at all) is lost."""
+    if info is None:
+        return Lost(sandbox_id=sandbox_id, reason="deleted", detail="the backend has it no more")
+    return info.lost or Lost(
+        sandbox_id=sandbox_id, reason="unknown", detail=f"the backend says it is {info.state}"
+    )
 
 
 def _classify(exc: BaseException) -> tuple[FailureKind, float | None]:

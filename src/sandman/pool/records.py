@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sandman.models import SandboxSpec
-from sandman.providers.base import SandboxInfo
+from sandman.providers.base import Lost, SandboxInfo
 
 __all__ = ["LABEL_EXPIRES", "LABEL_POOL", "LABEL_SESSION", "Record", "State", "TimelineEvent"]
 
@@ -15,11 +15,15 @@ LABEL_POOL = "sandman.io/pool"
 LABEL_SESSION = "sandman.io/session"
 LABEL_EXPIRES = "sandman.io/expires-at"
 
-State = Literal["queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone"]
+State = Literal[
+    "queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone", "lost",
+]  # fmt: skip
+"""``lost``: it died by itself while ready or leased (``Record.lost`` says why); the
+pool deletes what is left of it and tells its holder with `sandman.SandboxLost`."""
 
 TimelineEvent = Literal[
     "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
-    "released", "gone",
+    "released", "lost", "gone",
 ]  # fmt: skip
 """Where a sandbox's time went, in order; each is stamped once, in wall-clock seconds."""
 
@@ -36,6 +40,8 @@ class Record:
     session: str | None = None
     info: SandboxInfo | None = None
     error: BaseException | None = None
+    lost: Lost | None = None
+    """In state ``lost``: why (``lost.reason``: ``oom``, ``killed``, ``evicted``...)."""
     release_requested: bool = False
     timeline: dict[str, float] = field(default_factory=dict)
 

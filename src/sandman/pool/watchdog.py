@@ -4,7 +4,11 @@ A process killed by SIGKILL runs no code of ours, so the pool starts this
 small process, which watches the pool's process itself (a pidfd: readable
 once it has exited) and a pipe from it. When that process dies, for
 whatever reason, the watchdog deletes every sandbox labelled with the
-pool's name, then exits. The pipe alone would not do: a child the pool's
+pool's name *and* that process as its owner (``sandman.io/owner``, see
+`sandman.pool.owner`), then exits: a successor started at once under the
+same pool name keeps its own sandboxes, and so does one that adopted the
+dead pool's (adoption relabels the owner). A delete that fails does not stop
+the sweep: the rest go on, and what is left is tried again with backoff. The pipe alone would not do: a child the pool's
 process forks (multiprocessing's default on Linux) inherits its write end
 and keeps it open after the parent is gone. A pool that closes normally has
 released everything already, and says ``bye`` so the watchdog exits
@@ -18,15 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import selectors
 import subprocess
 import sys
+from collections.abc import Mapping
 
+from sandman import errors
+from sandman.pool import owner as owners
 from sandman.pool.records import LABEL_POOL
+from sandman.providers.base import Provider, SandboxInfo
 from sandman.settings import LocalConfig
 
-__all__ = ["Watchdog"]
+__all__ = ["Watchdog", "sweep"]
+
+logger = logging.getLogger(__name__)
 
 _ENTRY = "import sys; from sandman.pool.watchdog import main; sys.exit(main())"
 
@@ -38,10 +49,12 @@ class Watchdog:
         self.process = process
 
     @classmethod
-    def start(cls, config: LocalConfig, pool_name: str) -> Watchdog:
+    def start(cls, config: LocalConfig, pool_name: str, owner: str | None = None) -> Watchdog:
+        """Bind a watchdog to this process, the owner (by default) of the pool's sandboxes."""
+        owner = owner or owners.current()
         process = subprocess.Popen(
             # Not `-m`: the package imports this module before runpy would run it.
-            [sys.executable, "-c", _ENTRY, pool_name, str(os.getpid())],
+            [sys.executable, "-c", _ENTRY, pool_name, str(os.getpid()), owner],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             # Its own session: a signal to our process group must not reach it.
@@ -70,18 +83,78 @@ class Watchdog:
             self.process.wait()
 
 
-async def sweep(config: LocalConfig, pool_name: str) -> int:
-    """Delete every sandbox of the pool; returns how many there were."""
+async def sweep(
+    provider: Provider,
+    labels: Mapping[str, str],
+    *,
+    attempts: int = 6,
+    backoff: float = 0.5,
+    concurrency: int = 16,
+) -> int:
+    """Delete every sandbox whose labels include ``labels``; returns how many went.
+
+    Each is looked at again just before its delete (a successor may have adopted
+    it meanwhile). A failed delete is logged and does not stop the others; the
+    sandboxes left are listed and tried again, up to ``attempts`` rounds, the
+    wait between them doubling from ``backoff``. A round that finds nothing ends
+    it; so the last round is a look for creates that finished while we deleted.
+    """
+    gate = asyncio.Semaphore(concurrency)
+    deleted: set[str] = set()
+
+    async def one(sandbox_id: str) -> None:
+        async with gate:
+            try:
+                info = await provider.inspect(sandbox_id)
+            except errors.SandboxNotFound:
+                return
+            if labels.items() <= info.labels.items():
+                await provider.delete(sandbox_id)
+                deleted.add(sandbox_id)
+
+    wait = backoff
+    for attempt in range(1, attempts + 1):
+        try:
+            infos = await provider.list(labels=labels)
+        except errors.SandboxError as exc:
+            logger.warning("sweep round %d: cannot list sandboxes: %s", attempt, exc)
+            infos = None
+        if infos == []:
+            break
+        if infos:
+            results = await asyncio.gather(
+                *(one(info.id) for info in infos), return_exceptions=True
+            )
+            failed = [(i.id, r) for i, r in zip(infos, results, strict=True) if r is not None]
+            for sandbox_id, failure in failed:
+                logger.warning("sweep round %d: delete %s failed: %r", attempt, sandbox_id, failure)
+            if not failed:
+                continue  # at once: only a look for late arrivals is left
+        if attempt < attempts:
+            await asyncio.sleep(wait)
+            wait *= 2
+    else:
+        left = [info.id for info in await _listed(provider, labels)]
+        if left:
+            logger.error("sweep gave up after %d rounds; left: %s", attempts, " ".join(left))
+    return len(deleted)
+
+
+async def _listed(provider: Provider, labels: Mapping[str, str]) -> list[SandboxInfo]:
+    try:
+        return await provider.list(labels=labels)
+    except errors.SandboxError:
+        return []
+
+
+async def _sweep_local(config: LocalConfig, labels: Mapping[str, str]) -> int:
     from sandman.providers.local import LocalProvider
 
     provider = LocalProvider(config)
-    infos = await provider.list(labels={LABEL_POOL: pool_name})
-    await asyncio.gather(*(provider.delete(info.id) for info in infos), return_exceptions=True)
-    # Once more for any that failed or appeared while we deleted.
-    for info in await provider.list(labels={LABEL_POOL: pool_name}):
-        await provider.delete(info.id)
-    await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
-    return len(infos)
+    try:
+        return await sweep(provider, labels)
+    finally:
+        await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
 
 
 def _first_line() -> tuple[bytes, bytes]:
@@ -140,13 +213,18 @@ _LAST_WORDS = (b"bye", b"detach")
 
 def main() -> int:
     pool_name = sys.argv[1]
-    owner = int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid()
+    pid = int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid()
+    labels = {LABEL_POOL: pool_name}
+    if len(sys.argv) > 3:
+        labels[owners.LABEL_OWNER] = sys.argv[3]
     # The raw descriptor, never sys.stdin: a "bye" must not wait in a buffer.
     line, rest = _first_line()
     config = LocalConfig.model_validate_json(line)
-    if _last_word(owner, rest) in _LAST_WORDS:
+    if _last_word(pid, rest) in _LAST_WORDS:
         return 0
-    asyncio.run(sweep(config, pool_name))
+    # Our own process: its warnings go to the stderr the pool's process had.
+    logging.basicConfig(level=logging.INFO, format="sandman watchdog: %(levelname)s %(message)s")
+    asyncio.run(_sweep_local(config, labels))
     return 0
 
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
 from sandman.daemon import DaemonClient
 from sandman.models import SandboxSpec
 
-__all__ = ["DaemonEndpoint", "Provider", "SandboxInfo", "SandboxState"]
+__all__ = [
+    "DaemonEndpoint",
+    "Lost",
+    "LostReports",
+    "Provider",
+    "SandboxInfo",
+    "SandboxState",
+    "WatchesLost",
+]
 
 SandboxState = Literal["creating", "running", "stopped", "unknown"]
 """What the backend says of a sandbox. ``creating``: recorded, not started
@@ -37,6 +45,19 @@ class DaemonEndpoint(BaseModel):
         )  # fmt: skip
 
 
+class Lost(BaseModel):
+    """A sandbox that died by itself, and why (`sandman.SandboxLost.REASONS`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sandbox_id: str
+    reason: str
+    """``oom``, ``killed``, ``evicted``, ``preempted``, ``node_lost``, ``deleted``,
+    ``daemon_exit`` or ``unknown``."""
+    detail: str = ""
+    """What the backend said, in a sentence (the exit status, the pod's reason...)."""
+
+
 class SandboxInfo(BaseModel):
     """One sandbox as the backend knows it. Everything here survives a restart of the caller."""
 
@@ -49,6 +70,8 @@ class SandboxInfo(BaseModel):
     created_at: float
     image: str
     endpoint: DaemonEndpoint | None = None
+    lost: Lost | None = None
+    """For a ``stopped`` sandbox: why it stopped, as far as the backend can tell."""
 
 
 class Provider(Protocol):
@@ -96,4 +119,34 @@ class Provider(Protocol):
 
     async def aclose(self) -> None:
         """Release the provider's own resources; sandboxes are left as they are."""
+        ...
+
+
+class LostReports(Protocol):
+    """What `WatchesLost.lost` returns: ``async for lost in reports``; `aclose` ends them."""
+
+    def __aiter__(self) -> LostReports: ...
+
+    async def __anext__(self) -> Lost: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class WatchesLost(Protocol):
+    """An optional capability of a provider: it tells at once when a sandbox dies by
+    itself (its daemon exits, its pod is evicted), so the pool need not wait for its
+    next reconcile to notice. A provider without it is still reconciled: a sandbox it
+    lists as ``stopped`` (or no longer lists) is lost then.
+    """
+
+    def watch_lost(self, sandbox: SandboxInfo) -> None:
+        """Tell of ``sandbox`` (just created or adopted, running) through `lost` from now
+        on, until it is reported or deleted. Call it on the event loop `lost` runs on."""
+        ...
+
+    def lost(self) -> LostReports:
+        """Each watched sandbox that died by itself, once, as soon as the backend says;
+        never one removed through `delete`. Every reader sees every report made after
+        it was asked for (not only after it first waits); close it with ``aclose``."""
         ...

@@ -227,10 +227,20 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
         """The sandbox's daemon protocol (``/v1/exec``, ``/v1/files``...), proxied.
 
         Method, query, body and answer pass through as streams; the proxy adds
-        the daemon's token. The daemon's own errors come back as it sent them.
+        the daemon's token. The daemon's own errors come back as it sent them. A
+        sandbox that died by itself is ``sandbox_lost`` (410, with its ``reason``).
         """
         record = service.sandbox(tenant, sandbox_id)
-        return await forwarder.forward(record, request, path)
+        try:
+            return await forwarder.forward(record, request, path)
+        except ApiError as exc:
+            if exc.code != "daemon_unavailable":
+                raise
+            # Its daemon does not answer: dead (asked now), or only unreachable?
+            await service.running(record)
+            if record.lost is not None:
+                raise service.lost_error(record) from exc
+            raise
 
     for method in ("GET", "POST", "PUT", "DELETE"):
         app.add_api_route(
@@ -239,7 +249,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
             responses={
                 200: {"description": "the daemon's answer, passed through",
                       "content": {"*/*": {}}},
-                **_errors("sandbox_not_found", "daemon_unavailable"),
+                **_errors("sandbox_not_found", "sandbox_lost", "daemon_unavailable"),
             },
         )  # fmt: skip
 
@@ -302,7 +312,7 @@ def _refused(request: Request, code: str, message: str) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return _error(exc.code, exc.message, exc.status, exc.headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     async def invalid(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -62,9 +62,11 @@ REFUSALS = frozenset({
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the readiness histogram; one more bucket holds the rest."""
 _LIVE = tuple(s for s in STATES if s not in ("queued", "gone"))
-_ERROR_EVENTS = ("create.failed", "delete.failed", "reconcile.failed")
+_ERROR_EVENTS = ("create.failed", "delete.failed", "reconcile.failed", "sandbox.lost")
 _COUNTED = {"create.started": "started", "create.complete": "completed",
-            "create.failed": "failed", "delete.complete": "deleted"}  # fmt: skip
+            "create.failed": "failed", "delete.complete": "deleted",
+            "sandbox.lost": "lost"}  # fmt: skip
+_MAX_REASONS = 32  # distinct reasons of lost sandboxes counted apart; the rest as "other"
 _MESSAGE_MAX = 500
 
 
@@ -108,6 +110,7 @@ class Sampler:
         self._queue_depths = queue_depths
         self._samples: deque[DashboardSample] = deque(maxlen=keep)
         self._counts: Counter[str] = Counter()
+        self._lost: Counter[str] = Counter()  # since the start, by reason
         self._latencies: deque[tuple[float, float]] = deque(maxlen=keep_latencies)
         self._errors: deque[_Error] = deque(maxlen=keep_errors)
         # Apart, so a client sending garbage cannot push the backend's errors out.
@@ -127,6 +130,11 @@ class Sampler:
             seconds = event.detail.get("seconds")
             if isinstance(seconds, int | float) and math.isfinite(seconds):
                 self._latencies.append((event.at, max(0.0, float(seconds))))
+        if event.name == "sandbox.lost":
+            reason = str(event.detail.get("reason", "unknown"))
+            if reason not in self._lost and len(self._lost) >= _MAX_REASONS:
+                reason = "other"
+            self._lost[reason] += 1
         if event.name in _ERROR_EVENTS:
             self._errors.appendleft(self._error(event))
 
@@ -136,8 +144,8 @@ class Sampler:
             with contextlib.suppress(errors.SandboxNotFound):
                 record = self.pool.get(event.sandbox_id)
                 tenant, image = self._owner(record), record.spec.image
-        kind = event.detail.get("kind")
-        message = str(event.detail.get("error") or event.name)
+        kind = event.detail.get("kind") or event.detail.get("reason")
+        message = str(event.detail.get("error") or event.detail.get("detail") or event.name)
         return _Error(
             at=event.at, event=event.name, sandbox_id=event.sandbox_id, tenant=tenant,
             image=image, kind=None if kind is None else str(kind),
@@ -169,6 +177,7 @@ class Sampler:
             t=now, states=_states(stats), pacing=_pacing(stats),
             started=self._counts["started"], completed=self._counts["completed"],
             failed=self._counts["failed"], deleted=self._counts["deleted"],
+            lost=self._counts["lost"],
         )  # fmt: skip
         self._counts.clear()
         self._samples.append(taken)
@@ -255,7 +264,7 @@ class Sampler:
         return DashboardOut(
             pool=self.pool.config.name, provider=self.pool.provider.name, tenant=tenant,
             admin=admin, now=now, interval=self.interval, states=_states(stats),
-            sessions=int(stats.get("sessions", 0)), pacing=_pacing(stats),
+            sessions=int(stats.get("sessions", 0)), pacing=_pacing(stats), lost=dict(self._lost),
             samples=[s for s in self._samples if s.t >= since],
             tenants=tenants,
             images=sorted(

@@ -19,6 +19,7 @@ STATUS: dict[str, int] = {
     "not_found": 404,
     "method_not_allowed": 405,
     "sandbox_not_found": 404,
+    "sandbox_lost": 410,
     "session_expired": 404,
     "image_not_found": 422,
     "image_error": 422,
@@ -38,17 +39,31 @@ STATUS: dict[str, int] = {
 
 
 class ApiError(Exception):
-    """An error answer: raised anywhere in a handler, rendered by the app's handler."""
+    """An error answer: raised anywhere in a handler, rendered by the app's handler.
 
-    def __init__(self, code: str, message: str, *, headers: dict[str, str] | None = None) -> None:
+    ``reason`` goes with ``sandbox_lost``: why the sandbox died (`SandboxLost.reason`).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        headers: dict[str, str] | None = None,
+        reason: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = STATUS[code]
         self.headers = headers or {}
+        self.reason = reason
 
     def body(self) -> dict[str, dict[str, str]]:
-        return {"error": {"code": self.code, "message": self.message}}
+        detail = {"code": self.code, "message": self.message}
+        if self.reason is not None:
+            detail["reason"] = self.reason
+        return {"error": detail}
 
 
 # Most specific first: the tree has subclasses of subclasses.
@@ -60,6 +75,7 @@ _CODES: tuple[tuple[type[errors.SandboxError], str], ...] = (
     (errors.CapacityError, "capacity"),
     (errors.ProviderError, "provider_error"),
     (errors.SessionExpired, "session_expired"),
+    (errors.SandboxLost, "sandbox_lost"),
     (errors.SandboxNotFound, "sandbox_not_found"),
     (errors.PoolClosed, "pool_closed"),
     (errors.ConfigError, "invalid_request"),
@@ -76,4 +92,5 @@ def from_exception(exc: errors.SandboxError) -> ApiError:
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
     elif code == "capacity":
         headers = {"Retry-After": "1"}
-    return ApiError(code, message, headers=headers)
+    reason = exc.reason if isinstance(exc, errors.SandboxLost) else None
+    return ApiError(code, message, headers=headers, reason=reason)

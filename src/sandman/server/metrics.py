@@ -26,7 +26,7 @@ __all__ = ["CONTENT_TYPE", "STATES", "Metrics", "check_scrape"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATES: tuple[State, ...] = (
-    "queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone",
+    "queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone", "lost",
 )  # fmt: skip
 
 # Sandbox creation spans milliseconds (warm, fake) to minutes (image pulls, busy clusters).
@@ -100,6 +100,9 @@ class Metrics:
     ``sandman_delete_seconds`` (released -> the backend confirmed gone),
     ``sandman_acquire_seconds`` (an acquire at the service, until answered).
 
+    ``sandman_sandboxes_lost_total`` counts sandboxes that died by themselves (OOM, a
+    crash, killed, evicted...), by ``reason`` (`sandman.SandboxLost.REASONS`).
+
     No series names a tenant unless ``tenant_labels`` (then ``sandman_queue_depth``
     has a ``tenant`` label; `ServerSettings.metrics_tenant_labels`).
     """
@@ -134,6 +137,10 @@ class Metrics:
             "sandman_backend_errors", "Failed backend calls, by operation and kind.",
             [*labels, "operation", "kind"], registry=self.registry,
         )  # fmt: skip
+        self.lost = Counter(
+            "sandman_sandboxes_lost", "Sandboxes that died by themselves, by reason.",
+            [*labels, "reason"], registry=self.registry,
+        )  # fmt: skip
         self.events = Counter(
             "sandman_pool_events", "Pool lifecycle events, by name.",
             [*labels, "event"], registry=self.registry,
@@ -167,6 +174,8 @@ class Metrics:
                 self.delete_seconds.labels(pool).observe(max(0.0, event.at - released))
         elif event.name == "reconcile.failed":
             self.backend_errors.labels(pool, "list", "other").inc()
+        elif event.name == "sandbox.lost":
+            self.lost.labels(pool, str(event.detail.get("reason", "unknown"))).inc()
 
     def _observe_create(self, pool: str, sandbox_id: str) -> None:
         try:

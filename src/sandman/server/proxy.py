@@ -20,10 +20,11 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from sandman import errors
 from sandman.daemon._http import UntrustedPeer, check_peer
 from sandman.pool import Record
 from sandman.providers.base import DaemonEndpoint
-from sandman.server.errors import ApiError
+from sandman.server.errors import ApiError, from_exception
 
 __all__ = ["Forwarder"]
 
@@ -117,6 +118,9 @@ class Forwarder:
     async def forward(self, record: Record, request: Request, path: str) -> Response:
         """Send ``request`` on to the daemon of ``record`` at ``/path``; stream its answer back."""
         endpoint = record.info.endpoint if record.info is not None else None
+        if record.lost is not None:
+            lost = errors.SandboxLost.of(record.id, record.lost.reason, record.lost.detail)
+            raise from_exception(lost)
         if endpoint is None or record.state != "leased":
             raise ApiError("sandbox_not_found", f"sandbox {record.id} is not running")
         length = request.headers.get("content-length")

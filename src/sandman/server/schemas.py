@@ -40,6 +40,8 @@ class ErrorDetail(_Out):
     code: str
     """Stable; see `sandman.server.errors.STATUS`."""
     message: str
+    reason: str | None = None
+    """With ``sandbox_lost``: why the sandbox died (``oom``, ``killed``, ``evicted``...)."""
 
 
 class ErrorBody(_Out):
@@ -90,6 +92,11 @@ class SandboxOut(_Out):
     """Only in answers about one sandbox (acquire, get), never in lists."""
     running: bool | None = None
     """With ``probe=true``: whether the backend says the sandbox is running."""
+    lost_reason: str | None = None
+    """In state ``lost`` (it died by itself): why, ``oom``, ``killed``, ``evicted``,
+    ``preempted``, ``node_lost``, ``deleted``, ``daemon_exit`` or ``unknown``."""
+    lost_detail: str | None = None
+    """In state ``lost``: what the backend said of it, in a sentence."""
 
 
 class SandboxList(_Out):
@@ -132,6 +139,8 @@ class DashboardSample(_Out):
     """Create calls that failed."""
     deleted: int
     """Sandboxes the backend confirmed gone."""
+    lost: int = 0
+    """Sandboxes that died by themselves (their daemon or pod)."""
     pacing: PacingOut
 
 
@@ -155,7 +164,8 @@ class LatencyBucket(_Out):
 
 class DashboardError(_Out):
     """A failed backend call (``create.failed``, ``delete.failed``, ``reconcile.failed``),
-    or a request the service refused (``refused``, its error code as ``kind``)."""
+    a sandbox that died by itself (``sandbox.lost``, its reason as ``kind``), or a request
+    the service refused (``refused``, its error code as ``kind``)."""
 
     at: float
     event: str
@@ -184,6 +194,9 @@ class DashboardOut(_Out):
     """Sandboxes per state now, the whole pool."""
     sessions: int
     pacing: PacingOut
+    lost: dict[str, int] = Field(default_factory=dict)
+    """Sandboxes that died by themselves since the service started, by reason (``oom``,
+    ``killed``, ``evicted``...), the whole pool."""
     samples: list[DashboardSample]
     """Oldest first, one per ``interval``."""
     tenants: list[DashboardGroup]
@@ -218,4 +231,6 @@ def sandbox_out(
         id=record.id, state=record.state, session=record.session, image=record.spec.image,
         spec=record.spec, expires_at=record.expires_at, timeline=dict(record.timeline),
         endpoint=where, running=running,
+        lost_reason=record.lost.reason if record.lost else None,
+        lost_detail=record.lost.detail if record.lost else None,
     )  # fmt: skip

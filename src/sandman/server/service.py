@@ -252,15 +252,24 @@ class Service:
         return record
 
     async def running(self, record: Record) -> bool:
-        """Whether the backend says the sandbox runs (asked now)."""
+        """Whether the backend says the sandbox runs (asked now). One it says stopped,
+        or has no more, is lost from then on (``record.state``)."""
         if record.state != "leased":
             return False
         try:
-            return (await self.pool.provider.inspect(record.id)).state == "running"
+            await self.pool.check(record.id)
         except errors.SandboxNotFound:
             return False
         except errors.SandboxError as exc:
             raise from_exception(exc) from exc
+        return True
+
+    @staticmethod
+    def lost_error(record: Record) -> ApiError:
+        """``sandbox_lost`` for a sandbox that died by itself, with its reason."""
+        lost = record.lost
+        reason, detail = (lost.reason, lost.detail) if lost else ("unknown", "")
+        return from_exception(errors.SandboxLost.of(record.id, reason, detail))
 
     def release(self, tenant: str, sandbox_id: str) -> None:
         """Give the tenant's sandbox back (deleted in the background). Idempotent."""

@@ -20,9 +20,11 @@ import pytest
 from aiohttp import web
 
 from sandman import errors
+from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.api import KubeAPI, WatchExpired
 from sandman.providers.kubernetes.credentials import Credentials
 from sandman.providers.kubernetes.watch import PodWatch
+from sandman.settings import KubernetesConfig
 from tests.providers.kubernetes.conftest import kube_api, loopback
 
 pytestmark = pytest.mark.anyio
@@ -40,10 +42,10 @@ class PodServer:
 
     listed: list[dict[str, Any]] = field(default_factory=list)
     list_version: str = "10"
-    scripts: list[str] = field(default_factory=list)
+    scripts: list[str | list[dict[str, Any]]] = field(default_factory=list)
     """Per watch: "http410" (a 410 answer), "event410" (a 200 stream whose first event is a
-    410 ERROR, as the API server sends it), "garbage" (a line that is not JSON), or "hang"
-    (no events until the test ends)."""
+    410 ERROR, as the API server sends it), "garbage" (a line that is not JSON), "hang"
+    (no events until the test ends), or a list of events (sent, then "hang")."""
     watched_from: list[str] = field(default_factory=list)
     lists: int = 0
     listed_from: list[str | None] = field(default_factory=list)
@@ -69,6 +71,8 @@ class PodServer:
         if script == "garbage":
             await response.write(b"<html>bad gateway</html>\n")
             return response
+        for event in script if isinstance(script, list) else []:
+            await response.write(json.dumps(event).encode() + b"\n")
         await self.done.wait()  # "hang": until the test ends
         return response
 
@@ -165,3 +169,38 @@ async def test_a_consistent_list_is_not_served_from_the_cache_as_it_is(
     await api.list_pods("x=y", consistent=True)
     # "0": whatever the watch cache holds; none: the current state.
     assert server.listed_from == ["0", None]
+
+
+def _sandbox_pod(name: str, phase: str, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "resourceVersion": "11", "labels": {"sandman.io/pool": "p"}},
+        "spec": {"containers": [{"name": "sandbox", "image": "x"}]},
+        "status": {"phase": phase, **status},
+    }
+
+
+async def test_the_provider_tells_of_a_watched_pods_loss_from_its_watch(
+    server: PodServer,
+) -> None:
+    oom = {"containerStatuses": [
+        {"name": "sandbox", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    ]}  # fmt: skip
+    server.listed = [_sandbox_pod(n, "Running") for n in ("sb-1", "sb-2", "sb-3")]
+    server.scripts = [[
+        {"type": "MODIFIED", "object": _sandbox_pod("sb-3", "Failed", **oom)},  # not watched
+        {"type": "MODIFIED", "object": _sandbox_pod("sb-1", "Failed", **oom)},
+        {"type": "DELETED", "object": _sandbox_pod("sb-2", "Running")},  # behind our back
+    ]]  # fmt: skip
+    provider = KubernetesProvider(KubernetesConfig(server=server.url, namespace="ns"))
+    try:
+        reports = provider.lost()  # starts the watch on first use
+        for name in ("sb-1", "sb-2"):
+            provider.watch_lost(pods.pod_info(_sandbox_pod(name, "Running"), provider="k", port=1))
+        async with asyncio.timeout(10):
+            got = [await anext(reports), await anext(reports)]
+        assert [(lost.sandbox_id, lost.reason) for lost in got] == [
+            ("sb-1", "oom"), ("sb-2", "deleted"),
+        ]  # fmt: skip
+        await reports.aclose()
+    finally:
+        await provider.aclose()

@@ -1,8 +1,11 @@
-"""Faults around a sandbox: a full disk."""
+"""Faults around a sandbox: a full disk, a broken state directory, a daemon that dies."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -13,9 +16,11 @@ import pytest
 
 import sandman
 from sandman.models import SandboxSpec
+from sandman.providers.base import Lost, LostReports, SandboxInfo
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.exits import classify
 from sandman.settings import LocalConfig
-from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.conftest import needs_root_and_crun, ready
 from tests.providers.local.leaks import assert_nothing_left
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
@@ -93,3 +98,80 @@ async def test_a_broken_state_directory_is_a_provider_error_and_leaves_nothing(
         filler.unlink(missing_ok=True)
     await provider.aclose()
     await assert_nothing_left(provider)
+
+
+def _pid(info: SandboxInfo) -> int:
+    assert info.endpoint is not None and info.endpoint.pid is not None
+    return info.endpoint.pid
+
+
+async def _next(reports: LostReports, timeout: float = 20.0) -> Lost:
+    async with asyncio.timeout(timeout):
+        return await anext(reports)
+
+
+async def test_a_daemon_killed_from_the_host_is_reported_lost_at_once(
+    provider: LocalProvider,
+) -> None:
+    reports = provider.lost()
+    try:
+        killed, deleted, calm = [await provider.create(SandboxSpec(image="busybox")) for _ in "abc"]
+        for info in (killed, deleted, calm):
+            provider.watch_lost(info)
+        async with await ready(killed) as sb:
+            await sb.spawn(["sleep", "1000"])
+        await provider.delete(deleted.id)  # killed by us: no loss
+        os.kill(_pid(killed), signal.SIGKILL)
+        lost = await _next(reports)
+        assert (lost.sandbox_id, lost.reason) == (killed.id, "killed")
+        assert "SIGKILL" in lost.detail
+        assert (await provider.inspect(killed.id)).state == "stopped"
+        assert (await provider.inspect(calm.id)).state == "running"
+    finally:
+        await reports.aclose()
+
+
+async def test_a_daemon_the_oom_killer_kills_is_lost_as_oom(provider: LocalProvider) -> None:
+    """The daemon makes the OOM killer prefer its commands (their oom_score_adj is 1000),
+    so a memory hog dies, not the sandbox. Here the daemon is made as preferred as they
+    are, from the host, and the memory is taken by a tmpfs file (in no process's RSS):
+    the daemon, the largest process, is the OOM killer's choice."""
+    reports = provider.lost()
+    try:
+        info = await provider.create(SandboxSpec(image="busybox", memory="32Mi"))
+        provider.watch_lost(info)
+        async with await ready(info) as sb:
+            Path(f"/proc/{_pid(info)}/oom_score_adj").write_text("1000")
+            await sb.spawn("head -c 60000000 /dev/zero > /dev/shm/fill")
+            lost = await _next(reports)
+        assert (lost.sandbox_id, lost.reason) == (info.id, "oom"), lost
+        assert "OOM killer" in lost.detail
+        # A later look finds the same (without the wait status: from the cgroup).
+        stopped = await provider.inspect(info.id)
+        assert stopped.lost is not None and stopped.lost.reason == "oom"
+    finally:
+        await reports.aclose()
+
+
+def test_why_a_daemon_died_from_the_evidence_it_left() -> None:
+    sigkill, sigterm = signal.SIGKILL, signal.SIGTERM
+    exited = [0 << 8, 2 << 8]  # wait statuses of exit(0), exit(2)
+    assert classify(sigkill, 0, "")[0] == "killed"
+    assert classify(sigkill, 3, "")[0] == "oom"
+    assert classify(sigterm, 3, "")[0] == "killed"  # a signal other than the OOM killer's
+    stopped = "sandmand: listening on fd:3\nsandmand: got terminated, shutting down\n"
+    assert classify(exited[0], 0, stopped)[0] == "killed"
+    crash = "sandmand: listening on fd:3\npanic: runtime error: index out of range\n\ngoroutine 1"
+    assert classify(exited[1], 0, crash) == (
+        "daemon_exit",
+        "the daemon exited with status 2: 'panic: runtime error: index out of range'",
+    )
+    go_oom = "fatal error: runtime: out of memory\n"
+    assert classify(exited[1], 1, go_oom)[0] == "oom"
+    # No wait status (reaped, an older kernel): the cgroup and the log still tell.
+    assert classify(None, 2, "")[0] == "oom"
+    assert classify(None, 0, crash)[0] == "daemon_exit"
+    assert classify(None, 0, stopped)[0] == "killed"
+    assert classify(None, 0, "sandmand: listening on fd:3\n") == (
+        "killed", "the daemon is gone without a word (as after a SIGKILL)",
+    )  # fmt: skip

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import shutil
+import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 import sandman
+from sandman.client import AsyncClient
+from sandman.client.backends import InProcessBackend
 from sandman.models import SandboxSpec
+from sandman.pool import Pool, PoolConfig
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for
 
@@ -55,3 +61,28 @@ async def test_a_sandbox_runs_under_gvisor_and_leaves_nothing(gvisor: LocalProvi
     await gvisor.delete(info.id)
     with pytest.raises(sandman.SandboxNotFound):
         await gvisor.inspect(info.id)
+
+
+async def test_a_dead_gvisor_sandbox_is_lost_on_the_holders_next_call(
+    gvisor: LocalProvider,
+) -> None:
+    """No daemon pid on the host to watch: the holder's next call asks the provider."""
+    async with AsyncClient(InProcessBackend(Pool(gvisor, PoolConfig(name="g")))) as client:
+        sb = await client.acquire(SPEC, timeout=60)
+        assert (await sb.exec("true")).exit_code == 0
+        pid = int((gvisor.config.state_dir / "sandboxes" / sb.id / "pid").read_text())
+        os.kill(pid, signal.SIGKILL)  # the whole gVisor sandbox, from the host
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    await sb.exec("true", timeout=5)
+                except sandman.SandboxLost as exc:
+                    assert exc.reason == "killed", exc
+                    break
+                except sandman.DaemonUnavailable:
+                    pass  # unreachable, but the runtime does not say stopped yet
+                await anyio.sleep(0.05)
+        with anyio.fail_after(30):
+            while await gvisor.list():
+                await anyio.sleep(0.05)
+        await sb.release()

@@ -40,7 +40,7 @@ async def test_create_exec_delete(provider: LocalProvider) -> None:
         assert (await sb.exec(["cat", "/proc/1/cmdline"])).stdout.startswith("/.sandman/sandmand")
         # Under memory pressure the kernel kills commands, not PID 1 (the whole sandbox).
         # (set right after each fork: look at a process that lives on)
-        sleeper = await sb.start_process(["sleep", "1000"])
+        sleeper = await sb.spawn(["sleep", "1000"])
         adj = await sb.exec(f"cat /proc/{sleeper.pid}/oom_score_adj /proc/1/oom_score_adj")
         assert adj.stdout.split() == ["1000", "0"]
     await provider.delete(info.id)
@@ -55,9 +55,9 @@ async def test_state_persists_across_calls_and_sandboxes_are_isolated(
     async with await _ready(a) as sa, await _ready(b) as sbb:
         await sa.write_file("/root/notes.txt", "from a")
         await sa.exec("echo more >> /root/notes.txt && rm /bin/ls")
-        proc = await sa.start_process("echo started; sleep 1000")
+        proc = await sa.spawn("echo started; sleep 1000")
         assert await sa.read_file("/root/notes.txt") == b"from amore\n"
-        assert (await sa.get_process(proc.id)).running
+        assert (await sa.poll(proc.id)).running
         assert not await sbb.exists("/root/notes.txt")
         assert (await sbb.exec(["ls", "/"])).exit_code == 0  # b still has ls
         image = await provider.images.get("busybox")
@@ -113,7 +113,7 @@ async def test_bad_input(provider: LocalProvider) -> None:
 async def test_killed_from_outside_is_stopped_and_deletes_cleanly(provider: LocalProvider) -> None:
     info = await provider.create(SPEC)
     async with await _ready(info) as sb:
-        await sb.start_process(["sleep", "1000"])
+        await sb.spawn(["sleep", "1000"])
     pid = int((provider.config.state_dir / "sandboxes" / info.id / "pid").read_text())
     os.kill(pid, signal.SIGKILL)
     with anyio.fail_after(10):

@@ -31,7 +31,7 @@ async def test_isolated_sandbox_is_reachable_from_the_host(provider: LocalProvid
         await sb.wait_ready(timeout=10)
         devices = (await sb.read_file("/proc/net/dev")).decode()
         assert {line.split(":")[0].strip() for line in devices.splitlines()[2:]} == {"lo", "eth0"}
-        await sb.start_process("echo hello-from-sandbox | busybox nc -l -p 8080")
+        await sb.spawn("echo hello-from-sandbox | busybox nc -l -p 8080")
         with anyio.fail_after(10):
             while True:
                 try:

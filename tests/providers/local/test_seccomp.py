@@ -134,13 +134,13 @@ async def test_ordinary_work_runs_under_the_filter(confined: sandman.DaemonClien
     assert shell.stdout == "x\n3\n0\n"
     # What the daemon itself does for the host: background processes, a
     # terminal, a shell session, files and archives.
-    sleeper = await confined.start_process(["sh", "-c", "echo up; sleep 100"])
-    tty = await confined.start_process(["sh", "-c", "tty; stty size"], tty=True, rows=7, cols=9)
-    assert (await confined.wait_process(tty.id, timeout=10)).exit_code == 0
+    sleeper = await confined.spawn(["sh", "-c", "echo up; sleep 100"])
+    tty = await confined.spawn(["sh", "-c", "tty; stty size"], tty=True, rows=7, cols=9)
+    assert (await confined.wait(tty.id, timeout=10)).exit_code == 0
     assert "/dev/pts/" in (await confined.read_output(tty.id)).stdout
     assert "up" in (await confined.read_output(sleeper.id, wait=10)).stdout
-    await confined.signal_process(sleeper.id, "KILL")
-    assert not (await confined.wait_process(sleeper.id, timeout=10)).running
+    await confined.signal(sleeper.id, "KILL")
+    assert not (await confined.wait(sleeper.id, timeout=10)).running
     session = await confined.create_session()
     await confined.run_in_session(session.id, "cd /tmp && export V=7", check=True)
     assert (await confined.run_in_session(session.id, "echo $PWD $V")).stdout == "/tmp 7\n"

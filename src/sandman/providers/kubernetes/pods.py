@@ -17,7 +17,7 @@ from typing import Any
 
 from sandman import errors
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.base import DaemonEndpoint, Lost, SandboxInfo, SandboxState
 from sandman.providers.kubernetes.placement import parse_image, with_preference
 from sandman.settings import KubernetesConfig
 
@@ -33,6 +33,7 @@ __all__ = [
     "Started",
     "check_delivery",
     "daemon_volume",
+    "loss",
     "pod_info",
     "pod_manifest",
     "start_outcome",
@@ -49,11 +50,13 @@ TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
 RESERVED_PREFIX = "sandman.io/"
-# The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session,
+# The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session, owner,
 # expires-at, as `pod_manifest`'s ``labels``), the service (tenant, in the spec) and
 # this module (egress). Anything else under sandman.io/ -- sandman.io/client above all,
 # which deploy/networkpolicy.yaml trusts -- never reaches a sandbox pod.
-_POOL_LABELS = frozenset({"sandman.io/pool", "sandman.io/session", "sandman.io/expires-at"})
+_POOL_LABELS = frozenset(
+    {"sandman.io/pool", "sandman.io/session", "sandman.io/expires-at", "sandman.io/owner"}
+)
 _SPEC_LABELS = frozenset({"sandman.io/tenant"})
 CAPABILITIES = (
     "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "NET_BIND_SERVICE",
@@ -512,13 +515,68 @@ def _state(pod: Mapping[str, Any]) -> SandboxState:
     return "creating" if phase == "Pending" else "unknown"
 
 
-def lost_reason(pod: Mapping[str, Any]) -> str | None:
-    """Why a sandbox that ran is gone (evicted, OOM-killed, exited), or None if it is not."""
-    if _state(pod) != "stopped":
+# The DisruptionTarget condition's reasons (Kubernetes 1.26+): why the pod is going.
+_DISRUPTIONS = {
+    "PreemptionByScheduler": "preempted",
+    "PreemptionByKubeScheduler": "preempted",
+    "DeletionByTaintManager": "node_lost",
+    "DeletionByPodGC": "node_lost",
+    "EvictionByEvictionAPI": "evicted",
+    "TerminationByKubelet": "evicted",
+}
+_POD_REASONS = {
+    "Evicted": "evicted",
+    "Preempting": "preempted",
+    "NodeLost": "node_lost",
+    "NodeShutdown": "node_lost",
+    "Terminated": "node_lost",  # the kubelet's graceful node shutdown
+}
+
+
+def loss(pod: Mapping[str, Any], *, deleted: bool = False) -> Lost | None:
+    """Why the sandbox of a pod that ran is gone, or None while it is not (a pod the
+    watch saw ``deleted`` is gone whatever its status says).
+
+    The reason (`sandman.SandboxLost.REASONS`): a ``DisruptionTarget`` condition
+    (preempted, node_lost, evicted) or the pod's own reason (``Evicted``...) first;
+    then the main container's end: ``OOMKilled`` is ``oom``; a pod being deleted by
+    someone else ``deleted``; killed by a signal (exit 137 and up) ``killed``; any
+    other exit ``daemon_exit``.
+    """
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if not deleted and _state(pod) != "stopped":
         return None
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return "being deleted"
-    return _why(pod.get("status") or {})
+    name = str(metadata.get("name", ""))
+    detail = _why(status)
+
+    def lost(reason: str, said: str = detail) -> Lost:
+        return Lost(sandbox_id=name, reason=reason, detail=said)
+
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            reason = _DISRUPTIONS.get(str(condition.get("reason")))
+            if reason is not None:
+                said = f"{condition.get('reason')}: {condition.get('message', '')}".rstrip(": ")
+                return lost(reason, said)
+    if status.get("reason") in _POD_REASONS:
+        return lost(_POD_REASONS[status["reason"]])
+    ended = [
+        (c.get("state") or {}).get("terminated") or {}
+        for is_init, c in _statuses(pod)
+        if not is_init and c.get("name") == CONTAINER
+    ]
+    terminated = next((t for t in ended if t), None)
+    if terminated is not None and terminated.get("reason") == "OOMKilled":
+        return lost("oom")
+    if deleted or metadata.get("deletionTimestamp"):
+        return lost("deleted", f"the pod was deleted ({detail})")
+    if terminated is not None:
+        code = terminated.get("exitCode")
+        if terminated.get("signal") or (isinstance(code, int) and code > 128):
+            return lost("killed")
+        return lost("daemon_exit")
+    return lost("unknown")
 
 
 def _created_at(pod: Mapping[str, Any]) -> float:
@@ -555,4 +613,5 @@ def pod_info(
         id=metadata.get("name", ""), provider=provider, state=state,
         labels=dict(metadata.get("labels") or {}), created_at=_created_at(pod),
         image=main.get("image", ""), endpoint=endpoint,
+        lost=loss(pod) if state == "stopped" else None,
     )  # fmt: skip

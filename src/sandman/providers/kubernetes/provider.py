@@ -12,6 +12,9 @@ The daemon comes from an init container or, with ``daemon_delivery="image-volume
 an image volume; where the cluster cannot deliver it that way (the API server
 dropped the volume, or the node's runtime cannot mount it), create fails at once
 with a ConfigError that says to use the init container.
+
+The same watch tells of a running sandbox's loss at once (`watch_lost`, `lost`):
+its pod evicted, preempted, OOM-killed, exited or deleted by someone else.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import anyio
 
 from sandman import errors
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, SandboxInfo
+from sandman.providers.base import DaemonEndpoint, LostReports, SandboxInfo
 from sandman.providers.kubernetes import pods
 from sandman.providers.kubernetes.api import KubeAPI
 from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.providers.kubernetes.steering import NodeImages
 from sandman.providers.kubernetes.watch import PodWatch
+from sandman.providers.losses import LossFeed
 from sandman.settings import KubernetesConfig
 
 __all__ = ["KubernetesProvider"]
@@ -60,6 +64,9 @@ class KubernetesProvider:
         )  # fmt: skip
         self._selector = "=".join(pods.MANAGED_BY)
         self.watch = PodWatch(self.api, self._selector)
+        self.watch.others = self._on_pod
+        self._watched: set[str] = set()  # pods whose loss `lost` reports
+        self._losses = LossFeed(start=self.watch.ensure_started)
         self._progress: dict[str, str] = {}  # sandbox id -> what its start waits on
         self.node_images = NodeImages(self.api) if self.config.prefer_nodes_with_image else None
 
@@ -155,7 +162,27 @@ class KubernetesProvider:
 
     async def delete(self, sandbox_id: str) -> None:
         """Delete the pod at once (grace 0); a missing pod is not an error."""
+        self._watched.discard(sandbox_id)  # deleted here: no loss to tell of
         await self.api.delete_pod(sandbox_id)
+
+    def watch_lost(self, sandbox: SandboxInfo) -> None:
+        """Tell through `lost` when this sandbox's pod stops or is deleted by someone else."""
+        self._watched.add(sandbox.id)
+
+    def lost(self) -> LostReports:
+        """Each watched sandbox whose pod stopped (evicted, OOM-killed...) or was deleted
+        behind our back, from the namespace's pod watch, as it happens."""
+        return self._losses.reader()
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        name = (pod.get("metadata") or {}).get("name", "")
+        if name not in self._watched:
+            return
+        lost = pods.loss(pod, deleted=kind == "DELETED")
+        if lost is not None:
+            self._watched.discard(name)
+            logger.info("sandbox %s lost (%s): %s", name, lost.reason, lost.detail)
+            self._losses.report(lost)
 
     async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
         """Every Sandman pod of the namespace whose labels include ``labels`` (paged)."""
@@ -174,11 +201,7 @@ class KubernetesProvider:
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; SandboxNotFound when its pod is gone. A pod that was evicted,
         OOM-killed or exited is reported ``stopped`` (the SDK then says it is lost)."""
-        pod = await self.api.get_pod(sandbox_id)
-        reason = pods.lost_reason(pod)
-        if reason is not None:
-            logger.info("sandbox %s lost: %s", sandbox_id, reason)
-        return self._info(pod)
+        return self._info(await self.api.get_pod(sandbox_id))
 
     def _info(self, pod: dict[str, Any]) -> SandboxInfo:
         daemon = self.config.readiness == "daemon"
@@ -186,6 +209,7 @@ class KubernetesProvider:
 
     async def aclose(self) -> None:
         """Stop the watch and close the connections; pods are left as they are."""
+        self._losses.close()
         await self.watch.aclose()
         if self.node_images is not None:
             await self.node_images.aclose()

@@ -37,6 +37,8 @@ class PodWatch:
         self._selector = selector
         self._timeout = timeout_seconds  # the server ends each stream after this; we resume
         self._waiters: dict[str, Waiter] = {}
+        self.others: Waiter | None = None
+        """Given the events of every pod no waiter waits on (the provider's loss watch)."""
         self._task: asyncio.Task[None] | None = None
         self._synced: asyncio.Future[None] | None = None
         self.relists = 0
@@ -68,7 +70,7 @@ class PodWatch:
                 await self._task
 
     def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
-        waiter = self._waiters.get((pod.get("metadata") or {}).get("name", ""))
+        waiter = self._waiters.get((pod.get("metadata") or {}).get("name", ""), self.others)
         if waiter is not None:
             try:
                 waiter(kind, pod)

@@ -1,7 +1,9 @@
 """LocalProvider: sandboxes as crun (or runc) containers on this machine.
 
 On disk, under ``<state_dir>/sandboxes/<id>/``: ``meta.json`` (written
-first: the record that makes even a half-created sandbox findable),
+first: the record that makes even a half-created sandbox findable; the
+directory is made under a staging name, ``.new-<id>.<random>``, and renamed
+into place once the record is in it; a delete removes the record last),
 ``config.json`` (the OCI bundle), ``upper/`` and ``work/`` (the sandbox's
 overlay layer over the shared, read-only image; with a disk limit they are
 in ``<state_dir>/disk/<id>/`` instead, see `disk`), ``rootfs/`` (the mount
@@ -9,6 +11,10 @@ point, mounted only inside the container's mount namespace),
 ``sandmand.sock`` (the daemon's socket: bound here by the host, handed to
 the daemon as a descriptor; the sandbox sees no path to it), ``token``,
 ``pid`` and ``log``. The directory is root's alone (0700).
+
+The provider tells at once of a sandbox whose daemon dies by itself (`watch_lost`,
+`lost`; see `exits`): not under gVisor, whose daemon has no pid on this host; the
+pool's reconcile pass finds those stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -24,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -36,9 +44,10 @@ from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, SandboxInfo, SandboxState
+from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInfo, SandboxState
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
+from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
 from sandman.providers.local.host import prepare_cgroups
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
@@ -51,6 +60,8 @@ logger = logging.getLogger(__name__)
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 _SOCKET_NAME = "sandmand.sock"
+_META = "meta.json"
+_STAGING = ".new-"  # a sandbox's directory before its record is whole: never a valid id
 _TCP_ENDPOINT = "endpoint.json"  # runsc: the daemon's address on the sandbox's network
 GVISOR_DAEMON_PORT = 8731
 GVISOR_PIDS_HEADROOM = 256
@@ -109,6 +120,7 @@ class LocalProvider:
         self._prepare_lock = asyncio.Lock()
         self._images: dict[str, tuple[float, Image]] = {}
         self._users: dict[tuple[str, str], tuple[int, int]] = {}
+        self._exits = ExitWatch(self._loss)
 
     def __repr__(self) -> str:
         return f"LocalProvider(state_dir={str(self.config.state_dir)!r}, runtime={self.config.runtime!r})"
@@ -176,20 +188,14 @@ class LocalProvider:
         all_labels = {**spec.labels, **(labels or {})}
         uid, gid = self._user(image, spec.user or image.config.user)
         created_at = time.time()
-        try:
-            directory.mkdir(mode=0o700)
-        except FileExistsError:
-            raise errors.ConfigError(f"sandbox {sid} already exists") from None
-        except OSError as exc:
-            raise _state_error(sid, directory, exc) from exc
         # The record comes before anything else, so that a crash from here on
         # leaves a sandbox that list() finds and delete() removes.
         meta = {
             "id": sid, "labels": all_labels, "image": spec.image, "image_id": image.id,
             "created_at": created_at, "spec": spec.model_dump(mode="json"),
         }  # fmt: skip
+        _make_record(directory, json.dumps(meta))
         try:
-            _write(directory / "meta.json", json.dumps(meta))
             token = secrets.token_urlsafe(32)
             endpoint = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
         except BaseException as exc:
@@ -302,13 +308,19 @@ class LocalProvider:
     async def delete(self, sandbox_id: str) -> None:
         """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
         directory = self._dir(sandbox_id)
+        self._exits.forget(sandbox_id)  # killed here: no loss to tell of
         await self._runtime.delete(sandbox_id)
         # After the container: its processes are gone, so the netns goes at once.
         await self.network.teardown(sandbox_id)
         await self._remove_cgroups(sandbox_id)
         # Before the record: a crash in between leaves a sandbox list() still finds.
         await anyio.to_thread.run_sync(self.disk.remove, sandbox_id)
-        await anyio.to_thread.run_sync(_remove_tree, directory)
+        try:
+            await anyio.to_thread.run_sync(_remove_record_last, directory)
+        except OSError as exc:
+            raise errors.ProviderError(
+                f"cannot remove sandbox {sandbox_id}'s files: {exc}"
+            ) from exc
 
     async def _remove_cgroups(self, sandbox_id: str) -> None:
         """Remove cgroup dirs the runtime left: it gives up on one still busy
@@ -318,6 +330,31 @@ class LocalProvider:
         )
         if left:
             raise errors.ProviderError(f"cgroups of {sandbox_id} still busy: {left}")
+
+    # -- lost sandboxes (sandman.providers.base.WatchesLost) ---------------------
+
+    def watch_lost(self, sandbox: SandboxInfo) -> None:
+        """Tell through `lost` when this sandbox's daemon dies (a pidfd of it); a
+        gVisor sandbox (no daemon pid here) is not watched."""
+        endpoint = sandbox.endpoint
+        if endpoint is None or endpoint.pid is None:
+            return
+        parent = self.config.cgroup_parent.strip("/")
+        self._exits.watch(
+            sandbox.id, endpoint.pid, lambda pid: in_cgroup(pid, f"{parent}/{sandbox.id}")
+        )
+
+    def lost(self) -> LostReports:
+        """Each watched sandbox whose daemon died, as it happens, with the reason."""
+        return self._exits.reports()
+
+    def _loss(self, sandbox_id: str, status: int | None) -> Lost:
+        """Why the sandbox's daemon died: its wait status, the OOM kills of its memory
+        cgroup (read before a delete removes it) and the end of its log."""
+        parent = self.config.cgroup_parent.strip("/")
+        oom = oom_kills(parent, sandbox_id)
+        reason, detail = classify(status, oom, log_tail(self._sandboxes / sandbox_id / "log"))
+        return Lost(sandbox_id=sandbox_id, reason=reason, detail=detail)
 
     # -- list / inspect -------------------------------------------------------
 
@@ -335,7 +372,7 @@ class LocalProvider:
         """Rewrite the record's labels (atomically: a reader sees the old or the new)."""
         directory = self._dir(sandbox_id)
         try:
-            await anyio.to_thread.run_sync(_relabel, directory / "meta.json", dict(labels))
+            await anyio.to_thread.run_sync(_relabel, directory / _META, dict(labels))
         except FileNotFoundError:
             raise errors.SandboxNotFound(f"no sandbox {sandbox_id} in {self._sandboxes}") from None
         except (OSError, ValueError) as exc:
@@ -367,7 +404,7 @@ class LocalProvider:
         sid = directory.name
         meta: dict[str, Any] = {}
         with contextlib.suppress(OSError, ValueError):
-            meta = json.loads((directory / "meta.json").read_text())
+            meta = json.loads((directory / _META).read_text())
         token = None
         with contextlib.suppress(OSError):
             token = (directory / "token").read_text()
@@ -375,13 +412,39 @@ class LocalProvider:
         endpoint = None
         if token is not None and state == "running":
             endpoint = _endpoint(directory, self._socket(directory), token)
+        created_at = meta.get("created_at")
+        if created_at is None:
+            # No record (a crash's leftover): as old as its directory's last change.
+            with contextlib.suppress(OSError):
+                created_at = directory.stat().st_mtime
         return SandboxInfo(
             id=sid, provider=self.name, state=state, labels=meta.get("labels", {}),
-            created_at=meta.get("created_at", 0.0), image=meta.get("image", ""), endpoint=endpoint,
+            created_at=created_at or 0.0, image=meta.get("image", ""), endpoint=endpoint,
+            lost=self._loss(sid, None) if state == "stopped" else None,
         )  # fmt: skip
+
+    async def remove_strays(self, *, older_than: float) -> builtins.list[str]:
+        """Remove what creates killed before their record was whole left (directories
+        `list` does not see), once older than ``older_than`` seconds: a create in flight
+        has one for a moment. Returns their names."""
+        return await anyio.to_thread.run_sync(self._remove_strays, older_than)
+
+    def _remove_strays(self, older_than: float) -> builtins.list[str]:
+        removed = []
+        deadline = time.time() - older_than
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._sandboxes):
+                if not entry.name.startswith(_STAGING):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                        _remove_tree(Path(entry.path))
+                        removed.append(entry.name)
+        return removed
 
     async def aclose(self) -> None:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
+        self._exits.close()
         await anyio.to_thread.run_sync(self.disk.release)
 
 
@@ -408,6 +471,25 @@ def _relabel(meta_path: Path, labels: dict[str, str | None]) -> None:
     staged = meta_path.with_name(f".{meta_path.name}.{secrets.token_hex(4)}")
     _write(staged, json.dumps(meta))
     os.replace(staged, meta_path)
+
+
+def _make_record(directory: Path, meta: str) -> None:
+    """The sandbox's directory with its ``meta.json``, whole or not at all: made under a
+    staging name `list` does not see (`remove_strays` finds it if we die first), then renamed."""
+    staging = directory.with_name(f"{_STAGING}{directory.name}.{secrets.token_hex(4)}")
+    try:
+        staging.mkdir(mode=0o700)
+        try:
+            _write(staging / _META, meta)
+            # Onto nothing, or onto an empty directory a crashed delete left.
+            staging.rename(directory)
+        except BaseException:
+            _remove_tree(staging)
+            raise
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise errors.ConfigError(f"sandbox {directory.name} already exists") from None
+        raise _state_error(directory.name, directory, exc) from exc
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> None:
@@ -443,6 +525,53 @@ def _remove_cgroup_dirs(parent: str, sandbox_id: str, patience: float = 5.0) -> 
     return left
 
 
-def _remove_tree(directory: Path) -> None:
+def _remove_record_last(directory: Path) -> None:
+    """The sandbox's files, its record (``meta.json``) last, then the directory.
+
+    Killed half-way, this leaves a sandbox `list` still finds by its labels, or
+    (between the record and the directory) an empty directory with no record,
+    which `gc` and the reconcile pass remove once it is older than their grace.
+    Another delete of the same sandbox at the same time is no error: what it
+    removed first is skipped, never a reason to stop and leave the rest.
+    """
+    try:
+        names = [entry.name for entry in os.scandir(directory)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name != _META:
+            _remove_entry(directory / name)
     with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(directory)
+        (directory / _META).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        directory.rmdir()
+
+
+def _remove_entry(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        _remove_tree(path)
+
+
+def _remove_tree(directory: Path) -> None:
+    """shutil.rmtree (which follows no symlink) that goes on past entries another
+    remover took first; it would stop at the first and leave the rest behind."""
+    if sys.version_info >= (3, 12):
+
+        def onexc(function: object, path: str, exc: BaseException) -> None:
+            if not isinstance(exc, FileNotFoundError):
+                raise exc
+
+        shutil.rmtree(directory, onexc=onexc)
+    else:
+
+        def onerror(
+            function: object, path: str, info: tuple[type[BaseException], BaseException, Any]
+        ) -> None:
+            if not isinstance(info[1], FileNotFoundError):
+                raise info[1]
+
+        shutil.rmtree(directory, onerror=onerror)

@@ -3,10 +3,10 @@
 // messages) only ever go into textContent, never into HTML.
 "use strict";
 
-const STATES = ["queued", "creating", "starting", "ready", "leased", "releasing", "failed"];
+const STATES = ["queued", "creating", "starting", "ready", "leased", "releasing", "failed", "lost"];
 const COLORS = {
   queued: "#9ca3af", creating: "#f59e0b", starting: "#eab308", ready: "#10b981",
-  leased: "#2563eb", releasing: "#8b5cf6", failed: "#dc2626",
+  leased: "#2563eb", releasing: "#8b5cf6", failed: "#dc2626", lost: "#7f1d1d",
 };
 const PACING = [
   ["completed", "ready / s", "#10b981"],
@@ -130,6 +130,11 @@ function renderTiles(data) {
   tiles.replaceChildren();
   for (const state of STATES) tile(tiles, `count-${state}`, state, data.states[state] ?? 0, COLORS[state]);
   tile(tiles, "sessions", "sessions", data.sessions);
+  // Sandboxes that died by themselves since the start, by reason (oom, killed, evicted...).
+  const lost = Object.entries(data.lost || {}).sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+  const total = lost.reduce((sum, [, n]) => sum + n, 0);
+  tile(tiles, "lost-total", "lost since start", total, COLORS.lost);
+  for (const [reason, n] of lost) tile(tiles, `lost-${reason}`, `lost: ${reason}`, n, COLORS.lost);
   tile(tiles, "create-rate", "ready / s (10 s)", recentRate(data.samples, data.interval).toFixed(1));
   const p = data.pacing;
   tile(tiles, "pacing-rate", "pacer: creates / s", p.rate === null ? "–" : p.rate.toFixed(1));
