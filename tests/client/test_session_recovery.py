@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +23,11 @@ from sandman.providers.local import LocalProvider
 from sandman.testing import FakeProvider
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.server.conftest import KEY_A, serve
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

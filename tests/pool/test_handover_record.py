@@ -4,7 +4,7 @@ leases exactly what callers received (issue 14, item 9)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
@@ -13,18 +13,13 @@ from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig, PoolEvent, Record
 from sandman.pool import pool as pool_module
 from sandman.testing import FakeProvider
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(image="task")
 SPARE = SandboxSpec(image="spare")
 SESSION = "sandman.io/session"
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 class FlakyRelabel(FakeProvider):

@@ -4,7 +4,7 @@ client gives back the sandbox it never received (issue 14, item 9)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -15,14 +15,9 @@ from sandman.pool import Pool, PoolConfig
 from sandman.server import create_app
 from sandman.testing import FakeProvider
 from tests.server.conftest import KEY_A, settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class LosesAnswers(httpx.AsyncBaseTransport):

@@ -168,7 +168,11 @@ async def test_leave_on_shutdown_and_the_next_instance_adopts(host: Host) -> Non
                 assert [(s["id"], s["state"]) for s in listed] == [(sb.id, "leased")]
                 other = await api.get("/v1/sandboxes", headers={"Authorization": f"Bearer {KEY_B}"})
                 assert other.json()["sandboxes"] == []  # still tenant a's alone
-            await asyncio.sleep(1.5)  # the client's heartbeats reach the new instance
+            # Three heartbeats (every 0.5 s) reach the new instance, which adopted the
+            # session: none finds it expired, so the client keeps it.
+            session = client.session
+            await asyncio.sleep(1.5)
+            assert client.session == session
             assert (await sb.exec(["cat", "/kept"])).stdout == "state"
             await sb.release()
             deadline = time.monotonic() + 30
