@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from sandman.daemon._http import UntrustedPeer, check_peer
+from sandman._transport import UntrustedPeer, check_peer
 from sandman.pool import Record
 from sandman.providers.base import DaemonEndpoint
 from sandman.server.errors import ApiError

@@ -1,38 +1,33 @@
-"""A lean HTTP/1.1 client over a unix socket or TCP, with keep-alive.
+"""The lean HTTP/1.1 transport: unix socket or TCP, keep-alive, peer-checked.
 
 The daemon protocol is a handful of small requests on a latency budget of a
 fraction of a millisecond; general clients (httpx) spend several times the
-cost of the command itself per call. This one does only what sandmand needs:
-one request at a time per connection, Content-Length or chunked bodies, and a
-pool of idle connections.
+cost of the command itself per call (``benchmarks/latency.py`` measures both).
+This one does only what sandmand and the service need: one request at a time
+per connection, Content-Length or chunked bodies, and a pool of idle
+connections.
 
 Each connection is an `asyncio.Protocol` that parses the response as bytes
 arrive, inside ``data_received``: a small answer (head and body in one read)
 costs the caller a single wake-up, where StreamReader's readuntil/read pair
 costs a wake-up or buffer copy per step.
 
-It raises only `ConnectionLost` (and `OSError` from connecting); the daemon
-client maps those to the package's errors.
+It keeps the seam's contract (`sandman._transport.base`): `ConnectionLost`
+for a broken connection or an answer that is not HTTP, `OSError` from
+connecting, nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl as _ssl
-import struct
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 
-__all__ = [
-    "ConnectionLost",
-    "HTTPResponse",
-    "HTTPTransport",
-    "StreamingResponse",
-    "UntrustedPeer",
-]
+from sandman._transport.base import ConnectionLost, Response, check_peer
+
+__all__ = ["HTTPTransport", "StreamingResponse"]
 
 _MAX_HEAD = 64 * 1024
 # Unread body bytes a connection buffers before it stops reading the socket
@@ -49,38 +44,6 @@ _CHUNK_END = 5  # chunked body: the CRLF closing a chunk
 _TRAILER = 6  # chunked body: trailer lines up to an empty line
 _UNTIL_CLOSE = 7  # body delimited by the server closing the connection
 _DONE = 8  # the whole response arrived
-
-
-class ConnectionLost(Exception):
-    """The connection closed or broke before a whole response arrived."""
-
-
-class UntrustedPeer(ConnectionError):
-    """The process at the other end of a unix socket is not the one expected."""
-
-
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def check_peer(sock: socket.socket, expected_pid: int, where: str) -> None:
-    """Raise UntrustedPeer unless ``sock``'s peer (SO_PEERCRED) is process ``expected_pid``.
-
-    For a unix stream socket the kernel records the process that called
-    listen(2); only the daemon itself does that on a sandbox's socket.
-    """
-    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    if pid != expected_pid:
-        raise UntrustedPeer(
-            f"the peer at {where} is process {pid} (uid {uid}), not the sandbox's daemon "
-            f"(pid {expected_pid}): refusing to talk to it"
-        )
-
-
-@dataclass(slots=True)
-class HTTPResponse:
-    status: int
-    headers: dict[str, str]
-    body: bytes
 
 
 class _Connection(asyncio.Protocol):
@@ -364,17 +327,6 @@ class StreamingResponse:
                 await conn.wait()
         self._done = True
 
-    async def iter_lines(self) -> AsyncIterator[bytes]:
-        """Yield the body line by line (without the newline), as lines complete."""
-        pending = b""
-        async for piece in self.iter_bytes():
-            pending += piece
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line
-        if pending:
-            yield pending
-
     async def read(self) -> bytes:
         # Through iter_bytes, so that a wrapper replacing it sees every byte.
         pieces = []
@@ -422,6 +374,10 @@ class HTTPTransport:
         fixed = {"Host": authority, **(default_headers or {})}
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode("latin-1")
 
+    def __repr__(self) -> str:
+        where = f"unix:{self._uds}" if self._tcp is None else "tcp:{}:{}".format(*self._tcp)
+        return f"HTTPTransport({where + self._prefix!r})"
+
     async def request(
         self,
         method: str,
@@ -429,11 +385,11 @@ class HTTPTransport:
         *,
         body: bytes | None = None,
         content_type: str | None = None,
-    ) -> HTTPResponse:
+    ) -> Response:
         """Send one request and read the whole response."""
         async with self.stream(method, target, body=body, content_type=content_type) as response:
             data = await response.read()
-            return HTTPResponse(response.status, response.headers, data)
+            return Response(response.status, response.headers, data)
 
     def stream(
         self,
