@@ -20,6 +20,7 @@ connecting, nothing else.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl as _ssl
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
@@ -30,6 +31,10 @@ from sandman._transport.base import ConnectionLost, Response, check_peer
 __all__ = ["HTTPTransport", "StreamingResponse"]
 
 _MAX_HEAD = 64 * 1024
+# A chunk size fits in 64 bits; more digits is an overflow, not a large chunk.
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?", re.DOTALL)
+_STATUS_LINE = re.compile(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: |\Z)")
+_MAX_LENGTH_DIGITS = 18  # Content-Length below 10**18
 # Unread body bytes a connection buffers before it stops reading the socket
 # (back-pressure for large downloads read slowly).
 _HIGH_WATER = 256 * 1024
@@ -155,9 +160,12 @@ class _Connection(asyncio.Protocol):
                         raise ValueError("response head too large")
                     self._rest = data[pos:]
                     return progressed
+                if stop - pos > _MAX_HEAD:
+                    raise ValueError("response head too large")
                 self._parse_head(data[pos:stop])
-                progressed = True
                 pos = stop + 4
+                # Still _HEAD after an interim (1xx) answer: nothing for the task yet.
+                progressed = progressed or self._state != _HEAD
             elif state in (_CHUNK_SIZE, _TRAILER):
                 stop = data.find(b"\r\n", pos)
                 if stop < 0:
@@ -172,9 +180,10 @@ class _Connection(asyncio.Protocol):
                         self._state = _DONE
                         progressed = True
                     continue
-                size = int(line.split(b";", 1)[0], 16)
-                if size < 0:
-                    raise ValueError("negative chunk size")
+                match = _CHUNK_SIZE_LINE.fullmatch(line)
+                if match is None:
+                    raise ValueError(f"bad chunk size line {line[:40]!r}")
+                size = int(match[1], 16)
                 self._remaining = size
                 self._state = _CHUNK_DATA if size else _TRAILER
             elif state == _CHUNK_END:
@@ -197,26 +206,46 @@ class _Connection(asyncio.Protocol):
                 return progressed
 
     def _parse_head(self, raw: bytes) -> None:
+        """The status line and headers; the body's framing. Strict where framing is
+        decided: what a lenient reading could frame wrong is refused (ValueError)."""
         lines = raw.decode("latin-1").split("\r\n")
-        try:
-            status = int(lines[0].split(" ", 2)[1])
-        except (IndexError, ValueError):
-            raise ValueError(f"malformed status line {lines[0]!r}") from None
+        match = _STATUS_LINE.match(lines[0])
+        if match is None:
+            raise ValueError(f"malformed status line {lines[0][:100]!r}")
+        status = int(match[1])
+        if status < 200:
+            if status == 101:
+                raise ValueError("101 Switching Protocols, which nothing asked for")
+            return  # interim (100 Continue, 103 Early Hints): the answer follows
         headers: dict[str, str] = {}
         for line in lines[1:]:
-            if line:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
+            name, colon, value = line.partition(":")
+            name = name.strip().lower()
+            if not colon or not name:
+                raise ValueError(f"malformed header line {line[:100]!r}")
+            value = value.strip()
+            if name not in headers:
+                headers[name] = value
+            elif name == "content-length":
+                if value != headers[name]:
+                    raise ValueError("conflicting Content-Length headers")
+            else:  # repeated: one comma-separated list (RFC 9110 5.3)
+                headers[name] = f"{headers[name]}, {value}"
         self.status = status
         self.headers = headers
         if self._no_body or status in (204, 304):
             self._state = _DONE
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif "transfer-encoding" in headers:
+            # Nothing asked for another coding (no TE header is sent), and with a
+            # Content-Length beside it, the answer is ambiguous (RFC 9112 6.3).
+            if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
+                raise ValueError(f"unsupported framing {headers['transfer-encoding']!r}")
             self._state = _CHUNK_SIZE
         elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
-            if self._remaining < 0:
-                raise ValueError("negative Content-Length")
+            length = headers["content-length"]
+            if not (length.isascii() and length.isdigit() and len(length) <= _MAX_LENGTH_DIGITS):
+                raise ValueError(f"bad Content-Length {length[:40]!r}")
+            self._remaining = int(length)
             self._state = _LENGTH if self._remaining else _DONE
         else:
             self._state = _UNTIL_CLOSE
