@@ -4,10 +4,11 @@
 over the service's JSON API. Only sessions, acquire and release go to the
 service; commands and files go straight to the daemon endpoint it returns.
 
-The calls go over the daemon client's lean keep-alive HTTP/1.1 transport,
-not httpx: an acquire or release is a small JSON exchange, and httpx spent
-~1 ms of client CPU on each (several times the service's own work), which
-made most of the service's per-request overhead against the embedded pool
+The calls go through the transport seam (``sandman._transport``), over the
+daemon client's lean keep-alive HTTP/1.1 transport, not httpx: an acquire or
+release is a small JSON exchange, and httpx spent ~1 ms of client CPU on each
+(several times the service's own work), which made most of the service's
+per-request overhead against the embedded pool
 (``benchmarks/service_overhead.py``). httpx is used only when the caller
 passes an httpx transport (e.g. ``httpx.ASGITransport(app)`` in tests).
 
@@ -26,7 +27,7 @@ import ssl
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
 import anyio
@@ -34,11 +35,12 @@ import httpx
 from pydantic_core import to_json
 
 from sandman import errors
+from sandman._transport import AsyncTransport, ConnectionLost, HTTPTransport
+from sandman._transport.bridge import HttpxTransport
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import ConnectionLost, HTTPTransport
 from sandman.models import SandboxSpec
 from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
@@ -89,30 +91,13 @@ class _Answer:
         return json.loads(self.body)
 
 
-class _Wire(Protocol):
-    """How requests reach the service; raises `errors.ProviderError` when they cannot."""
+class _Wire:
+    """Requests to the service through a transport; `errors.ProviderError` when they
+    cannot reach it. ``timeout`` bounds the whole exchange."""
 
-    async def request(
-        self, method: str, target: str, body: bytes | None, timeout: float | None
-    ) -> _Answer: ...
-
-    async def aclose(self) -> None: ...
-
-
-class _LeanWire:
-    """The daemon client's keep-alive HTTP/1.1 transport, to the service's address."""
-
-    def __init__(self, url: httpx.URL, headers: Mapping[str, str]) -> None:
-        self._where = str(url)
-        tls = url.scheme == "https"
-        # The URL's own authority (brackets of an IPv6 literal included) as Host.
-        fixed = {"Host": url.netloc.decode("ascii"), **headers}
-        # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
-        context = httpx.create_ssl_context() if tls else None
-        self._http = HTTPTransport(
-            host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
-            prefix=url.path, ssl=context,
-        )  # fmt: skip
+    def __init__(self, transport: AsyncTransport, where: str) -> None:
+        self._http = transport
+        self._where = where
 
     async def request(
         self, method: str, target: str, body: bytes | None, timeout: float | None
@@ -137,38 +122,17 @@ class _LeanWire:
         await self._http.aclose()
 
 
-class _HttpxWire:
-    """httpx over a caller's transport (e.g. ``httpx.ASGITransport(app)``)."""
-
-    def __init__(
-        self, url: httpx.URL, headers: Mapping[str, str], transport: httpx.AsyncBaseTransport
-    ) -> None:
-        self._where = str(url)
-        self._http = httpx.AsyncClient(base_url=url, headers=dict(headers), transport=transport)
-
-    async def request(
-        self, method: str, target: str, body: bytes | None, timeout: float | None
-    ) -> _Answer:
-        headers = None if body is None else {"Content-Type": "application/json"}
-        try:
-            response = await self._http.request(
-                method, target, content=body, headers=headers, timeout=timeout
-            )
-        except httpx.TimeoutException as exc:
-            raise errors.ProviderError(
-                f"the service at {self._where} did not answer: {exc!r}"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise errors.ProviderError(
-                f"cannot reach the service at {self._where}: {exc!r}"
-            ) from exc
-        return _Answer(
-            response.status_code, {k.lower(): v for k, v in response.headers.items()},
-            response.content,
-        )  # fmt: skip
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
+def _lean(url: httpx.URL, headers: Mapping[str, str]) -> HTTPTransport:
+    """The lean keep-alive HTTP/1.1 transport, to the service's address."""
+    tls = url.scheme == "https"
+    # The URL's own authority (brackets of an IPv6 literal included) as Host.
+    fixed = {"Host": url.netloc.decode("ascii"), **headers}
+    # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
+    context = httpx.create_ssl_context() if tls else None
+    return HTTPTransport(
+        host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
+        prefix=url.path, ssl=context,
+    )  # fmt: skip
 
 
 def _segment(value: str) -> str:
@@ -290,8 +254,9 @@ class RemoteBackend:
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
-            return _HttpxWire(self._parsed, self._headers, self._transport)
-        return _LeanWire(self._parsed, self._headers)
+            over = HttpxTransport(self._transport, base_url=self._parsed, headers=self._headers)
+            return _Wire(over, str(self._parsed))
+        return _Wire(_lean(self._parsed, self._headers), str(self._parsed))
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
