@@ -8,7 +8,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from sandman.integrations._client import ENV_API_KEY, ENV_STATE_DIR, ENV_URL, close_shared
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
+from tests.support import until
 
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner at import
 
@@ -33,13 +33,14 @@ def leftovers(provider: LocalProvider) -> list[str]:
     return listed + dirs + containers
 
 
-def wait_gone(provider: LocalProvider, timeout: float = 30.0) -> list[str]:
-    """`leftovers` once they are gone, or as they are after ``timeout`` seconds (a
-    released sandbox is deleted in the background)."""
-    deadline = time.monotonic() + timeout
-    while (left := leftovers(provider)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+def assert_gone(provider: LocalProvider, timeout: float = 30.0) -> None:
+    """Wait until nothing is left (a released sandbox is deleted in the background)."""
+    until(
+        "the sandboxes to be gone",
+        lambda: not leftovers(provider),
+        timeout,
+        why=lambda: f"left: {leftovers(provider)}",
+    )
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import pytest
@@ -22,7 +21,8 @@ from sandman.integrations._client import (
     shared_client,
 )
 from sandman.providers.local import LocalProvider
-from tests.integrations.conftest import wait_gone
+from tests.integrations.conftest import assert_gone
+from tests.support import until
 
 pytestmark = pytest.mark.integrations
 
@@ -63,7 +63,7 @@ def test_a_sandbox_outlives_the_event_loops_that_use_it(local_provider: LocalPro
     assert asyncio.run(echo()) == "hi\n"
     assert shared.call(sandbox.exec, "echo sync").stdout == "sync\n"
     asyncio.run(shared.run(sandbox.release))
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_cancelling_a_run_cancels_the_call(local_provider: LocalProvider) -> None:
@@ -77,10 +77,9 @@ def test_cancelling_a_run_cancels_the_call(local_provider: LocalProvider) -> Non
 
     asyncio.run(impatient())
     # The command is killed with the call (the daemon sees the client leave).
-    deadline = time.monotonic() + 10
-    while "sleep 30" in (ps := shared.call(sandbox.exec, "ps").stdout):
-        assert time.monotonic() < deadline, ps
-        time.sleep(0.05)
+    until(
+        "the command to be killed", lambda: "sleep 30" not in shared.call(sandbox.exec, "ps").stdout
+    )
     shared.call(sandbox.release)
 
 
@@ -93,7 +92,7 @@ def test_a_loop_client_is_closed_with_its_loop(local_provider: LocalProvider) ->
 
     sandbox_id = asyncio.run(forgetful())
     assert sandbox_id
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_loop_clients_closed_early_are_made_again(local_provider: LocalProvider) -> None:
@@ -101,13 +100,13 @@ def test_loop_clients_closed_early_are_made_again(local_provider: LocalProvider)
         first = await loop_client()
         await first.acquire("busybox")
         await close_loop_clients()
-        assert await asyncio.to_thread(wait_gone, local_provider) == []
+        await asyncio.to_thread(assert_gone, local_provider)
         second = await loop_client()
         assert second is not first
         await second.acquire("busybox")  # closed with the loop in turn
 
     asyncio.run(twice())
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_a_forked_child_makes_its_own_client(local_provider: LocalProvider) -> None:
@@ -150,4 +149,4 @@ def test_nothing_is_left_when_the_process_dies(local_provider: LocalProvider) ->
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip()
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)

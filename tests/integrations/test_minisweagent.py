@@ -24,7 +24,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output
 from sandman.errors import SandboxNotFound
 from sandman.integrations import minisweagent as mini
 from sandman.providers.local import LocalProvider
-from tests.integrations.conftest import leftovers, wait_gone
+from tests.integrations.conftest import assert_gone, leftovers
 
 pytestmark = pytest.mark.integrations
 
@@ -93,7 +93,7 @@ def test_the_agent_runs_a_task_to_its_submission(
     assert env.execute("echo hi") == {"output": "hi\n", "returncode": 0, "exception_info": ""}
     env.cleanup()
     env.cleanup()  # idempotent
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_mini_1x_timeouts_raise_and_submissions_are_left_to_the_agent(
@@ -117,7 +117,7 @@ def test_a_dropped_environment_releases_its_sandbox(local_provider: LocalProvide
     assert leftovers(local_provider)
     del env
     gc.collect()
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_a_released_sandbox_ends_the_run(local_provider: LocalProvider) -> None:
@@ -158,7 +158,7 @@ def test_get_sb_environment_gives_the_instance_image_and_runs_the_startup_comman
     config["run"] = {"env_startup_command": "exit 7"}
     with pytest.raises(RuntimeError, match="startup command"):
         mini.get_sb_environment(config, {"instance_id": "a__b", "image_name": "busybox"}, "skyrl")
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_mini_swebench_runner_on_sandman(local_provider: LocalProvider, tmp_path: Path) -> None:
@@ -197,4 +197,4 @@ def test_mini_swebench_runner_on_sandman(local_provider: LocalProvider, tmp_path
     traj = json.loads((out / "demo__demo-1" / "demo__demo-1.traj.json").read_text())
     assert traj["info"]["exit_status"] == "Submitted"
     assert traj["info"]["config"]["environment_type"] == CLASS_PATH
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)

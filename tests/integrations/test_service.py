@@ -28,7 +28,7 @@ from sandman.pool import Pool, PoolConfig
 from sandman.providers.local import LocalProvider
 from sandman.server import ApiKey, ServerSettings, create_app
 from sandman.settings import LocalConfig
-from tests.integrations.conftest import wait_gone
+from tests.integrations.conftest import assert_gone
 from tests.integrations.test_minisweagent import CLASS_PATH, ENV, agent_config
 from tests.server.conftest import serve_in_thread
 
@@ -74,4 +74,4 @@ def test_both_adapters_over_the_service(
         assert (obs.output, obs.exit_code) == ("/tmp\n", 0)
         asyncio.run(deployment.stop())
         close_shared()  # the client's session at the service ends
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)

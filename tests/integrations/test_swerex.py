@@ -43,7 +43,7 @@ from sandman.integrations.swerex import (
     SandmanRuntimeError,
 )
 from sandman.providers.local import LocalProvider
-from tests.integrations.conftest import wait_gone
+from tests.integrations.conftest import assert_gone
 
 pytestmark = pytest.mark.integrations
 
@@ -67,7 +67,7 @@ def deployment(local_provider: LocalProvider) -> Iterator[SandmanDeployment]:
     assert hook.steps == ["Acquiring sandbox"]
     yield deployment
     run(deployment.stop())
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def bash(
@@ -234,7 +234,7 @@ def test_stop_releases_everything(local_provider: LocalProvider) -> None:
     run(deployment.stop())  # idempotent
     with pytest.raises(DeploymentNotStartedError):
         deployment.runtime  # noqa: B018
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
     # the runtime of a stopped deployment fails as SWE-agent expects of an environment error
     with pytest.raises(SandmanRuntimeError) as gone:
         run(runtime.execute(Command(command=["true"])))
@@ -248,7 +248,7 @@ def test_a_dropped_deployment_releases_its_sandbox(local_provider: LocalProvider
     run(deployment.start())
     del deployment
     gc.collect()
-    assert wait_gone(local_provider) == []
+    assert_gone(local_provider)
 
 
 def test_a_start_that_fails_is_a_startup_error(local_provider: LocalProvider) -> None:
