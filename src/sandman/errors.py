@@ -9,7 +9,8 @@ SandboxError
 │   └── ImageError              permanent: pull or import failed
 │       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
-│   └── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
+│   ├── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
+│   └── SessionExpired          the client's session is over (the client opens a new one)
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
 │   ├── UntrustedDaemon         the peer at the daemon's socket is another process
@@ -17,6 +18,7 @@ SandboxError
 │   ├── Unauthorized            wrong or missing token
 │   ├── InvalidRequest          (ValueError)  the daemon refused the request
 │   ├── PathNotFound            (FileNotFoundError)  also a missing process or session
+│   ├── UnknownUser             (LookupError)  no such user or group in the sandbox
 │   ├── PathExists              (FileExistsError)
 │   ├── IsADirectory            (IsADirectoryError)
 │   ├── NotADirectory           (NotADirectoryError)
@@ -72,9 +74,11 @@ __all__ = [
     "SandboxTimeout",
     "SessionBusy",
     "SessionClosed",
+    "SessionExpired",
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
+    "UnknownUser",
     "UnsafeArchive",
     "UntrustedDaemon",
 ]
@@ -158,6 +162,12 @@ class SandboxLost(SandboxNotFound):
         return cls(f"sandbox {sandbox_id} is gone, lost ({reason}){said}", reason=reason)
 
 
+class SessionExpired(SandboxNotFound):
+    """The client's session with the pool or the service is over (not a shell session):
+    its lease passed without a heartbeat, or it was closed, and the sandboxes it held
+    went with it. `AsyncClient` opens a new session by itself and says what was lost."""
+
+
 class DaemonError(SandboxError):
     """The in-sandbox daemon answered with an error.
 
@@ -216,6 +226,17 @@ class PathNotFound(DaemonError, FileNotFoundError):
     """The path, process or session does not exist."""
 
     default_code = "not_found"
+
+
+class UnknownUser(DaemonError, LookupError):
+    """The ``user`` asked for is not in the sandbox's ``/etc/passwd`` (or its group
+    not in ``/etc/group``); nothing was started.
+
+    The message says it as docker does: ``unable to find user NAME: no
+    matching entries in passwd file``.
+    """
+
+    default_code = "unknown_user"
 
 
 class PathExists(DaemonError, FileExistsError):

@@ -22,8 +22,8 @@ from referencing.jsonschema import DRAFT202012
 
 import sandman
 from sandman import models
+from sandman._transport import AsyncTransport, HTTPTransport, Response, ResponseStream
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import HTTPTransport, StreamingResponse
 from sandman.daemon.protocol import ERROR_CLASSES
 from tests.daemon.conftest import TOKEN
 from tests.daemon.running import RunningDaemon
@@ -58,20 +58,33 @@ class Exchange:
     response_body: bytearray = field(default_factory=bytearray)
 
 
-class RecordingTransport(HTTPTransport):
-    """Keeps a copy of every request and response that passes through."""
+class RecordingTransport:
+    """Keeps a copy of every request and response that passes through ``inner``."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, inner: AsyncTransport) -> None:
+        self._inner = inner
         self.exchanges: list[Exchange] = []
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+    ) -> Response:
+        async with self.stream(method, target, body=body, content_type=content_type) as response:
+            return Response(response.status, response.headers, await response.read())
 
     @asynccontextmanager
     async def stream(
         self, method: str, target: str, *, body: Any = None, content_type: str | None = None
-    ) -> AsyncIterator[StreamingResponse]:
+    ) -> AsyncIterator[ResponseStream]:
         exchange = Exchange(method, target, body if isinstance(body, bytes) else None, content_type)
         self.exchanges.append(exchange)
-        async with super().stream(method, target, body=body, content_type=content_type) as response:
+        async with self._inner.stream(
+            method, target, body=body, content_type=content_type
+        ) as response:
             exchange.status = response.status
             exchange.response_type = response.headers.get("content-type", "")
             plain = response.iter_bytes
@@ -83,6 +96,9 @@ class RecordingTransport(HTTPTransport):
 
             response.iter_bytes = tapped  # type: ignore[method-assign]
             yield response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def _operation(method: str, path: str) -> tuple[str, dict[str, Any]]:
@@ -128,9 +144,13 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     await client.exec(["echo", "hi"], cwd=str(work), env={"A": "1"}, stdin="x", timeout=5,
                       kill_grace=1, max_output=100, encoding="base64")  # fmt: skip
     await client.exec("echo hi", shell="/bin/sh")
+    await client.exec(["cat"], stdin=b"\x00\xff", user="root", merge_stderr=True)
     async with client.exec_stream("echo a; echo b >&2", timeout=5) as events:
         _ = [event async for event in events]
-    proc = await client.spawn(["cat"], stdin=True, max_buffer=1024, cwd=str(work))
+    async with client.exec_stream("echo a", stdin=b"x", user="0", merge_stderr=True) as events:
+        _ = [event async for event in events]
+    proc = await client.spawn(["cat"], stdin=True, max_buffer=1024, cwd=str(work), user=0,
+                              merge_stderr=True)  # fmt: skip
     await client.write_stdin(proc.id, "data", close=True)
     await client.wait(proc.id, timeout=5)
     await client.read_output(proc.id, stdout_offset=0, stderr_offset=0, wait=0.1)
@@ -141,8 +161,12 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     term = await client.spawn(["cat"], tty=True, rows=10, cols=20)
     await client.resize(term.id, rows=11, cols=21)
     await client.kill(term.id)
-    session = await client.create_session(shell="/bin/sh", cwd=str(work), env={"B": "2"})
+    session = await client.create_session(
+        shell="/bin/sh", cwd=str(work), env={"B": "2"}, user="root"
+    )
     await client.run_in_session(session.id, "cd /", timeout=5, max_output=100)
+    await client.run_in_session(session.id, "cd /", timeout=5, merge_stderr=True,
+                                on_timeout="interrupt", kill_grace=1)  # fmt: skip
     await client.list_sessions()
     await client.get_session(session.id)
     await client.close_session(session.id)
@@ -166,6 +190,7 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
         client.list_dir(str(work / "a" / "t.txt")),
         client.poll("p-missing"),
         client.run_in_session("s-missing", "true"),
+        client.exec(["true"], user="no-such-user-here"),
     ):
         with pytest.raises(sandman.DaemonError):
             await failing
@@ -177,10 +202,9 @@ async def test_client_requests_and_daemon_answers_match_the_spec(
 ) -> None:
     assert daemon.uds is not None
     recorder = RecordingTransport(
-        uds=daemon.uds, default_headers={"Authorization": f"Bearer {TOKEN}"}
+        HTTPTransport(uds=daemon.uds, default_headers={"Authorization": f"Bearer {TOKEN}"})
     )
-    client = DaemonClient(uds=daemon.uds, token=TOKEN)
-    client._transport = recorder  # the seam: same client, recording transport
+    client = DaemonClient(transport=recorder)  # the seam: same client, recording transport
     try:
         await _exercise(client, tmp_path)
     finally:

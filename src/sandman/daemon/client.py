@@ -20,14 +20,16 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from sandman import errors
-from sandman.daemon import protocol
-from sandman.daemon._http import (
+from sandman._transport import (
+    AsyncTransport,
     ConnectionLost,
-    HTTPResponse,
     HTTPTransport,
-    StreamingResponse,
+    Response,
+    ResponseStream,
     UntrustedPeer,
+    iter_lines,
 )
+from sandman.daemon import protocol
 from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED, TarExtractor
 from sandman.models import (
     ArchiveResult,
@@ -36,6 +38,7 @@ from sandman.models import (
     ExecResult,
     FileStat,
     Health,
+    OnTimeout,
     ProcessInfo,
     ProcessOutput,
     SessionInfo,
@@ -89,6 +92,11 @@ class DaemonClient:
     are bounded by their own ``timeout`` (plus the kill grace and some slack).
     With ``peer_pid`` (a unix socket on this host), every connection's peer
     must be that process, else `UntrustedDaemon` and nothing is sent.
+
+    ``transport`` replaces the built-in HTTP/1.1 transport (and the address
+    and header arguments, which it carries itself): anything with its
+    ``request``/``stream``/``aclose`` (``sandman._transport.AsyncTransport``),
+    e.g. a recording one in a test, or httpx's through ``HttpxTransport``.
     """
 
     def __init__(
@@ -103,7 +111,22 @@ class DaemonClient:
         headers: Mapping[str, str] | None = None,
         ssl: SSLContext | None = None,
         peer_pid: int | None = None,
+        transport: AsyncTransport | None = None,
     ) -> None:
+        self._request_timeout = request_timeout
+        # Behind a gateway (``base_path``, e.g. the service's proxy route), the
+        # gateway's own "cannot reach it" answers mean what a failed connect means.
+        self._gateway = bool(base_path)
+        if transport is not None:
+            given = (uds, host, port, token, headers, ssl, peer_pid)
+            if base_path or any(arg is not None for arg in given):
+                raise errors.ConfigError(
+                    "DaemonClient takes either transport= or an address, not both: "
+                    "the transport carries its own address and headers"
+                )
+            self._transport: AsyncTransport = transport
+            self._address = repr(transport)
+            return
         if (uds is None) == (host is None or port is None):
             raise errors.ConfigError("DaemonClient needs either uds=, or host= and port=")
         fixed = {"Authorization": f"Bearer {token}"} if token is not None else {}
@@ -114,10 +137,6 @@ class DaemonClient:
         )  # fmt: skip
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
         self._address += base_path.rstrip("/")
-        # Behind a gateway (``base_path``, e.g. the service's proxy route), the
-        # gateway's own "cannot reach it" answers mean what a failed connect means.
-        self._gateway = bool(base_path)
-        self._request_timeout = request_timeout
 
     def _error(self, status: int, body: bytes) -> errors.DaemonError:
         exc = protocol.error_from_response(status, body)
@@ -155,7 +174,7 @@ class DaemonClient:
         content_type: str | None = None,
         deadline: float | None | Literal["default"] = "default",
         timeout_error: type[errors.SandboxTimeout] = errors.SandboxTimeout,
-    ) -> HTTPResponse:
+    ) -> Response:
         if payload is not None:
             # pydantic-core's encoder: straight to UTF-8 bytes, ~8x json.dumps.
             body, content_type = to_json(payload), _JSON
@@ -255,19 +274,22 @@ class DaemonClient:
         *,
         cwd: str | None,
         env: Mapping[str, str] | None,
-        stdin: str | None,
+        stdin: str | bytes | None,
         timeout: float | None,
         kill_grace: float | None,
         max_output: int | None,
         shell: str | None,
         encoding: Encoding,
+        user: str | int | None,
+        merge_stderr: bool,
     ) -> dict[str, Any]:
-        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        payload = protocol.command_fields(
+            command, shell=shell, cwd=cwd, env=env, user=user, merge_stderr=merge_stderr
+        )
         payload.update(
             protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
         )
-        if stdin is not None:
-            payload["stdin"] = stdin
+        payload.update(protocol.stdin_fields(stdin))
         if kill_grace is not None:
             payload["kill_grace"] = kill_grace
         return payload
@@ -278,22 +300,35 @@ class DaemonClient:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = None,
         kill_grace: float | None = None,
         max_output: int | None = None,
         shell: str | None = None,
         encoding: Encoding = "utf-8",
+        user: str | int | None = None,
+        merge_stderr: bool = False,
         check: bool = False,
     ) -> ExecResult:
         """Run a command to completion: a string runs in ``shell -c``, a sequence as argv.
 
+        ``stdin`` is text or bytes (any bytes: they travel as base64), then
+        end-of-file; without it the command reads ``/dev/null``. ``user`` runs
+        it as that user: a name or uid, optionally ``:group``, looked up in the
+        sandbox's ``/etc/passwd`` and ``/etc/group`` (UnknownUser if missing;
+        its groups and ``HOME`` come along). ``merge_stderr=True`` gives the
+        command one pipe for both outputs: ``stdout`` holds them interleaved
+        as written, ``stderr`` is empty.
+
         A non-zero exit code is data (``result.exit_code``); ``check=True``
         raises CommandFailed for it, and ExecTimeout if the command timed out.
+        Cancelling the call (a timeout around it, a cancelled task) kills the
+        command's process group.
         """
         payload = self._exec_payload(
             command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding,
+            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            merge_stderr=merge_stderr,
         )  # fmt: skip
         result = await self._model(
             ExecResult, "POST", "/v1/exec", payload,
@@ -311,21 +346,26 @@ class DaemonClient:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = None,
         kill_grace: float | None = None,
         max_output: int | None = None,
         shell: str | None = None,
         encoding: Encoding = "utf-8",
+        user: str | int | None = None,
+        merge_stderr: bool = False,
     ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
         """Run a command and read its output as it happens.
 
         ``async with client.exec_stream("make") as events: async for ev in events: ...``
         The last event is ``exit``. Leaving the block early kills the command.
+        The parameters are `exec`'s; with ``merge_stderr=True`` every output
+        event is ``stdout``.
         """
         payload = self._exec_payload(
             command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding,
+            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            merge_stderr=merge_stderr,
         )  # fmt: skip
         body = to_json(payload)
         with _map_transport_errors(self._address):
@@ -336,7 +376,7 @@ class DaemonClient:
                     raise self._error(response.status, await response.read())
 
                 async def events() -> AsyncIterator[ExecEvent]:
-                    async for line in response.iter_lines():
+                    async for line in iter_lines(response):
                         if line:
                             yield ExecEvent.model_validate_json(line)
 
@@ -356,6 +396,8 @@ class DaemonClient:
         tty: bool = False,
         rows: int | None = None,
         cols: int | None = None,
+        user: str | int | None = None,
+        merge_stderr: bool = False,
     ) -> ProcessInfo:
         """Start a command in the background; it outlives this call (see `poll`,
         `read_output`, `wait`).
@@ -364,8 +406,11 @@ class DaemonClient:
         it on a pseudo-terminal of ``rows`` x ``cols`` (default 24 x 80; see
         `resize`): its output, echo included, is all stdout, and stdin is
         always open. ``max_buffer`` bounds the output kept for `read_output`.
+        ``user`` and ``merge_stderr`` are as for `exec`.
         """
-        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        payload = protocol.command_fields(
+            command, shell=shell, cwd=cwd, env=env, user=user, merge_stderr=merge_stderr
+        )
         if stdin:
             payload["stdin"] = True
         if max_buffer is not None:
@@ -444,9 +489,13 @@ class DaemonClient:
         shell: str | None = None,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        user: str | int | None = None,
     ) -> SessionInfo:
         """Start a persistent shell (bash if the image has it, else sh): ``cd``,
-        exports and functions persist between `run_in_session` calls."""
+        exports and functions persist between `run_in_session` calls.
+
+        ``user`` runs the shell, and so every command in it, as that user (as
+        for `exec`)."""
         payload: dict[str, Any] = {}
         if shell is not None:
             payload["shell"] = shell
@@ -454,6 +503,7 @@ class DaemonClient:
             payload["cwd"] = cwd
         if env:
             payload["env"] = dict(env)
+        payload.update(protocol.user_fields(user))
         return await self._model(SessionInfo, "POST", "/v1/sessions", payload)
 
     async def list_sessions(self) -> list[SessionInfo]:
@@ -473,19 +523,35 @@ class DaemonClient:
         timeout: float | None = None,
         max_output: int | None = None,
         encoding: Encoding = "utf-8",
+        merge_stderr: bool = False,
+        on_timeout: OnTimeout = "kill",
+        kill_grace: float | None = None,
         check: bool = False,
     ) -> SessionRunResult:
         """Run a command in the session's shell; ``cd`` and ``export`` persist.
 
-        On timeout the session is killed (``alive`` is false afterwards).
+        ``merge_stderr=True`` runs it with ``2>&1``: ``stdout`` holds both
+        outputs interleaved, ``stderr`` is empty. On timeout (and if the call
+        is cancelled) the session is killed by default (``alive`` is false
+        afterwards). ``on_timeout="interrupt"`` sends SIGINT instead, as
+        Ctrl-C: the rest of the command line is skipped and the shell lives
+        on with its state (``timed_out`` and ``alive`` true, exit code 130);
+        only if the command line is still running ``kill_grace`` seconds
+        later (default 2) is the session killed.
         """
         payload: dict[str, Any] = {"cmd": command}
         payload.update(
             protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
         )
+        if merge_stderr:
+            payload["merge_stderr"] = True
+        if on_timeout != "kill":
+            payload["on_timeout"] = on_timeout
+        if kill_grace is not None:
+            payload["kill_grace"] = kill_grace
         result = await self._model(
             SessionRunResult, "POST", _session(session_id, "run"), payload,
-            deadline=self._command_deadline(timeout, None),
+            deadline=self._command_deadline(timeout, kill_grace),
             timeout_error=errors.ExecTimeout,
         )  # fmt: skip
         if check:
@@ -788,7 +854,7 @@ async def _capped(
         yield piece
 
 
-async def _read_capped(response: StreamingResponse, limit: int) -> bytes:
+async def _read_capped(response: ResponseStream, limit: int) -> bytes:
     """An error body, of which no more than ``limit`` bytes are kept."""
     pieces: list[bytes] = []
     size = 0
@@ -824,7 +890,7 @@ def _check(
         raise errors.ExecTimeout(f"command timed out: {shown!r}")
     if exit_code != 0:
         raise errors.CommandFailed(
-            f"command exited {exit_code}: {shown!r}: {stderr[-500:]}",
+            f"command exited {exit_code}: {shown!r}: {(stderr or stdout)[-500:]}",
             exit_code=exit_code,
             stdout=stdout,
             stderr=stderr,
