@@ -135,6 +135,27 @@ async def test_queued_requests_of_a_gone_caller_are_never_created(fake: FakeProv
         assert fake.created_total <= 4  # only what was already in the window
 
 
+async def test_an_untyped_failure_of_a_reconcile_does_not_stop_maintenance(
+    fake: FakeProvider, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by the chaos suite: an OSError out of the provider's list ended the
+    # maintenance loop, and no session expired nor anything was reaped after it.
+    events: list[PoolEvent] = []
+    config = PoolConfig(name="t", lease=0.3, reconcile_interval=0.05)
+    async with Pool(fake, config, hook=events.append) as pool:
+        quiet = pool.open_session()
+        await pool.acquire(SPEC, session=quiet)
+
+        async def broken(**_: object) -> list[object]:
+            raise OSError(30, "Read-only file system")
+
+        monkeypatch.setattr(fake, "list", broken)
+        await eventually(lambda: "reconcile.failed" in [e.name for e in events])
+        await eventually(lambda: fake.live == 0, what="the quiet session's sandbox to go")
+        assert "session.expired" in [e.name for e in events]
+    assert "Read-only file system" in caplog.text
+
+
 async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(fake: FakeProvider) -> None:
     async with pool_of(fake, lease=0.3) as pool:
         quiet, alive = pool.open_session(), pool.open_session()

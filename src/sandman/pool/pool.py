@@ -796,7 +796,11 @@ class Pool:
                 last_reconcile = now
                 try:
                     await self.reconcile()
-                except errors.SandboxError as exc:
+                except Exception as exc:
+                    # Whatever fails, expiry and reaping go on: an untyped failure here
+                    # once ended this loop for good (found by the chaos suite).
+                    if not isinstance(exc, errors.SandboxError):
+                        logger.exception("reconcile of pool %r failed", self.config.name)
                     self._emit("reconcile.failed", None, error=repr(exc))
 
     def _top_up(self) -> None:
