@@ -132,20 +132,11 @@ async def test_every_fault(
 
 # Iterations of `benchmarks/chaos.py` runs that failed, replayed as drawn (same plan).
 SEEDS_THAT_FAILED = [
-    pytest.param(
-        1, 0,
-        marks=pending(
-            "no item yet",
-            "a release the service never received (it was down) is dropped by the client: "
-            "the next instance adopts the sandbox, leased to a live session, held by no one",
-        ),
-        id="1-0-service-release-during-outage",
-    ),
-    pytest.param(
-        1, 12,
-        marks=pending("item 5", "a client whose session expired never opens a new one"),
-        id="1-12-service-stop-client-7.5s",
-    ),
+    # A release the service never received (it was down) was dropped by the client:
+    # the next instance adopted the sandbox, leased to a live session, held by no one.
+    pytest.param(1, 0, id="1-0-service-release-during-outage"),
+    # Item 5: a client whose session expired never opened a new one.
+    pytest.param(1, 12, id="1-12-service-stop-client-7.5s"),
     pytest.param(
         1, 9,
         # Its failures are races (which requests were in flight at the kill), hence not strict.

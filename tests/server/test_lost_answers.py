@@ -90,3 +90,39 @@ async def test_nothing_is_given_back_while_an_acquire_is_in_flight(pool: Pool) -
     finally:
         await backend.close_session(session)
         await backend.aclose()
+
+
+class Outage(httpx.AsyncBaseTransport):
+    """The app's transport, but while ``down`` no request reaches the service."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.down = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_release_the_service_did_not_get_is_sent_again(pool: Pool) -> None:
+    # Found by the chaos suite: a release during an outage was dropped, and the
+    # sandbox stayed leased to the live session, held by no one.
+    transport = Outage(httpx.ASGITransport(app=create_app(pool, settings())))
+    backend = RemoteBackend("http://sandman", api_key=KEY_A, transport=transport)
+    session = await backend.open_session()
+    try:
+        lease = await backend.acquire(
+            sandman.SandboxSpec(image="task"), session=session, timeout=20
+        )
+        transport.down = True
+        await backend.release(lease.id)  # deferred, not an error of the caller's
+        with pytest.raises(sandman.ProviderError):
+            await backend.heartbeat(session)  # still down: kept for later
+        assert pool.get(lease.id).state == "leased"
+        transport.down = False
+        await backend.heartbeat(session)
+        await eventually(lambda: not pool.list(session=session), what="the release to arrive")
+    finally:
+        await backend.close_session(session)
+        await backend.aclose()

@@ -248,6 +248,9 @@ class RemoteBackend:
         # acquire's answer may have been lost in (see `_settle`); acquires in flight per
         # session, and ever.
         self._held: dict[str, set[str]] = {}
+        # Releases the service did not get (it was down): sent again with the next
+        # heartbeat, else the sandbox stays leased to a live session with no holder.
+        self._unreleased: set[str] = set()
         self._unsure: set[str] = set()
         self._acquiring: Counter[str] = Counter()
         self._acquires = 0
@@ -303,6 +306,11 @@ class RemoteBackend:
         except errors.SessionExpired:
             self._forget(session)
             raise
+        for sandbox_id in list(self._unreleased):
+            try:
+                await self._release(sandbox_id)
+            except errors.SandboxError as exc:
+                logger.debug("deferred release of %s failed again: %s", sandbox_id, exc)
         if session in self._unsure and not self._acquiring[session]:
             try:
                 await self._settle(session)
@@ -457,8 +465,21 @@ class RemoteBackend:
     async def release(self, sandbox_id: str) -> None:
         for held in self._held.values():
             held.discard(sandbox_id)
+        try:
+            await self._release(sandbox_id)
+        except errors.ProviderError as exc:
+            if exc.__cause__ is None and not isinstance(exc, errors.ThrottledError):
+                raise  # the service answered with an error of its own
+            # Not reached: given back with the next heartbeat that is.
+            logger.warning(
+                "release of %s deferred, the service is not reached: %s", sandbox_id, exc
+            )
+            self._unreleased.add(sandbox_id)
+
+    async def _release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
+        self._unreleased.discard(sandbox_id)
 
     async def check(self, sandbox_id: str) -> None:
         response = await self._call(
