@@ -476,10 +476,15 @@ class FakeProvider:
             pid = sandbox.process.pid if sandbox.process is not None else None
             endpoint = DaemonEndpoint(uds=str(sandbox.socket), token=sandbox.token, pid=pid)
         return SandboxInfo(
-            id=sandbox.id, provider=self.name, state=state, labels=dict(sandbox.labels),
-            created_at=sandbox.created_at, image=sandbox.image, endpoint=endpoint,
+            id=sandbox.id,
+            provider=self.name,
+            state=state,
+            labels=dict(sandbox.labels),
+            created_at=sandbox.created_at,
+            image=sandbox.image,
+            endpoint=endpoint,
             lost=lost if state == "stopped" else None,
-        )  # fmt: skip
+        )
 
     def _task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -526,11 +531,16 @@ class FakeProvider:
         home, log = _prepare(socket, sid)
         try:
             return await asyncio.create_subprocess_exec(
-                str(self._binary), "--listen", f"unix:{socket}",
-                env={**env, "SANDMAND_TOKEN": token}, cwd=home,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                str(self._binary),
+                "--listen",
+                f"unix:{socket}",
+                env={**env, "SANDMAND_TOKEN": token},
+                cwd=home,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
                 start_new_session=True,  # its own session and process group: killed as one
-            )  # fmt: skip
+            )
         except BaseException as exc:
             # asyncio has killed and reaped a half-started process.
             _remove_files(socket)

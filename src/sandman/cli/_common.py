@@ -146,9 +146,10 @@ def open_client(
 def via_proxy_option(command: F) -> F:
     """Add --via-proxy: reach the daemon through the service's proxy route."""
     return click.option(
-        "--via-proxy", is_flag=True,
+        "--via-proxy",
+        is_flag=True,
         help="With --url: commands and files go through the service, not to the daemon.",
-    )(command)  # fmt: skip
+    )(command)
 
 
 def remote_backend(url: str, api_key: str | None, *, via_proxy: bool = False) -> RemoteBackend:

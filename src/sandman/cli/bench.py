@@ -67,9 +67,12 @@ class _Run:
 
 async def _run_one(run: _Run, cwd: Path, progress: Progress, task: TaskID) -> None:
     process = await asyncio.create_subprocess_exec(
-        *run.argv, cwd=cwd, env={**os.environ, "SANDMAN_BENCH_PROGRESS": "1"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        *run.argv,
+        cwd=cwd,
+        env={**os.environ, "SANDMAN_BENCH_PROGRESS": "1"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert process.stdout is not None and process.stderr is not None
 
     async def out() -> None:
@@ -110,9 +113,12 @@ async def _run_all(runs: list[_Run], checkout: Path) -> int:
 
     failed = 0
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description:<18}"), BarColumn(),
-        MofNCompleteColumn(), TimeElapsedColumn(),
-    ) as progress:  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description:<18}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ) as progress:
         overall = progress.add_task("benchmarks", total=len(runs))
         for run in runs:
             # One at a time: they measure the machine, so they must not share it.
@@ -135,16 +141,21 @@ async def _run_all(runs: list[_Run], checkout: Path) -> int:
 @click.command()
 @click.argument("names", nargs=-1, type=click.Choice(list(BENCHMARKS)))
 @click.option(
-    "--checkout", type=click.Path(file_okay=False, path_type=Path),
+    "--checkout",
+    type=click.Path(file_okay=False, path_type=Path),
     help="The source checkout (default: found above the working directory).",
-)  # fmt: skip
+)
 @click.option(
-    "--args", "extra", multiple=True, metavar="NAME=ARGS",
+    "--args",
+    "extra",
+    multiple=True,
+    metavar="NAME=ARGS",
     help="Arguments for one benchmark, e.g. --args 'burst=--requests 500 --serve'.",
-)  # fmt: skip
+)
 @click.pass_context
-def bench(ctx: click.Context, names: tuple[str, ...], checkout: Path | None,
-          extra: tuple[str, ...]) -> None:  # fmt: skip
+def bench(
+    ctx: click.Context, names: tuple[str, ...], checkout: Path | None, extra: tuple[str, ...]
+) -> None:
     """Run benchmarks of the source checkout (default: latency, burst) with progress bars.
 
     Available: latency, burst, density, service-overhead. Most need root (the local
@@ -162,10 +173,16 @@ def bench(ctx: click.Context, names: tuple[str, ...], checkout: Path | None,
     async def go() -> int:
         root = find_checkout(checkout)
         runs = [
-            _Run(name, [sys.executable, str(root / "benchmarks" / BENCHMARKS[name]),
-                        *arguments.get(name, [])])
+            _Run(
+                name,
+                [
+                    sys.executable,
+                    str(root / "benchmarks" / BENCHMARKS[name]),
+                    *arguments.get(name, []),
+                ],
+            )
             for name in names or DEFAULT
-        ]  # fmt: skip
+        ]
         return await _run_all(runs, root)
 
     failed = run_async(ctx, go())

@@ -48,9 +48,14 @@ def _conditions(
         variables[key] = value
     try:
         return Conditions(
-            cpu=cpu, memory=memory, pids=pids, network=network, timeout=timeout, env=variables,
+            cpu=cpu,
+            memory=memory,
+            pids=pids,
+            network=network,
+            timeout=timeout,
+            env=variables,
             audit=audit,
-        )  # fmt: skip
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
         raise click.BadParameter(problems) from exc
@@ -101,11 +106,23 @@ def _conditions(
 @client_options
 @click.pass_context
 def eval_command(
-    ctx: click.Context, instances: Path, predictions: Path, out: Path, concurrency: int,
-    models: tuple[str, ...], cpu: float, memory: str, pids: int, network: str, timeout: float,
-    env: tuple[str, ...], audit: Literal["record", "strict"], retry_errors: bool,
-    url: str | None, api_key: str | None,
-) -> None:  # fmt: skip
+    ctx: click.Context,
+    instances: Path,
+    predictions: Path,
+    out: Path,
+    concurrency: int,
+    models: tuple[str, ...],
+    cpu: float,
+    memory: str,
+    pids: int,
+    network: str,
+    timeout: float,
+    env: tuple[str, ...],
+    audit: Literal["record", "strict"],
+    retry_errors: bool,
+    url: str | None,
+    api_key: str | None,
+) -> None:
     """Grade PREDICTIONS (SWE-bench JSON/JSONL) against INSTANCES, each in a fresh sandbox.
 
     INSTANCES: SWE-bench dataset rows as published (JSONL, a JSON list, or the
@@ -129,9 +146,11 @@ def eval_command(
 
     bar: ProgressBar[str | None]
     with click.progressbar(
-        length=len(wanted), label="evaluating", file=sys.stderr,
+        length=len(wanted),
+        label="evaluating",
+        file=sys.stderr,
         item_show_func=_show,
-    ) as bar:  # fmt: skip
+    ) as bar:
 
         def tick(verdict: Verdict, reused: bool) -> None:
             bar.update(1, f"{verdict.model}/{verdict.instance_id}: {verdict.status}")
@@ -139,10 +158,16 @@ def eval_command(
         async def go() -> BatchResult:
             async with open_client(ctx, url, api_key) as client:
                 return await run_batch(
-                    loaded, wanted, pool=client, out=out, conditions=conditions,
-                    concurrency=concurrency, images=images, progress=tick,
+                    loaded,
+                    wanted,
+                    pool=client,
+                    out=out,
+                    conditions=conditions,
+                    concurrency=concurrency,
+                    images=images,
+                    progress=tick,
                     retry_errors=retry_errors,
-                )  # fmt: skip
+                )
 
         result = run_async(ctx, go())
 

@@ -13,9 +13,16 @@ from sandman.cli._common import run_async
 
 
 async def _prepare(
-    images: tuple[str, ...], *, selector: str, kubeconfig: Path | None, context: str | None,
-    namespace: str | None, timeout: float, per_node: int, pull_secrets: tuple[str, ...],
-) -> bool:  # fmt: skip
+    images: tuple[str, ...],
+    *,
+    selector: str,
+    kubeconfig: Path | None,
+    context: str | None,
+    namespace: str | None,
+    timeout: float,
+    per_node: int,
+    pull_secrets: tuple[str, ...],
+) -> bool:
     from sandman.providers.kubernetes.api import KubeAPI
     from sandman.providers.kubernetes.credentials import load_credentials
     from sandman.providers.kubernetes.prepare import (
@@ -53,9 +60,14 @@ async def _prepare(
                 bar.update(1)
 
             results = await prepare_images(
-                api, images, nodes, timeout=timeout, per_node=per_node,
-                pull_secrets=pull_secrets, on_result=progress,
-            )  # fmt: skip
+                api,
+                images,
+                nodes,
+                timeout=timeout,
+                per_node=per_node,
+                pull_secrets=pull_secrets,
+                on_result=progress,
+            )
     finally:
         await api.aclose()
     failed = [r for r in results if not r.ok]
@@ -72,33 +84,53 @@ async def _prepare(
 @click.command()
 @click.argument("images", nargs=-1, required=True)
 @click.option(
-    "--nodes", "selector", default="", metavar="SELECTOR",
+    "--nodes",
+    "selector",
+    default="",
+    metavar="SELECTOR",
     help="Label selector of the nodes to pull onto (default: every Ready, schedulable node).",
-)  # fmt: skip
+)
 @click.option(
-    "--kubeconfig", envvar="KUBECONFIG", type=click.Path(path_type=Path),
+    "--kubeconfig",
+    envvar="KUBECONFIG",
+    type=click.Path(path_type=Path),
     help="Default: $KUBECONFIG, else the pod's service account.",
-)  # fmt: skip
+)
 @click.option("--context", help="The kubeconfig context (default: its current one).")
 @click.option("--namespace", help="Where the pull pods go (default: the context's).")
 @click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=1800.0, show_default=True,
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800.0,
+    show_default=True,
     help="Seconds for the whole run; pulls still open then count as failed.",
-)  # fmt: skip
+)
 @click.option(
-    "--per-node", type=click.IntRange(min=1), default=2, show_default=True,
+    "--per-node",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
     help="Pulls at once on one node.",
-)  # fmt: skip
+)
 @click.option(
-    "--pull-secret", "pull_secrets", multiple=True, metavar="NAME",
+    "--pull-secret",
+    "pull_secrets",
+    multiple=True,
+    metavar="NAME",
     help="An image pull secret in the namespace (repeatable).",
-)  # fmt: skip
+)
 @click.pass_context
 def prepare(
-    ctx: click.Context, images: tuple[str, ...], selector: str, kubeconfig: Path | None,
-    context: str | None, namespace: str | None, timeout: float, per_node: int,
+    ctx: click.Context,
+    images: tuple[str, ...],
+    selector: str,
+    kubeconfig: Path | None,
+    context: str | None,
+    namespace: str | None,
+    timeout: float,
+    per_node: int,
     pull_secrets: tuple[str, ...],
-) -> None:  # fmt: skip
+) -> None:
     """Pull IMAGES onto Kubernetes nodes ahead of a run, so sandboxes start without pulling.
 
     One pod per image and node pulls the image and runs nothing; each is
@@ -108,10 +140,16 @@ def prepare(
     ok = run_async(
         ctx,
         _prepare(
-            images, selector=selector, kubeconfig=kubeconfig, context=context,
-            namespace=namespace, timeout=timeout, per_node=per_node, pull_secrets=pull_secrets,
+            images,
+            selector=selector,
+            kubeconfig=kubeconfig,
+            context=context,
+            namespace=namespace,
+            timeout=timeout,
+            per_node=per_node,
+            pull_secrets=pull_secrets,
         ),
-    )  # fmt: skip
+    )
     if not ok:
         ctx.exit(1)
 

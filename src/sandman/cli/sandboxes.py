@@ -45,9 +45,16 @@ from sandman.providers.local import LocalProvider
 @client_options
 @click.pass_context
 def run(
-    ctx: click.Context, image: str, command: tuple[str, ...], cpu: float, memory: str,
-    network: str, timeout: float | None, url: str | None, api_key: str | None,
-) -> None:  # fmt: skip
+    ctx: click.Context,
+    image: str,
+    command: tuple[str, ...],
+    cpu: float,
+    memory: str,
+    network: str,
+    timeout: float | None,
+    url: str | None,
+    api_key: str | None,
+) -> None:
     """Run one command in a fresh sandbox, print its output, release it: run IMAGE -- CMD..."""
 
     async def go() -> int:
@@ -74,10 +81,16 @@ def run(
 @via_proxy_option
 @click.pass_context
 def exec_command(
-    ctx: click.Context, sandbox_id: str, command: tuple[str, ...], cwd: str | None,
-    env: tuple[str, ...], timeout: float | None, url: str | None, api_key: str | None,
+    ctx: click.Context,
+    sandbox_id: str,
+    command: tuple[str, ...],
+    cwd: str | None,
+    env: tuple[str, ...],
+    timeout: float | None,
+    url: str | None,
+    api_key: str | None,
     via_proxy: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Run a command in a running sandbox, its output as it comes: exec ID -- CMD..."""
     variables = dict(_key_value(item) for item in env)
 
@@ -131,9 +144,13 @@ def _sandbox_path(arg: str) -> tuple[str, str] | None:
 @via_proxy_option
 @click.pass_context
 def copy(
-    ctx: click.Context, source: str, destination: str, url: str | None, api_key: str | None,
+    ctx: click.Context,
+    source: str,
+    destination: str,
+    url: str | None,
+    api_key: str | None,
     via_proxy: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Copy a file or directory into or out of a running sandbox.
 
     One side is ID:/absolute/path: cp ./src ID:/work, or cp ID:/work/out.txt ./
@@ -264,15 +281,20 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
 
 @click.command()
 @click.option(
-    "--all", "everything", is_flag=True,
+    "--all",
+    "everything",
+    is_flag=True,
     help="Delete every sandbox of this state directory, those of live pools included "
     "(they lose them in the middle of their work).",
-)  # fmt: skip
+)
 @click.option(
-    "--grace", type=float, default=60.0, show_default=True,
+    "--grace",
+    type=float,
+    default=60.0,
+    show_default=True,
     help="Seconds a sandbox that does not run, or a directory a crash left, is spared "
     "first: a create in flight is one for a moment.",
-)  # fmt: skip
+)
 @click.pass_context
 def gc(ctx: click.Context, everything: bool, grace: float) -> None:
     """Reap what no live pool holds: sandboxes whose owner process is dead (whatever

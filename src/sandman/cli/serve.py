@@ -66,27 +66,46 @@ def default_pool_name() -> str:
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--pool-name", envvar="SANDMAN_POOL_NAME", help="Default: serve-<hostname>.")
 @click.option(
-    "--provider", type=click.Choice(PROVIDERS), default="local", show_default=True,
+    "--provider",
+    type=click.Choice(PROVIDERS),
+    default="local",
+    show_default=True,
     envvar="SANDMAN_PROVIDER",
-)  # fmt: skip
+)
 @click.option(
-    "--on-shutdown", type=click.Choice(["release", "leave"]), default=None,
+    "--on-shutdown",
+    type=click.Choice(["release", "leave"]),
+    default=None,
     help="Release every sandbox at shutdown (default), or leave them for the next instance.",
-)  # fmt: skip
+)
 @click.option(
-    "--adopt/--no-adopt", default=True, show_default=True,
+    "--adopt/--no-adopt",
+    default=True,
+    show_default=True,
     help="At start, adopt running sandboxes a previous instance of this pool left.",
-)  # fmt: skip
-@click.option("--lease", type=float, default=30.0, show_default=True,
-              help="Seconds a silent client session keeps its sandboxes.")  # fmt: skip
+)
+@click.option(
+    "--lease",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds a silent client session keeps its sandboxes.",
+)
 @click.option("--anonymous-tenant", help="Requests without an API key act as this tenant.")
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def serve(
-    ctx: click.Context, host: str, port: int, pool_name: str | None, provider: str,
-    on_shutdown: str | None, adopt: bool, lease: float, anonymous_tenant: str | None,
+    ctx: click.Context,
+    host: str,
+    port: int,
+    pool_name: str | None,
+    provider: str,
+    on_shutdown: str | None,
+    adopt: bool,
+    lease: float,
+    anonymous_tenant: str | None,
     log_level: str,
-) -> None:  # fmt: skip
+) -> None:
     """Serve the HTTP API (and /metrics) over one pool until SIGTERM or SIGINT."""
     from sandman.server import ServerSettings
 
@@ -103,9 +122,18 @@ def serve(
             )
         backend = make_provider(ctx, provider)
         asyncio.run(
-            _serve(ctx, backend, settings, host=host, port=port, lease=lease, adopt=adopt,
-                   pool_name=pool_name or default_pool_name(), log_level=log_level)
-        )  # fmt: skip
+            _serve(
+                ctx,
+                backend,
+                settings,
+                host=host,
+                port=port,
+                lease=lease,
+                adopt=adopt,
+                pool_name=pool_name or default_pool_name(),
+                log_level=log_level,
+            )
+        )
     except (errors.SandboxError, OSError) as exc:
         fail(exc, debug)
 
@@ -145,11 +173,16 @@ async def _serve(
     app = create_app(pool, settings)
     watchdog = _watchdog(ctx, provider, pool_name) if settings.release_on_shutdown else None
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        ws="none",
         # uvicorn waits this long for open requests (acquires) before the lifespan's
         # shutdown, which then gives what is still in flight its own grace.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace)),
-    )  # fmt: skip
+    )
     server = Server(config)
     mode = "release" if settings.release_on_shutdown else "leave"
     click.echo(

@@ -167,9 +167,16 @@ async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) 
 @via_proxy_option
 @click.pass_context
 def shell(
-    ctx: click.Context, image: str, cpu: float, memory: str, network: str,
-    shell_path: str | None, url: str | None, api_key: str | None, via_proxy: bool,
-) -> None:  # fmt: skip
+    ctx: click.Context,
+    image: str,
+    cpu: float,
+    memory: str,
+    network: str,
+    shell_path: str | None,
+    url: str | None,
+    api_key: str | None,
+    via_proxy: bool,
+) -> None:
     """An interactive shell in a fresh sandbox; exiting the shell releases it."""
     if via_proxy and not url:
         raise click.UsageError("--via-proxy needs --url (or SANDMAN_URL): it is a service's route")

@@ -63,8 +63,9 @@ def local(
     provider = LocalProvider(config)
     return AsyncClient(
         LocalBackend(Pool(provider, pool or _own_pool("local"), hook=hook), config),
-        heartbeat_interval=heartbeat_interval, hook=hook,
-    )  # fmt: skip
+        heartbeat_interval=heartbeat_interval,
+        hook=hook,
+    )
 
 
 def local_sync(
@@ -102,8 +103,9 @@ def kubernetes(
     provider = KubernetesProvider(_config(KubernetesConfig, config, settings))
     return AsyncClient(
         InProcessBackend(Pool(provider, pool or _own_pool("k8s"), hook=hook), own_provider=True),
-        heartbeat_interval=heartbeat_interval, hook=hook,
-    )  # fmt: skip
+        heartbeat_interval=heartbeat_interval,
+        hook=hook,
+    )
 
 
 def kubernetes_sync(

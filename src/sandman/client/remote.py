@@ -130,9 +130,12 @@ def _lean(url: httpx.URL, headers: Mapping[str, str]) -> HTTPTransport:
     # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
     context = httpx.create_ssl_context() if tls else None
     return HTTPTransport(
-        host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
-        prefix=url.path, ssl=context,
-    )  # fmt: skip
+        host=url.host,
+        port=url.port or (443 if tls else 80),
+        default_headers=fixed,
+        prefix=url.path,
+        ssl=context,
+    )
 
 
 def _segment(value: str) -> str:
@@ -183,10 +186,13 @@ class ProxiedEndpoint(DaemonEndpoint):
     def client(self, *, request_timeout: float = 60.0) -> DaemonClient:
         """A new client of the daemon, through the service; close it with ``aclose``."""
         return DaemonClient(
-            host=self.host, port=self.port, token=self.token or None,
-            request_timeout=request_timeout, base_path=self.base_path,
+            host=self.host,
+            port=self.port,
+            token=self.token or None,
+            request_timeout=request_timeout,
+            base_path=self.base_path,
             ssl=ssl.create_default_context() if self.tls else None,
-        )  # fmt: skip
+        )
 
 
 _PROBE_TIMEOUT = 1.0
@@ -346,9 +352,11 @@ class RemoteBackend:
         self._unsure.discard(session)
         if strays:
             logger.warning(
-                "session %s: released %d sandboxes whose hand-over never reached this "
-                "client: %s", session, len(strays), ", ".join(strays),
-            )  # fmt: skip
+                "session %s: released %d sandboxes whose hand-over never reached this client: %s",
+                session,
+                len(strays),
+                ", ".join(strays),
+            )
 
     async def close_session(self, session: str) -> None:
         self._forget(session)
@@ -394,9 +402,12 @@ class RemoteBackend:
         data = response.json()
         where = data.get("endpoint") or {}
         endpoint = DaemonEndpoint(
-            uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
-            token=where.get("token", ""), pid=where.get("pid"),
-        )  # fmt: skip
+            uds=where.get("uds"),
+            host=where.get("host"),
+            port=where.get("port"),
+            token=where.get("token", ""),
+            pid=where.get("pid"),
+        )
         sandbox_id = str(data["id"])
         if endpoint.uds is None and endpoint.host is None:
             with contextlib.suppress(errors.SandboxError):
@@ -423,8 +434,10 @@ class RemoteBackend:
             if not self._tcp_direct:
                 logger.info(
                     "sandbox endpoints such as %s:%s do not connect from here: using the "
-                    "service's proxy route", endpoint.host, endpoint.port,
-                )  # fmt: skip
+                    "service's proxy route",
+                    endpoint.host,
+                    endpoint.port,
+                )
         return self._tcp_direct is not False
 
     def proxied(self, sandbox_id: str) -> ProxiedEndpoint:
@@ -432,9 +445,12 @@ class RemoteBackend:
         url = httpx.URL(self.url)
         tls = url.scheme == "https"
         return ProxiedEndpoint(
-            host=url.host, port=url.port or (443 if tls else 80), token=self._api_key,
-            base_path=f"{url.path.rstrip('/')}/v1/sandboxes/{sandbox_id}/daemon", tls=tls,
-        )  # fmt: skip
+            host=url.host,
+            port=url.port or (443 if tls else 80),
+            token=self._api_key,
+            base_path=f"{url.path.rstrip('/')}/v1/sandboxes/{sandbox_id}/daemon",
+            tls=tls,
+        )
 
     async def sandboxes(self, *, state: str | None = None) -> list[dict[str, Any]]:
         """The tenant's sandboxes as the service lists them (JSON objects)."""
@@ -455,9 +471,12 @@ class RemoteBackend:
             raise errors.SandboxNotFound(f"sandbox {sandbox_id} is {data.get('state')}")
         where = data.get("endpoint") or {}
         direct = DaemonEndpoint(
-            uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
-            token=where.get("token", ""), pid=where.get("pid"),
-        )  # fmt: skip
+            uds=where.get("uds"),
+            host=where.get("host"),
+            port=where.get("port"),
+            token=where.get("token", ""),
+            pid=where.get("pid"),
+        )
         if self._via_proxy or (self._via_proxy is None and not await self._reachable(direct)):
             return self.proxied(sandbox_id)
         return direct
@@ -549,9 +568,15 @@ def connect_sync(
 ) -> Client:
     """The blocking twin of `connect`: ``with sandman.connect_sync(url, api_key=k) as client: ...``."""
     return Client(
-        connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
-                via_proxy=via_proxy, hook=hook)
-    )  # fmt: skip
+        connect(
+            url,
+            api_key=api_key,
+            heartbeat_interval=heartbeat_interval,
+            timeout=timeout,
+            via_proxy=via_proxy,
+            hook=hook,
+        )
+    )
 
 
 def _timeline(data: Mapping[str, Any]) -> dict[str, float]:

@@ -483,9 +483,12 @@ class TarExtractor:
             parent = self._parent_fd(parts)
             self._clear(parent, parts, name)
             os.link(
-                source[-1], parts[-1], src_dir_fd=source_dir, dst_dir_fd=parent,
+                source[-1],
+                parts[-1],
+                src_dir_fd=source_dir,
+                dst_dir_fd=parent,
                 follow_symlinks=False,
-            )  # fmt: skip
+            )
         finally:
             os.close(source_dir)
         self._created.append(tuple(parts))

@@ -177,9 +177,14 @@ async def run_batch(
             return verdict
         async with gate:
             report = await evaluate_report(
-                instance, prediction.patch, pool=pool, conditions=conditions, images=store,
-                model=prediction.model_name_or_path, acquire_timeout=acquire_timeout,
-            )  # fmt: skip
+                instance,
+                prediction.patch,
+                pool=pool,
+                conditions=conditions,
+                images=store,
+                model=prediction.model_name_or_path,
+                acquire_timeout=acquire_timeout,
+            )
         await asyncio.to_thread(_write_atomic, path, report.model_dump_json(indent=2))
         if progress is not None:
             progress(report.verdict, False)

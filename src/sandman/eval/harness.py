@@ -324,14 +324,20 @@ class _Evaluation:
         self.step = "protect"
         changed = await self._changed(sb, before)
         tracked = set(
-            _nul((await self._must(sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", base],
-                                   "list base files")).stdout)
-        )  # fmt: skip
+            _nul(
+                (
+                    await self._must(
+                        sb, [*_GIT, "ls-tree", "-r", "-z", "--name-only", base], "list base files"
+                    )
+                ).stdout
+            )
+        )
         # A file the image held but git does not track is never the patch's to change.
         reverted = {
-            path for path in changed
+            path
+            for path in changed
             if is_protected(self.instance, path) or (path in before.paths and path not in tracked)
-        }  # fmt: skip
+        }
         # What now stands where a set-back file's directory was (a symlink to other
         # tests in place of tests/) goes too.
         parents = {"/".join(p.split("/")[:i]) for p in reverted for i in range(1, p.count("/") + 1)}
@@ -371,9 +377,11 @@ class _Evaluation:
         # A separator no command prints, then the environment (values may span lines).
         script = "\n".join(self.instance.pre_test) + f"\nprintf '\\0{_ENV_MARK}\\0'\nenv -0\n"
         done = await sb.exec(
-            script, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
+            script,
+            cwd=self.instance.repo_path,
+            timeout=self.conditions.timeout,
             max_output=_MAX_OUTPUT,
-        )  # fmt: skip
+        )
         await self._exec(sb, ["sh", "-c", "kill -9 -1 2>/dev/null; true"])
         if done.exit_code != 0 or done.timed_out:
             raise _Abort("error", f"the pre-test commands failed: {_both(done)[-1000:].strip()}")
@@ -409,9 +417,12 @@ class _Evaluation:
         before = await self._oom_kill_count(sb)
         try:
             result = await sb.exec(
-                command, cwd=self.instance.repo_path, timeout=self.conditions.timeout,
-                max_output=_MAX_OUTPUT, env=env,
-            )  # fmt: skip
+                command,
+                cwd=self.instance.repo_path,
+                timeout=self.conditions.timeout,
+                max_output=_MAX_OUTPUT,
+                env=env,
+            )
         except errors.ExecTimeout as exc:
             # The daemon did not even answer within the limit plus its grace.
             raise _Abort("timeout", self._timeout_reason()) from exc
@@ -452,9 +463,10 @@ class _Evaluation:
         claimed = parse_log(self.instance.log_parser, result.stdout)
         mode = _WITNESS_MODES.get(self.instance.log_parser)
         suspicious = audit_patch(
-            self.patch, is_test_file=self._set_back_path,
+            self.patch,
+            is_test_file=self._set_back_path,
             framework_paths=_FRAMEWORK_PATHS.get(self.instance.log_parser, ()),
-        )  # fmt: skip
+        )
         results = claimed
         strong: list[str] = []
         if mode is not None:
@@ -478,8 +490,9 @@ class _Evaluation:
                 "unresolved",
                 "every listed test passed, but the run did what a forging patch does "
                 f"(audit=strict): {'; '.join(sorted(set(strong))[:3])}",
-                f2p, p2p,
-            )  # fmt: skip
+                f2p,
+                p2p,
+            )
         return self.report(status, reason, f2p, p2p)
 
     def _set_back_path(self, path: str) -> bool:
@@ -497,9 +510,12 @@ class _Evaluation:
         self, sb: AsyncSandbox, argv: Sequence[str], env: dict[str, str] | None = None
     ) -> ExecResult:
         result = await sb.exec(
-            list(argv), cwd=self.instance.repo_path, env=env, timeout=_STEP_TIMEOUT,
+            list(argv),
+            cwd=self.instance.repo_path,
+            env=env,
+            timeout=_STEP_TIMEOUT,
             max_output=_MAX_OUTPUT,
-        )  # fmt: skip
+        )
         if result.timed_out:
             raise _Abort("error", f"{argv[0]} ran past {_STEP_TIMEOUT:g} s during {self.step}")
         return result
@@ -521,9 +537,10 @@ class _Evaluation:
         index = f"{_WORK}/snapshot.index"
         if not self._snapshotted:
             await self._must(
-                sb, ["sh", "-c", f'cp -- "$("$@" rev-parse --git-path index)" {index}', "sh",
-                     *_GIT], "copy the index",
-            )  # fmt: skip
+                sb,
+                ["sh", "-c", f'cp -- "$("$@" rev-parse --git-path index)" {index}', "sh", *_GIT],
+                "copy the index",
+            )
             self._snapshotted = True
         env = {"GIT_INDEX_FILE": index}
         # -f: ignored files too (a patch may hide a new conftest.py behind a .gitignore).
@@ -543,9 +560,10 @@ class _Evaluation:
         """Every path added, changed or removed since ``before``, tracked or not."""
         after = await self._snapshot_tree(sb)
         diff = await self._must(
-            sb, [*_GIT, "diff-tree", "-r", "-z", "--name-only", "--no-renames", before.tree,
-                 after], "list changes",
-        )  # fmt: skip
+            sb,
+            [*_GIT, "diff-tree", "-r", "-z", "--name-only", "--no-renames", before.tree, after],
+            "list changes",
+        )
         return sorted(_nul(diff.stdout))
 
     async def _set_back(self, sb: AsyncSandbox, before: _Snapshot, paths: Sequence[str]) -> None:
@@ -557,9 +575,11 @@ class _Evaluation:
         if restore:
             # Through an index of its own: the repository's must not learn of untracked files.
             await self._must(
-                sb, [*_GIT, "checkout", before.tree, "--", *restore], "restore files",
+                sb,
+                [*_GIT, "checkout", before.tree, "--", *restore],
+                "restore files",
                 {"GIT_INDEX_FILE": f"{_WORK}/restore.index"},
-            )  # fmt: skip
+            )
 
     async def _reset(self, sb: AsyncSandbox, before: _Snapshot) -> None:
         """The tree as it was before the patch, after a try that failed (maybe halfway)."""
@@ -612,8 +632,9 @@ def _witnessed_results(
         if failed and result.exit_code == 0:
             what = (
                 f"pytest reported exit status {witnessed.finish.get('exitstatus')}"
-                if mode == "pytest" else "the test runner reported failures"
-            )  # fmt: skip
+                if mode == "pytest"
+                else "the test runner reported failures"
+            )
             suspicious.append(f"the test command exited 0 although {what}")
     return results, suspicious
 
@@ -665,7 +686,12 @@ async def evaluate(
     ``status``.
     """
     report = await evaluate_report(
-        instance, patch, pool=pool, conditions=conditions, images=images, model=model,
+        instance,
+        patch,
+        pool=pool,
+        conditions=conditions,
+        images=images,
+        model=model,
         acquire_timeout=acquire_timeout,
-    )  # fmt: skip
+    )
     return report.verdict

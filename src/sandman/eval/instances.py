@@ -36,9 +36,15 @@ from sandman.eval import swebench
 __all__ = ["Instance", "LogParser", "Prediction", "load_instances", "load_predictions"]
 
 LogParser = Literal[
-    "pytest", "pytest_options", "pytest_v2", "matplotlib", "seaborn", "django", "sympy",
+    "pytest",
+    "pytest_options",
+    "pytest_v2",
+    "matplotlib",
+    "seaborn",
+    "django",
+    "sympy",
     "unittest",
-]  # fmt: skip
+]
 """Ours, one per log format; SWE-bench's ``parse_log_*`` names are accepted too."""
 
 # SWE-bench's parser names (5.x rows carry one in ``log_parser``) -> ours.

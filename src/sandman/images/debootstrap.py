@@ -73,18 +73,36 @@ def build_debian_rootfs(
         try:
             root = work / "root"
             subprocess.run(
-                ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
-                 suite, str(root), mirror or apt_mirror()],
-                check=True, capture_output=True, timeout=timeout,
-            )  # fmt: skip
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    f"--include={','.join(packages)}",
+                    suite,
+                    str(root),
+                    mirror or apt_mirror(),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=timeout,
+            )
             for junk in _JUNK:
                 shutil.rmtree(root / junk, ignore_errors=True)
             partial = work / "rootfs.tar"
             subprocess.run(
-                ["tar", "-cf", str(partial), "--sort=name", "--numeric-owner",
-                 "-C", str(root), "."],
-                check=True, capture_output=True, timeout=600,
-            )  # fmt: skip
+                [
+                    "tar",
+                    "-cf",
+                    str(partial),
+                    "--sort=name",
+                    "--numeric-owner",
+                    "-C",
+                    str(root),
+                    ".",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             partial.rename(target)  # whole or not at all: a killed build leaves no tarball
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -41,8 +41,12 @@ def emit(hook: EventHook | None, event: PoolEvent) -> None:
     """Log the event and call the hook; a failing hook is logged, never raised."""
     logger.debug(
         "%s pool=%s sandbox=%s session=%s %s",
-        event.name, event.pool, event.sandbox_id, event.session, event.detail,
-    )  # fmt: skip
+        event.name,
+        event.pool,
+        event.sandbox_id,
+        event.session,
+        event.detail,
+    )
     if hook is not None:
         try:
             hook(event)

@@ -272,11 +272,13 @@ class Pool:
         emit(
             self._hook,
             PoolEvent(
-                name, self.config.name,
+                name,
+                self.config.name,
                 sandbox_id=record.id if record else None,
-                session=record.session if record else None, detail=dict(detail),
+                session=record.session if record else None,
+                detail=dict(detail),
             ),
-        )  # fmt: skip
+        )
 
     # -- sessions -------------------------------------------------------------------
 
@@ -556,12 +558,18 @@ class Pool:
         now = time.time()
         expires = now + self.config.lifetime
         record = Record(
-            id=f"sb-{secrets.token_hex(6)}", spec=request.spec, state="creating",
+            id=f"sb-{secrets.token_hex(6)}",
+            spec=request.spec,
+            state="creating",
             # No session label: that records the hand-over (`acquire`), not the request.
-            labels={LABEL_POOL: self.config.name, LABEL_EXPIRES: f"{expires:.0f}",
-                    owners.LABEL_OWNER: self.owner},
-            expires_at=expires, session=None if request.warm else request.session,
-        )  # fmt: skip
+            labels={
+                LABEL_POOL: self.config.name,
+                LABEL_EXPIRES: f"{expires:.0f}",
+                owners.LABEL_OWNER: self.owner,
+            },
+            expires_at=expires,
+            session=None if request.warm else request.session,
+        )
         record.stamp("queued", request.queued_at)
         record.stamp("create_called")
         # The intent is recorded before the backend is called.
@@ -809,9 +817,12 @@ class Pool:
             for _ in range(target - have):
                 self._warm_pending[key] = self._warm_pending.get(key, 0) + 1
                 request = _Request(
-                    spec, _WARM_CLIENT, asyncio.get_running_loop().create_future(), time.time(),
+                    spec,
+                    _WARM_CLIENT,
+                    asyncio.get_running_loop().create_future(),
+                    time.time(),
                     warm=True,
-                )  # fmt: skip
+                )
                 self._pacer.enqueue(_WARM_CLIENT, request)
                 self._wake.set()
 
@@ -889,9 +900,13 @@ class Pool:
 
     def _record_of(self, info: SandboxInfo, expires: float = 0.0) -> Record:
         record = Record(
-            id=info.id, spec=SandboxSpec(image=info.image or "unknown"), state="ready",
-            labels=dict(info.labels), expires_at=expires, info=info,
-        )  # fmt: skip
+            id=info.id,
+            spec=SandboxSpec(image=info.image or "unknown"),
+            state="ready",
+            labels=dict(info.labels),
+            expires_at=expires,
+            info=info,
+        )
         self._records[info.id] = record
         return record
 

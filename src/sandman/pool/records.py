@@ -16,15 +16,30 @@ LABEL_SESSION = "sandman.io/session"
 LABEL_EXPIRES = "sandman.io/expires-at"
 
 State = Literal[
-    "queued", "creating", "starting", "ready", "leased", "releasing", "failed", "gone", "lost",
-]  # fmt: skip
+    "queued",
+    "creating",
+    "starting",
+    "ready",
+    "leased",
+    "releasing",
+    "failed",
+    "gone",
+    "lost",
+]
 """``lost``: it died by itself while ready or leased (``Record.lost`` says why); the
 pool deletes what is left of it and tells its holder with `sandman.SandboxLost`."""
 
 TimelineEvent = Literal[
-    "queued", "create_called", "accepted", "running", "daemon_ready", "handed_out",
-    "released", "lost", "gone",
-]  # fmt: skip
+    "queued",
+    "create_called",
+    "accepted",
+    "running",
+    "daemon_ready",
+    "handed_out",
+    "released",
+    "lost",
+    "gone",
+]
 """Where a sandbox's time went, in order; each is stamped once, in wall-clock seconds."""
 
 

@@ -40,9 +40,13 @@ class DaemonEndpoint(BaseModel):
     def client(self, *, request_timeout: float = 60.0) -> DaemonClient:
         """A new client for this daemon; close it with ``aclose``."""
         return DaemonClient(
-            uds=self.uds, host=self.host, port=self.port, token=self.token,
-            request_timeout=request_timeout, peer_pid=self.pid,
-        )  # fmt: skip
+            uds=self.uds,
+            host=self.host,
+            port=self.port,
+            token=self.token,
+            request_timeout=request_timeout,
+            peer_pid=self.pid,
+        )
 
 
 class Lost(BaseModel):

@@ -53,10 +53,15 @@ __all__ = ["BUCKETS", "NO_TENANT", "OTHER_TENANTS", "REFUSALS", "Sampler", "inst
 OTHER_TENANTS = "other tenants"
 NO_TENANT = "no tenant"
 """The operator view's group of sandboxes the service did not hand out (warm spares, adopted)."""
-REFUSALS = frozenset({
-    "tenant_sandbox_limit", "tenant_pending_limit", "session_expired", "invalid_request",
-    "malformed_json",
-})  # fmt: skip
+REFUSALS = frozenset(
+    {
+        "tenant_sandbox_limit",
+        "tenant_pending_limit",
+        "session_expired",
+        "invalid_request",
+        "malformed_json",
+    }
+)
 """Error codes `Sampler.refused` keeps: the service's own refusals. Backend failures
 (an unknown image included) arrive as pool events (``create.failed``) instead."""
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -147,10 +152,14 @@ class Sampler:
         kind = event.detail.get("kind") or event.detail.get("reason")
         message = str(event.detail.get("error") or event.detail.get("detail") or event.name)
         return _Error(
-            at=event.at, event=event.name, sandbox_id=event.sandbox_id, tenant=tenant,
-            image=image, kind=None if kind is None else str(kind),
+            at=event.at,
+            event=event.name,
+            sandbox_id=event.sandbox_id,
+            tenant=tenant,
+            image=image,
+            kind=None if kind is None else str(kind),
             message=message[:_MESSAGE_MAX],
-        )  # fmt: skip
+        )
 
     def refused(
         self,
@@ -165,20 +174,29 @@ class Sampler:
         if code not in REFUSALS:
             return
         refusal = _Error(
-            at=time.time() if at is None else at, event="refused", sandbox_id=None,
-            tenant=tenant, image=image, kind=code, message=message[:_MESSAGE_MAX],
-        )  # fmt: skip
+            at=time.time() if at is None else at,
+            event="refused",
+            sandbox_id=None,
+            tenant=tenant,
+            image=image,
+            kind=code,
+            message=message[:_MESSAGE_MAX],
+        )
         self._refusals.appendleft(refusal)
 
     def sample(self, now: float) -> DashboardSample:
         """Take one sample at ``now`` (wall clock): the pool now, the events since the last."""
         stats = self.pool.stats()
         taken = DashboardSample(
-            t=now, states=_states(stats), pacing=_pacing(stats),
-            started=self._counts["started"], completed=self._counts["completed"],
-            failed=self._counts["failed"], deleted=self._counts["deleted"],
+            t=now,
+            states=_states(stats),
+            pacing=_pacing(stats),
+            started=self._counts["started"],
+            completed=self._counts["completed"],
+            failed=self._counts["failed"],
+            deleted=self._counts["deleted"],
             lost=self._counts["lost"],
-        )  # fmt: skip
+        )
         self._counts.clear()
         self._samples.append(taken)
         return taken
@@ -257,30 +275,47 @@ class Sampler:
             tenants.sort(key=lambda g: (g.name != tenant, -g.total - g.waiting, g.name))
         latencies = sorted(s for at, s in self._latencies if at >= since)
         shown = sorted(
-            (e for e in (*self._errors, *self._refusals)
-             if e.at >= since and (admin or e.tenant in (None, tenant))),
+            (
+                e
+                for e in (*self._errors, *self._refusals)
+                if e.at >= since and (admin or e.tenant in (None, tenant))
+            ),
             key=lambda e: -e.at,
-        )  # fmt: skip
+        )
         return DashboardOut(
-            pool=self.pool.config.name, provider=self.pool.provider.name, tenant=tenant,
-            admin=admin, now=now, interval=self.interval, states=_states(stats),
-            sessions=int(stats.get("sessions", 0)), pacing=_pacing(stats), lost=dict(self._lost),
+            pool=self.pool.config.name,
+            provider=self.pool.provider.name,
+            tenant=tenant,
+            admin=admin,
+            now=now,
+            interval=self.interval,
+            states=_states(stats),
+            sessions=int(stats.get("sessions", 0)),
+            pacing=_pacing(stats),
+            lost=dict(self._lost),
             samples=[s for s in self._samples if s.t >= since],
             tenants=tenants,
             images=sorted(
                 (_group(name, counts) for name, counts in images.items()),
                 key=lambda g: (-g.total, g.name),
             ),
-            readiness=_histogram(latencies), readiness_count=len(latencies),
-            readiness_p50=_quantile(latencies, 0.5), readiness_p95=_quantile(latencies, 0.95),
+            readiness=_histogram(latencies),
+            readiness_count=len(latencies),
+            readiness_p50=_quantile(latencies, 0.5),
+            readiness_p95=_quantile(latencies, 0.95),
             errors=[
                 DashboardError(
-                    at=e.at, event=e.event, sandbox_id=e.sandbox_id, image=e.image,
-                    kind=e.kind, message=e.message, tenant=e.tenant,
+                    at=e.at,
+                    event=e.event,
+                    sandbox_id=e.sandbox_id,
+                    image=e.image,
+                    kind=e.kind,
+                    message=e.message,
+                    tenant=e.tenant,
                 )
                 for e in shown
             ],
-        )  # fmt: skip
+        )
 
 
 def _number(value: float | None) -> float | None:
@@ -300,9 +335,12 @@ def _pacing(stats: dict[str, float]) -> PacingOut:
         return _number(stats.get(f"pacing_{key}"))
 
     return PacingOut(
-        rate=get("rate"), window=get("window"), in_flight=get("in_flight"),
-        queued=get("queued"), latency=get("latency"),
-    )  # fmt: skip
+        rate=get("rate"),
+        window=get("window"),
+        in_flight=get("in_flight"),
+        queued=get("queued"),
+        latency=get("latency"),
+    )
 
 
 def _group(name: str, counts: Counter[str], waiting: int = 0) -> DashboardGroup:

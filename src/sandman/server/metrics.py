@@ -72,14 +72,17 @@ class _PoolCollector(Collector):
         depths = self._queue_depths()
         if not self._tenant_labels:
             yield _gauge(
-                "sandman_queue_depth", "Acquires waiting at the service.", pool,
+                "sandman_queue_depth",
+                "Acquires waiting at the service.",
+                pool,
                 sum(depths.values()),
-            )  # fmt: skip
+            )
             return
         depth = GaugeMetricFamily(
-            "sandman_queue_depth", "Acquires waiting at the service, per tenant.",
+            "sandman_queue_depth",
+            "Acquires waiting at the service, per tenant.",
             labels=["pool", "tenant"],
-        )  # fmt: skip
+        )
         for tenant, n in sorted(depths.items()):
             depth.add_metric([pool, tenant], n)
         yield depth
@@ -118,33 +121,51 @@ class Metrics:
         self._pool = pool
         labels = ["pool"]
         self.create_seconds = Histogram(
-            "sandman_create_seconds", "From the create call until the backend accepted it.",
-            labels, registry=self.registry, buckets=_BUCKETS,
-        )  # fmt: skip
+            "sandman_create_seconds",
+            "From the create call until the backend accepted it.",
+            labels,
+            registry=self.registry,
+            buckets=_BUCKETS,
+        )
         self.ready_seconds = Histogram(
-            "sandman_ready_seconds", "From the create call until the sandbox's daemon was ready.",
-            labels, registry=self.registry, buckets=_BUCKETS,
-        )  # fmt: skip
+            "sandman_ready_seconds",
+            "From the create call until the sandbox's daemon was ready.",
+            labels,
+            registry=self.registry,
+            buckets=_BUCKETS,
+        )
         self.delete_seconds = Histogram(
-            "sandman_delete_seconds", "From release until the backend confirmed the sandbox gone.",
-            labels, registry=self.registry, buckets=_BUCKETS,
-        )  # fmt: skip
+            "sandman_delete_seconds",
+            "From release until the backend confirmed the sandbox gone.",
+            labels,
+            registry=self.registry,
+            buckets=_BUCKETS,
+        )
         self.acquire_seconds = Histogram(
-            "sandman_acquire_seconds", "Acquires at the service, until answered, by outcome.",
-            [*labels, "outcome"], registry=self.registry, buckets=_BUCKETS,
-        )  # fmt: skip
+            "sandman_acquire_seconds",
+            "Acquires at the service, until answered, by outcome.",
+            [*labels, "outcome"],
+            registry=self.registry,
+            buckets=_BUCKETS,
+        )
         self.backend_errors = Counter(
-            "sandman_backend_errors", "Failed backend calls, by operation and kind.",
-            [*labels, "operation", "kind"], registry=self.registry,
-        )  # fmt: skip
+            "sandman_backend_errors",
+            "Failed backend calls, by operation and kind.",
+            [*labels, "operation", "kind"],
+            registry=self.registry,
+        )
         self.lost = Counter(
-            "sandman_sandboxes_lost", "Sandboxes that died by themselves, by reason.",
-            [*labels, "reason"], registry=self.registry,
-        )  # fmt: skip
+            "sandman_sandboxes_lost",
+            "Sandboxes that died by themselves, by reason.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
         self.events = Counter(
-            "sandman_pool_events", "Pool lifecycle events, by name.",
-            [*labels, "event"], registry=self.registry,
-        )  # fmt: skip
+            "sandman_pool_events",
+            "Pool lifecycle events, by name.",
+            [*labels, "event"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pool, queue_depths, tenant_labels))
         self._started: dict[str, float] = {}
         self._released: dict[str, float] = {}
@@ -209,9 +230,10 @@ def check_scrape(
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise ApiError(
-            "unauthorized", "metrics need a key: Authorization: Bearer <metrics key>",
+            "unauthorized",
+            "metrics need a key: Authorization: Bearer <metrics key>",
             headers={"WWW-Authenticate": "Bearer"},
-        )  # fmt: skip
+        )
     if hmac.compare_digest(key.encode(), settings.metrics_key.get_secret_value().encode()):
         return
     try:
@@ -220,6 +242,7 @@ def check_scrape(
         tenant = None
     if tenant is None or tenant not in settings.admin_tenants:
         raise ApiError(
-            "unauthorized", "this key may not read the metrics",
+            "unauthorized",
+            "this key may not read the metrics",
             headers={"WWW-Authenticate": "Bearer"},
-        )  # fmt: skip
+        )

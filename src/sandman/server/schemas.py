@@ -224,13 +224,23 @@ def sandbox_out(
     if endpoint and info is not None and info.endpoint is not None:
         e = info.endpoint
         where = Endpoint(
-            uds=e.uds, host=e.host, port=e.port, token=e.token, pid=e.pid,
+            uds=e.uds,
+            host=e.host,
+            port=e.port,
+            token=e.token,
+            pid=e.pid,
             proxy=f"/v1/sandboxes/{record.id}/daemon",
-        )  # fmt: skip
+        )
     return SandboxOut(
-        id=record.id, state=record.state, session=record.session, image=record.spec.image,
-        spec=record.spec, expires_at=record.expires_at, timeline=dict(record.timeline),
-        endpoint=where, running=running,
+        id=record.id,
+        state=record.state,
+        session=record.session,
+        image=record.spec.image,
+        spec=record.spec,
+        expires_at=record.expires_at,
+        timeline=dict(record.timeline),
+        endpoint=where,
+        running=running,
         lost_reason=record.lost.reason if record.lost else None,
         lost_detail=record.lost.detail if record.lost else None,
-    )  # fmt: skip
+    )

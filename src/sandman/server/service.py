@@ -289,12 +289,13 @@ class Service:
         seen = {r.id for r in live}
         records: Iterable[Record] = [*live, *(r for r in self._recent.values() if r.id not in seen)]
         return [
-            r for r in records
+            r
+            for r in records
             if tenant_of(r) == tenant
             and (session is None or r.session == session)
             and (state is None or r.state == state)
             and (image is None or r.spec.image == image)
-        ]  # fmt: skip
+        ]
 
     # -- shutdown ---------------------------------------------------------------------
 

@@ -31,10 +31,24 @@ PREFIX = "SANDMAN-WITNESS "
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Events worth a look; everything else returns at once (the hook sees every event).
 _EVENTS = frozenset(
-    {"open", "os.kill", "os.killpg", "os.fork", "object.__setattr__", "gc.get_objects",
-     "gc.get_referrers", "gc.get_referents", "sys.settrace", "sys.setprofile",
-     "os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "ctypes.dlsym"}
-)  # fmt: skip
+    {
+        "open",
+        "os.kill",
+        "os.killpg",
+        "os.fork",
+        "object.__setattr__",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "sys.settrace",
+        "sys.setprofile",
+        "os.system",
+        "subprocess.Popen",
+        "os.exec",
+        "os.posix_spawn",
+        "ctypes.dlsym",
+    }
+)
 _FRAMEWORK_MODULES = ("_pytest", "pytest", "pluggy", "unittest", "sandman_eval_witness",
                       "sitecustomize")  # fmt: skip
 
@@ -82,8 +96,9 @@ class _Witness:
 
     def test(self, name: str, status: str, alias: str = "") -> None:
         self.tests += 1
-        self.emit("test", name=name, status=status, alias=alias,
-                  patch_on_stack=self.patch_frame() or "")  # fmt: skip
+        self.emit(
+            "test", name=name, status=status, alias=alias, patch_on_stack=self.patch_frame() or ""
+        )
 
     def finish(self, **fields: Any) -> None:
         if not self.finished:
@@ -109,8 +124,13 @@ class _Witness:
             self.watched[i] = (label, owner, name, now)
             where = self._patch_file(_code_file(now))
             if where:
-                self.emit("audit", event="rewrite", what="rewrote the test framework",
-                          target=label, patch=where)  # fmt: skip
+                self.emit(
+                    "audit",
+                    event="rewrite",
+                    what="rewrote the test framework",
+                    target=label,
+                    patch=where,
+                )
         if config is not None:
             for hook in _PYTEST_REPORTING_HOOKS:
                 caller = getattr(config.pluginmanager.hook, hook, None)
@@ -118,8 +138,13 @@ class _Witness:
                     where = self._patch_file(_code_file(impl.function))
                     if where and (hook, where) not in self.hooked:
                         self.hooked.add((hook, where))
-                        self.emit("audit", event="hookimpl", what="implements pytest's reporting",
-                                  target=hook, patch=where)  # fmt: skip
+                        self.emit(
+                            "audit",
+                            event="hookimpl",
+                            what="implements pytest's reporting",
+                            target=hook,
+                            patch=where,
+                        )
 
     def _patch_file(self, name: Optional[str]) -> Optional[str]:
         if not name:
@@ -169,24 +194,35 @@ class _Witness:
             if reason is None and path.startswith(self.work + "/"):
                 reason = "read the grader's files"
             if reason is not None:
-                self.emit("audit", event=event, what=reason, path=path,
-                          patch=self.patch_frame() or "")  # fmt: skip
+                self.emit(
+                    "audit", event=event, what=reason, path=path, patch=self.patch_frame() or ""
+                )
         elif event in ("os.kill", "os.killpg"):
             pid, sig = args[0], args[1]
             if pid in (0, self.pid, os.getppid(), -self.pid) or (
                 event == "os.killpg" and pid == os.getpgid(0)
             ):
-                self.emit("audit", event=event, what="signalled its own test process",
-                          signal=int(sig), patch=self.patch_frame() or "")  # fmt: skip
+                self.emit(
+                    "audit",
+                    event=event,
+                    what="signalled its own test process",
+                    signal=int(sig),
+                    patch=self.patch_frame() or "",
+                )
         elif event == "object.__setattr__":
             target = args[0]
             module = getattr(target, "__module__", "") or ""
             if isinstance(module, str) and module.split(".")[0] in _FRAMEWORK_MODULES:
                 where = self.patch_frame()
                 if where:
-                    self.emit("audit", event=event, what="rewrote the test framework",
-                              target="%s.%s" % (module, getattr(target, "__qualname__", "?")),
-                              attribute=str(args[1]), patch=where)  # fmt: skip
+                    self.emit(
+                        "audit",
+                        event=event,
+                        what="rewrote the test framework",
+                        target="%s.%s" % (module, getattr(target, "__qualname__", "?")),
+                        attribute=str(args[1]),
+                        patch=where,
+                    )
         else:
             where = self.patch_frame()
             if where:
@@ -318,15 +354,22 @@ def start(mode: str) -> Optional[_Witness]:
         return None  # another process took it first
     _witness = _Witness(config)
     audit = getattr(sys, "addaudithook", None)
-    _witness.emit("start", pid=_witness.pid, python=sys.version.split()[0],
-                  mode=mode, audit=audit is not None)  # fmt: skip
+    _witness.emit(
+        "start", pid=_witness.pid, python=sys.version.split()[0], mode=mode, audit=audit is not None
+    )
     if audit is not None:
         audit(_witness.audit)
     register = getattr(os, "register_at_fork", None)
     if register is not None:
         witness = _witness
-        register(before=lambda: witness.emit("audit", event="os.fork", what="forked the test process",
-                                             patch=witness.patch_frame() or ""))  # fmt: skip
+        register(
+            before=lambda: witness.emit(
+                "audit",
+                event="os.fork",
+                what="forked the test process",
+                patch=witness.patch_frame() or "",
+            )
+        )
     if mode == "unittest":
         _hook_unittest(_witness)
         _watch_all(_witness, _UNITTEST_WATCH)

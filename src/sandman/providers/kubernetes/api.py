@@ -87,8 +87,10 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
         raise errors.CapacityError(message)
     if status in (401, 403):
         error = Forbidden if status == 403 else errors.ConfigError
-        raise error(f"{message} (check the identity's Role: pods create/get/list/patch/"
-                    "watch/delete in the namespace)")  # fmt: skip
+        raise error(
+            f"{message} (check the identity's Role: pods create/get/list/patch/"
+            "watch/delete in the namespace)"
+        )
     if status == 404:
         raise errors.SandboxNotFound(message)
     if status == 400:
@@ -130,9 +132,11 @@ class KubeAPI:
                 ssl=self._credentials.ssl_context, limit=self._max_connections
             )
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, read_bufsize=2**16,
+                connector=connector,
+                timeout=self._timeout,
+                read_bufsize=2**16,
                 headers={"Accept": "application/json", "User-Agent": "sandman"},
-            )  # fmt: skip
+            )
         return self._session
 
     def _headers(self) -> dict[str, str]:

@@ -58,9 +58,11 @@ def load_credentials(config: KubernetesConfig) -> Credentials:
     if config.server is not None:
         context = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
         return Credentials(
-            server=config.server.rstrip("/"), namespace=config.namespace or "default",
-            ssl_context=context, token_file=config.token_file,
-        )  # fmt: skip
+            server=config.server.rstrip("/"),
+            namespace=config.namespace or "default",
+            ssl_context=context,
+            token_file=config.token_file,
+        )
     if (SERVICE_ACCOUNT / "token").is_file():
         host = os.environ.get("KUBERNETES_SERVICE_HOST")
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -69,10 +71,11 @@ def load_credentials(config: KubernetesConfig) -> Credentials:
         namespace = config.namespace or (SERVICE_ACCOUNT / "namespace").read_text().strip()
         host = f"[{host}]" if ":" in host else host
         return Credentials(
-            server=f"https://{host}:{port}", namespace=namespace,
+            server=f"https://{host}:{port}",
+            namespace=namespace,
             ssl_context=ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt")),
             token_file=SERVICE_ACCOUNT / "token",
-        )  # fmt: skip
+        )
     raise errors.ConfigError(
         "no Kubernetes credentials: set kubeconfig, or server (+ token_file, ca_file), "
         "or run in a pod with a service account"
@@ -122,8 +125,10 @@ def _from_kubeconfig(config: KubernetesConfig) -> Credentials:
     return Credentials(
         server=str(server).rstrip("/"),
         namespace=config.namespace or context.get("namespace") or "default",
-        ssl_context=tls, token=user.get("token"), token_file=token_file,
-    )  # fmt: skip
+        ssl_context=tls,
+        token=user.get("token"),
+        token_file=token_file,
+    )
 
 
 def _named(doc: dict[str, Any], kind: str, name: object, path: Path, key: str) -> dict[str, Any]:

@@ -76,10 +76,14 @@ policy selects it. No other pod carries the key."""
 
 KWOK_NO_DELAY: dict[str, str] = {
     f"{stage}.stage.kwok.x-k8s.io/{key}": "0s"
-    for stage in ("pod-create", "pod-init-container-running", "pod-init-container-completed",
-                  "pod-ready")
+    for stage in (
+        "pod-create",
+        "pod-init-container-running",
+        "pod-init-container-completed",
+        "pod-ready",
+    )
     for key in ("delay", "jitter-delay")
-}  # fmt: skip
+}
 """Pod annotations (`KubernetesConfig.annotations`) for simulated KWOK nodes: their
 general pod stages wait 1-6 s each to imitate slow nodes; a benchmark or test of the
 API server (``readiness="pod"``) needs no such wait."""
@@ -94,9 +98,15 @@ _USER = re.compile(r"^(\d+)(?::(\d+))?$")
 # Kubelet reasons for a container that waits on its image; `transient_pull_failure` says
 # which are worth waiting on (a failed pull is judged by its message).
 _IMAGE_REASONS = frozenset(
-    {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
-     "ImageInspectError", "RegistryUnavailable"}
-)  # fmt: skip
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "ImageInspectError",
+        "RegistryUnavailable",
+    }
+)
 _PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff"})
 # The kubelet's wordings around containerd's (1.6) and Go's errors, e.g. "...: failed to
 # resolve reference "r/i:1": pulling from host r failed with status code [manifests 1]:
@@ -116,8 +126,9 @@ _TRANSIENT = re.compile(
     r"|deadline exceeded|pull qps exceeded",
     re.IGNORECASE,
 )
-_CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError",
-                             "RunContainerError", "CrashLoopBackOff"})  # fmt: skip
+_CONFIG_REASONS = frozenset(
+    {"CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff"}
+)
 # What a runtime that cannot mount image volumes says about the daemon's: the kubelet
 # sends the mount with an image and no host path, which older runtimes do not read.
 _NO_IMAGE_VOLUME = re.compile(
@@ -199,10 +210,13 @@ def _security(spec: SandboxSpec, level: str) -> tuple[dict[str, Any], dict[str, 
 def _installer_security() -> dict[str, Any]:
     """The init container's: restricted whatever the level; it only copies a file."""
     return {
-        "runAsUser": INSTALLER_UID, "runAsGroup": INSTALLER_UID, "runAsNonRoot": True,
-        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "runAsUser": INSTALLER_UID,
+        "runAsGroup": INSTALLER_UID,
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
-    }  # fmt: skip
+    }
 
 
 def _check_reserved(config: KubernetesConfig, spec: SandboxSpec, labels: Mapping[str, str]) -> None:
@@ -610,8 +624,12 @@ def pod_info(
         else None
     )
     return SandboxInfo(
-        id=metadata.get("name", ""), provider=provider, state=state,
-        labels=dict(metadata.get("labels") or {}), created_at=_created_at(pod),
-        image=main.get("image", ""), endpoint=endpoint,
+        id=metadata.get("name", ""),
+        provider=provider,
+        state=state,
+        labels=dict(metadata.get("labels") or {}),
+        created_at=_created_at(pod),
+        image=main.get("image", ""),
+        endpoint=endpoint,
         lost=loss(pod) if state == "stopped" else None,
-    )  # fmt: skip
+    )

@@ -59,9 +59,10 @@ class KubernetesProvider:
         credentials = load_credentials(self.config)
         self.namespace = credentials.namespace
         self.api = KubeAPI(
-            credentials, timeout=self.config.request_timeout,
+            credentials,
+            timeout=self.config.request_timeout,
             max_connections=self.config.max_connections,
-        )  # fmt: skip
+        )
         self._selector = "=".join(pods.MANAGED_BY)
         self.watch = PodWatch(self.api, self._selector)
         self.watch.others = self._on_pod
@@ -87,9 +88,13 @@ class KubernetesProvider:
         token = secrets.token_urlsafe(32)
         preferred = await self.node_images.term(spec.image) if self.node_images else None
         body = pods.pod_manifest(
-            name=name, spec=spec, labels=labels or {}, token=token, config=self.config,
+            name=name,
+            spec=spec,
+            labels=labels or {},
+            token=token,
+            config=self.config,
             preferred=preferred,
-        )  # fmt: skip
+        )
         try:
             async with asyncio.timeout(self.config.start_timeout):
                 await self.watch.ensure_started()

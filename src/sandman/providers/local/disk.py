@@ -160,8 +160,11 @@ def _make_image(image: Path, size: int) -> None:
         os.close(fd)
     done = subprocess.run(
         [mkfs, "-q", "-f", "-m", "single", "-d", "single", "--nodiscard", str(partial)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if done.returncode != 0:
         partial.unlink()
         raise errors.ProviderError(f"mkfs.btrfs {partial} failed: {done.stderr.strip()}")
@@ -214,8 +217,11 @@ class DiskPool:
             _make_image(self.image, max(_MIN_IMAGE, stats.f_blocks * stats.f_frsize))
         done = subprocess.run(
             ["mount", "-t", "btrfs", "-o", _MOUNT_OPTIONS, str(self.image), str(self.root)],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         if done.returncode != 0:
             raise errors.ProviderError(f"cannot mount {self.image}: {done.stderr.strip()}")
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)

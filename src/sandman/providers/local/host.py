@@ -46,8 +46,10 @@ def prepare_cgroups() -> None:
     target.mkdir(exist_ok=True)
     subprocess.run(
         ["mount", "-t", "cgroup", "-o", "hugetlb", "cgroup", str(target)],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def remove_cgroup_parent(parent: str) -> list[Path]:

@@ -520,9 +520,13 @@ class NetworkManager:
                 await self._remove_links(netns, host_if)
             await _run("ip", "-batch", "-", stdin=_host_batch(netns, host_if, attachment.host_ip))
             await _run(
-                "ip", "-n", netns, "-batch", "-",
+                "ip",
+                "-n",
+                netns,
+                "-batch",
+                "-",
                 stdin=_inside_batch(attachment.sandbox_ip, attachment.host_ip),
-            )  # fmt: skip
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.teardown(sandbox_id)
@@ -578,14 +582,16 @@ class NetworkManager:
             # One transaction, the policy before the interface: never out unfiltered.
             policy = _policy_sets(egress_if, self.egress, "add")
             await _run(
-                "nft", "-f", "-",
+                "nft",
+                "-f",
+                "-",
                 stdin=(
                     f"add element inet {TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
                     f"add element ip {NAT_TABLE} uplink_ifs {{ {json.dumps(uplink)} }}\n"
                     f"{policy}"
                     f"add element inet {TABLE} egress_ifs {{ {json.dumps(egress_if)} }}\n"
                 ),
-            )  # fmt: skip
+            )
         if egress_if is not None:
             ip_forward = anyio.Path(IP_FORWARD)
             current = (await ip_forward.read_text()).strip()
@@ -610,9 +616,11 @@ class NetworkManager:
             if entry["mode"] == "egress"
         }
         await _run(
-            "nft", "-f", "-",
+            "nft",
+            "-f",
+            "-",
             stdin=ruleset(egress_ifs=policies, uplinks=state["uplinks"], policies=policies),
-        )  # fmt: skip
+        )
         return False
 
     async def ensure(self) -> bool:

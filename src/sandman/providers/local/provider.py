@@ -104,17 +104,22 @@ class LocalProvider:
                 f"--network={self.config.runsc_network}",
             ]
         self._runtime = OCIRuntime(
-            binary, state / "runtime" / self.config.runtime,
-            kind=self.config.runtime, timeout=self.config.stop_timeout, global_args=global_args,
-        )  # fmt: skip
+            binary,
+            state / "runtime" / self.config.runtime,
+            kind=self.config.runtime,
+            timeout=self.config.stop_timeout,
+            global_args=global_args,
+        )
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
         self.network = NetworkManager(
-            state_dir=state, subnet=self.config.subnet, uplink=self.config.uplink,
+            state_dir=state,
+            subnet=self.config.subnet,
+            uplink=self.config.uplink,
             egress=EgressPolicy.of(
                 DEFAULT_EGRESS_DENY if self.config.egress_deny is None else self.config.egress_deny,
                 self.config.egress_allow,
             ),
-        )  # fmt: skip
+        )
         self.disk = DiskPool(state)
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
@@ -210,10 +215,14 @@ class LocalProvider:
                 raise _state_error(sid, directory, exc) from exc
             raise
         return SandboxInfo(
-            id=sid, provider=self.name, state="running", labels=all_labels,
-            created_at=created_at, image=spec.image,
+            id=sid,
+            provider=self.name,
+            state="running",
+            labels=all_labels,
+            created_at=created_at,
+            image=spec.image,
             endpoint=endpoint,
-        )  # fmt: skip
+        )
 
     async def _start(
         self,
@@ -262,12 +271,17 @@ class LocalProvider:
             tcp = DaemonEndpoint(host=attachment.sandbox_ip, port=GVISOR_DAEMON_PORT, token=token)
             _write(directory / _TCP_ENDPOINT, json.dumps({"host": tcp.host, "port": tcp.port}))
         config = oci.config(
-            sandbox_id=sid, spec=spec, image_env=image.config.env,
+            sandbox_id=sid,
+            spec=spec,
+            image_env=image.config.env,
             workdir=spec.workdir or image.config.working_dir or "/",
-            uid=uid, gid=gid, cgroup_parent=self.config.cgroup_parent, layout=layout,
+            uid=uid,
+            gid=gid,
+            cgroup_parent=self.config.cgroup_parent,
+            layout=layout,
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
             seccomp=await seccomp.resolve(spec.seccomp),
-        )  # fmt: skip
+        )
         _write(directory / "config.json", json.dumps(config))
         overlay = (image.rootfs, layer / "upper", layer / "work", directory / "rootfs")
         if gvisor:
@@ -288,9 +302,13 @@ class LocalProvider:
             os.close(token_write)
             token_write = -1
             pid = await self._runtime.create(
-                sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon,
+                sid,
+                directory,
+                log=directory / "log",
+                overlay=overlay,
+                helper=self._daemon,
                 pass_fds=(listener.fileno(), token_read),
-            )  # fmt: skip
+            )
         finally:
             listener.close()
             os.close(token_read)
@@ -418,10 +436,15 @@ class LocalProvider:
             with contextlib.suppress(OSError):
                 created_at = directory.stat().st_mtime
         return SandboxInfo(
-            id=sid, provider=self.name, state=state, labels=meta.get("labels", {}),
-            created_at=created_at or 0.0, image=meta.get("image", ""), endpoint=endpoint,
+            id=sid,
+            provider=self.name,
+            state=state,
+            labels=meta.get("labels", {}),
+            created_at=created_at or 0.0,
+            image=meta.get("image", ""),
+            endpoint=endpoint,
             lost=self._loss(sid, None) if state == "stopped" else None,
-        )  # fmt: skip
+        )
 
     async def remove_strays(self, *, older_than: float) -> builtins.list[str]:
         """Remove what creates killed before their record was whole left (directories
