@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-__all__ = ["Handler", "Served", "count_then_answer", "echo", "eventually", "http_hello", "serve"]
+from tests.support import eventually
+
+__all__ = ["Handler", "Served", "count_then_answer", "echo", "http_hello", "serve"]
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -46,12 +48,6 @@ async def serve(handler: Handler) -> AsyncIterator[Served]:
         server.close()
         await server.wait_closed()
         await eventually(lambda: served.active == 0)
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

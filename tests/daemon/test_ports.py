@@ -26,11 +26,11 @@ from tests.daemon.tcp import (
     Served,
     count_then_answer,
     echo,
-    eventually,
     http_hello,
     serve,
 )
 from tests.daemon.test_spec import REGISTRY, SPEC
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

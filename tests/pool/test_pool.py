@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,16 +12,11 @@ import sandman
 from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
 from sandman.testing import FakeProvider, Faults
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(image="task")
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -138,6 +133,27 @@ async def test_queued_requests_of_a_gone_caller_are_never_created(fake: FakeProv
         await asyncio.gather(*tasks, return_exceptions=True)
         await eventually(lambda: fake.creating == 0 and fake.live == 0)
         assert fake.created_total <= 4  # only what was already in the window
+
+
+async def test_an_untyped_failure_of_a_reconcile_does_not_stop_maintenance(
+    fake: FakeProvider, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by the chaos suite: an OSError out of the provider's list ended the
+    # maintenance loop, and no session expired nor anything was reaped after it.
+    events: list[PoolEvent] = []
+    config = PoolConfig(name="t", lease=0.3, reconcile_interval=0.05)
+    async with Pool(fake, config, hook=events.append) as pool:
+        quiet = pool.open_session()
+        await pool.acquire(SPEC, session=quiet)
+
+        async def broken(**_: object) -> list[object]:
+            raise OSError(30, "Read-only file system")
+
+        monkeypatch.setattr(fake, "list", broken)
+        await eventually(lambda: "reconcile.failed" in [e.name for e in events])
+        await eventually(lambda: fake.live == 0, what="the quiet session's sandbox to go")
+        assert "session.expired" in [e.name for e in events]
+    assert "Read-only file system" in caplog.text
 
 
 async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(fake: FakeProvider) -> None:

@@ -16,7 +16,8 @@ from sandman.client.remote import ProxiedEndpoint, RemoteBackend
 from sandman.providers.base import DaemonEndpoint
 from tests.daemon.tcp import count_then_answer, echo, http_hello
 from tests.daemon.tcp import serve as serve_tcp
-from tests.server.conftest import KEY_A, KEY_B, eventually, serve
+from tests.server.conftest import KEY_A, KEY_B, serve
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

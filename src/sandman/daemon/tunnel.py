@@ -37,7 +37,7 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import Protocol, Self
 
-from sandman.daemon._http import ConnectionLost, check_peer
+from sandman._transport import ConnectionLost, check_peer
 from sandman.daemon.protocol import error_from_response
 
 __all__ = ["Dialer", "ExposedPort", "Refused", "Upstream"]

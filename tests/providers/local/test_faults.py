@@ -1,8 +1,10 @@
-"""Faults around a sandbox: a full disk, a broken state directory, a daemon that dies."""
+"""Faults around a sandbox: a full disk, a read-only or full state directory, a daemon that
+dies."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +22,7 @@ from sandman.providers.base import Lost, LostReports, SandboxInfo
 from sandman.providers.local import LocalProvider
 from sandman.providers.local.exits import classify
 from sandman.settings import LocalConfig
-from tests.providers.local.conftest import needs_root_and_crun, ready
+from tests.providers.local.conftest import config_for, needs_root_and_crun, ready
 from tests.providers.local.leaks import assert_nothing_left
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
@@ -96,6 +98,44 @@ async def test_a_broken_state_directory_is_a_provider_error_and_leaves_nothing(
         if fault == "read-only":
             _run("mount", "-o", "remount,rw", str(small_disk))
         filler.unlink(missing_ok=True)
+    await provider.aclose()
+    await assert_nothing_left(provider)
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """``path`` read-only (a read-only bind of it over itself) while the block runs."""
+    _run("mount", "--bind", str(path), str(path))
+    try:
+        _run("mount", "-o", "remount,bind,ro", str(path))
+        yield
+    finally:
+        _run("umount", "-l", str(path))
+
+
+async def test_a_read_only_state_directory_fails_every_call_typed_and_then_recovers(
+    state_dir: Path, busybox_tar: Path
+) -> None:
+    """Found by the chaos suite (embedded/state-ro): past ``create``, the network state,
+    the disk filesystem's lock and the sandbox directory failed with bare OSErrors: the
+    cleanup of a half-created sandbox replaced the create's error with one, and the
+    pool's reconcile died of one."""
+    provider = LocalProvider(config_for(state_dir))
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    kept = await provider.create(SandboxSpec(image="busybox", network="isolated"))
+    with read_only(state_dir / "network"):
+        with pytest.raises(sandman.ProviderError, match="network.*Read-only file system"):
+            await provider.create(SandboxSpec(image="busybox", network="isolated"))
+        with pytest.raises(sandman.ProviderError, match="Read-only file system"):
+            await provider.list()
+    with read_only(state_dir):
+        with pytest.raises(sandman.ProviderError, match="Read-only file system"):
+            await provider.delete(kept.id)
+        with pytest.raises(sandman.ProviderError, match="Read-only file system"):
+            await provider.aclose()
+    # Writable again: what the failed calls left goes with the next delete.
+    for info in await provider.list():
+        await provider.delete(info.id)
     await provider.aclose()
     await assert_nothing_left(provider)
 

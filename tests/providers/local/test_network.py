@@ -488,3 +488,25 @@ async def test_a_ruleset_without_policy_sets_is_replaced(harness: Harness) -> No
         assert e.host_interface in await _policy_elements()
         await _unreachable(_sandbox_ns(e), [(FAKENET_LINK_LOCAL, PORT)])
         assert (await probe(_sandbox_ns(e), FAKENET_IP)).reached
+
+
+@pytest.mark.anyio
+@needs_root_and_ip
+async def test_a_network_that_cannot_be_recorded_is_not_made(harness: Harness) -> None:
+    """Found by the chaos suite (embedded/state-ro): an egress sandbox's set elements were
+    added before its allocation was saved; when the save failed (a read-only or full
+    state directory) they stayed, and no teardown knew of them."""
+    async with fake_internet():
+        await harness.sandbox("isolated")  # the state file exists and stays readable
+        blocker = harness.state_dir / "network" / "alloc.tmp"
+        blocker.mkdir()  # where the new state is written first: every save fails
+        sandbox_id = harness.new_id()
+        try:
+            with pytest.raises(errors.ProviderError, match="network state failed"):
+                await harness.manager.setup(sandbox_id, "egress")
+            _, host_if = network.names(sandbox_id)
+            assert host_if not in await _policy_elements()
+            assert await leftovers([sandbox_id]) == []
+        finally:
+            blocker.rmdir()
+        assert len(await harness.manager.list()) == 1

@@ -136,6 +136,12 @@ def _umount(path: Path) -> None:
             raise OSError(code, os.strerror(code), str(path))
 
 
+def _failed(exc: OSError, where: Path) -> errors.ProviderError:
+    return errors.ProviderError(
+        f"the disk filesystem failed at {exc.filename or where}: {exc.strerror or exc}"
+    )
+
+
 def _make_image(image: Path, size: int) -> None:
     """A sparse file of ``size`` bytes holding an empty btrfs; made aside, then renamed."""
     mkfs = shutil.which("mkfs.btrfs")
@@ -175,11 +181,20 @@ class DiskPool:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        # flock on a fresh open file: excludes other processes and our own threads.
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        """The lock, held while the block runs; a failing state directory (read-only,
+        full) in it is a ProviderError naming the path, not a bare OSError."""
+        try:
+            # flock on a fresh open file: excludes other processes and our own threads.
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise _failed(exc, self._lock_path) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        except OSError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            raise _failed(exc, self.root) from exc
         finally:
             os.close(fd)
 

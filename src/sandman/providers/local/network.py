@@ -56,10 +56,10 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 
@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 NetworkMode = Literal["isolated", "egress"]
 
@@ -283,10 +285,23 @@ def _flock(path: Path, operation: int) -> int:
     return fd
 
 
+async def _on_disk(call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)`` on the state files, in a thread; a failing state directory
+    (read-only, full) is a ProviderError naming the path, not a bare OSError."""
+    try:
+        return await anyio.to_thread.run_sync(call, *args)
+    except OSError as exc:
+        if isinstance(exc, errors.SandboxError):
+            raise
+        raise errors.ProviderError(
+            f"the network state failed at {exc.filename or call}: {exc.strerror or exc}"
+        ) from exc
+
+
 @contextlib.asynccontextmanager
 async def _host_lock(*, shared: bool) -> AsyncIterator[None]:
     operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    fd = await anyio.to_thread.run_sync(_flock, HOST_STATE / "lock", operation)
+    fd = await _on_disk(_flock, HOST_STATE / "lock", operation)
     try:
         yield
     finally:
@@ -439,13 +454,13 @@ class NetworkManager:
     async def _locked(self) -> AsyncIterator[dict[str, Any]]:
         """The state, under the in-process lock and the flock; saved when the block succeeds."""
         async with self._mutex:
-            fd = await anyio.to_thread.run_sync(self._store.acquire)
+            fd = await _on_disk(self._store.acquire)
             try:
-                state = await anyio.to_thread.run_sync(self._store.load)
+                state = await _on_disk(self._store.load)
                 before = json.dumps(state, sort_keys=True)
                 yield state
                 if json.dumps(state, sort_keys=True) != before:
-                    await anyio.to_thread.run_sync(self._store.save, state)
+                    await _on_disk(self._store.save, state)
             finally:
                 os.close(fd)
 
@@ -479,9 +494,17 @@ class NetworkManager:
         # Shared: a reset elsewhere cannot remove the rules until our veth exists.
         async with _host_lock(shared=True):
             taken = await _host_slots(self.subnet)
+            # Saved before anything is made: if the state directory cannot take it (read-only,
+            # full), nothing was; once it is saved, teardown knows what to remove.
             async with self._locked() as state:
                 attachment = self._allocate(state, sandbox_id, mode, netns, host_if, taken)
-                await self._admit(state, host_if if uplink is not None else None, uplink)
+            try:
+                async with self._locked() as state:
+                    await self._admit(state, host_if if uplink is not None else None, uplink)
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await self.teardown(sandbox_id)  # if it fails, the record stays for the next
+                raise
             await self._make_links(sandbox_id, attachment)
         logger.debug("network %s for %s: %s", mode, sandbox_id, attachment)
         return attachment
