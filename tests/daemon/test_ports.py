@@ -17,6 +17,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 import sandman
+from sandman._transport import HTTPTransport
 from sandman.daemon import DaemonClient
 from sandman.daemon.tunnel import Dialer, ExposedPort, Refused
 from tests.daemon.conftest import TOKEN
@@ -313,3 +314,15 @@ async def test_a_flood_is_held_back_while_the_local_side_does_not_read(tmp_path:
         assert sent < 64 * 1024 * 1024, sent
         writer.close()
         await writer.wait_closed()
+
+
+async def test_a_client_on_a_transport_of_its_own_has_no_address_to_expose(
+    daemon: RunningDaemon,
+) -> None:
+    assert daemon.uds is not None
+    client = DaemonClient(transport=HTTPTransport(uds=daemon.uds))
+    try:
+        with pytest.raises(sandman.ConfigError, match="transport="):
+            await client.expose(80)
+    finally:
+        await client.aclose()
