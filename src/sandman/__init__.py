@@ -18,6 +18,7 @@ from sandman.client import (
     local_sync,
 )
 from sandman.daemon import DaemonClient, daemon_path
+from sandman.daemon.tunnel import ExposedPort
 from sandman.errors import (
     CapacityError,
     CommandFailed,
@@ -84,6 +85,7 @@ __all__ = [
     "ExecEvent",
     "ExecResult",
     "ExecTimeout",
+    "ExposedPort",
     "FileStat",
     "FileTooLarge",
     "Health",

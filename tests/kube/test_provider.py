@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
+import httpx
 import pytest
 
 import sandman
@@ -80,6 +81,29 @@ async def test_a_sandbox_from_an_unmodified_image_keeps_files_and_processes(
             return await admin.pod(sandbox_id) is None
 
         await wait_for("the released sandbox's pod to go", 60, gone)
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + 180)
+async def test_a_port_in_a_pod_through_its_daemon(
+    kube_cluster: KubeCluster, pool_name: str
+) -> None:
+    """Issue 16, gap 6: ``expose`` over the pod IP, to a server on the pod's loopback."""
+    config = config_for(kube_cluster)
+    async with sandman.kubernetes(config, pool=PoolConfig(name=pool_name)) as client:
+        async with client.sandbox(real_node_spec(kube_cluster), timeout=120) as sb:
+            await sb.write_file("/tmp/www/index.html", "hello from a pod\n")
+            await sb.spawn(["busybox", "httpd", "-f", "-p", "127.0.0.1:8080", "-h", "/tmp/www"])
+            exposed = await sb.expose(8080)
+            async with httpx.AsyncClient() as http:
+                with anyio.fail_after(60):
+                    while True:
+                        try:
+                            answer = await http.get(exposed.url + "/index.html")
+                            break
+                        except httpx.TransportError:
+                            await anyio.sleep(0.05)
+            assert answer.text == "hello from a pod\n"
+        assert exposed.closed and exposed.connections == 0
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 120)

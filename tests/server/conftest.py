@@ -86,11 +86,13 @@ def serve(
     *,
     daemon: bool = True,
     pool_config: PoolConfig | None = None,
+    http: str = "h11",
     **overrides: Any,
 ) -> Iterator[Served]:
     """Serve a fresh FakeProvider-backed pool on 127.0.0.1:<free port> until the block ends.
 
     The app's lifespan starts the pool and, at the end, shuts the service down.
+    ``http`` is uvicorn's HTTP implementation (``sandman serve`` runs httptools).
     """
 
     @contextlib.asynccontextmanager
@@ -100,7 +102,7 @@ def serve(
             app = create_app(pool, settings(close_pool=True, **overrides))
             yield app, (app, pool, provider)
 
-    with serve_in_thread(setup) as (url, (app, pool, provider), loop):
+    with serve_in_thread(setup, http=http) as (url, (app, pool, provider), loop):
         yield Served(url, app, pool, provider, loop)
 
 
@@ -109,6 +111,7 @@ def serve_in_thread(
     setup: Callable[[], contextlib.AbstractAsyncContextManager[tuple[FastAPI, T]]],
     *,
     name: str = "uvicorn",
+    http: str = "h11",
     start_timeout: float = 20.0,
     stop_timeout: float = 30.0,
 ) -> Iterator[tuple[str, T, asyncio.AbstractEventLoop]]:
@@ -128,7 +131,7 @@ def serve_in_thread(
     async def main() -> None:
         async with setup() as (app, extra):
             server = uvicorn.Server(
-                uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http="h11")
+                uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http=http)
             )
             box.update(server=server, extra=extra, loop=asyncio.get_running_loop())
             await server.serve(sockets=[sock])

@@ -8,11 +8,14 @@ import socket
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 import sandman
 from sandman.client.remote import ProxiedEndpoint, RemoteBackend
 from sandman.providers.base import DaemonEndpoint
+from tests.daemon.tcp import count_then_answer, echo, http_hello
+from tests.daemon.tcp import serve as serve_tcp
 from tests.server.conftest import KEY_A, KEY_B, serve
 from tests.support import eventually
 
@@ -198,3 +201,83 @@ async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) ->
                 while _alive(child):
                     await anyio.sleep(0.01)
         await eventually(lambda: served.provider.live == 0)
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_a_port_through_the_proxy(http: str) -> None:
+    """Issue 16, gap 6 through the route: the full-duplex form, to servers on this host
+    (the fake's daemons run here), with both of uvicorn's HTTP implementations."""
+    async with (
+        serve_tcp(http_hello) as web,
+        serve_tcp(echo) as echoed,
+        serve_tcp(count_then_answer) as counted,
+    ):
+        with serve(http=http) as served:
+            async with (
+                sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client,
+                client.sandbox("task", timeout=20) as sb,
+            ):
+                assert isinstance(sb._lease.endpoint, ProxiedEndpoint)
+                exposed = await sb.expose(web.port)
+                async with httpx.AsyncClient(base_url=exposed.url) as web_client:
+                    for path in ("/a", "/b"):
+                        assert (await web_client.get(path)).text == f"hello from {path}"
+                # Bulk both ways at once, then the half-close, both carried as chunks.
+                data = os.urandom(8 * 1024 * 1024)
+                async with await sb.expose(echoed.port) as tunnel:
+                    reader, writer = await asyncio.open_connection(tunnel.host, tunnel.port)
+                    sending = asyncio.ensure_future(_write_all(writer, data))
+                    back = await reader.readexactly(len(data))
+                    await sending
+                    assert back == data
+                    writer.write_eof()
+                    assert await reader.read() == b""
+                    writer.close()
+                    await writer.wait_closed()
+                counter = await sb.expose(counted.port)
+                reader, writer = await asyncio.open_connection(counter.host, counter.port)
+                writer.write(b"z" * 300_000)
+                writer.write_eof()
+                assert await reader.read() == b"got 300000"
+                writer.close()
+                await writer.wait_closed()
+                # Nothing listens: the daemon's refusal, passed on by the service.
+                with socket.create_server(("127.0.0.1", 0)) as probe:
+                    closed_port = probe.getsockname()[1]
+                nowhere = await sb.expose(closed_port)
+                reader, writer = await asyncio.open_connection(nowhere.host, nowhere.port)
+                assert await reader.read() == b""
+                writer.close()
+                await writer.wait_closed()
+                assert nowhere.last_failure is not None
+                assert nowhere.last_failure.startswith("connection_refused: nothing listens")
+                # The route's own refusals: a port out of range, another tenant's sandbox.
+                route = f"{served.url}/v1/sandboxes/{sb.id}/daemon/v1/ports"
+                async with httpx.AsyncClient() as raw:
+                    answer = await raw.post(
+                        f"{route}/0/connect", headers={"Authorization": f"Bearer {KEY_A}"}
+                    )
+                    assert answer.status_code == 422
+                    answer = await raw.post(
+                        f"{route}/{echoed.port}/connect",
+                        headers={"Authorization": f"Bearer {KEY_B}"},
+                    )
+                    assert answer.json()["error"]["code"] == "sandbox_not_found"
+                # A caller that leaves mid-stream: the service lets go of the daemon's
+                # connection, and the daemon of the port's.
+                left = await sb.expose(echoed.port)
+                reader, writer = await asyncio.open_connection(left.host, left.port)
+                writer.write(b"ping")
+                assert await reader.readexactly(4) == b"ping"
+                writer.close()
+                await writer.wait_closed()
+                await eventually(lambda: echoed.active == 0 and left.connections == 0)
+            assert exposed.closed and counter.closed and left.closed
+            await eventually(lambda: served.provider.live == 0)
+        assert web.active == echoed.active == counted.active == 0
+
+
+async def _write_all(writer: asyncio.StreamWriter, data: bytes) -> None:
+    for i in range(0, len(data), 1024 * 1024):
+        writer.write(data[i : i + 1024 * 1024])
+        await writer.drain()

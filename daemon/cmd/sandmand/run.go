@@ -176,23 +176,25 @@ func run(cfg config, logger *log.Logger) error {
 	case err := <-serveErr:
 		return fmt.Errorf("serving: %w", err)
 	}
-	shutdown(hs, listeners, rp, cfg.shutdownGrace, logger)
+	shutdown(hs, srv, listeners, rp, cfg.shutdownGrace, logger)
 	return nil
 }
 
 // shutdown stops in order. First it stops accepting: the listening sockets
 // refuse connections, idle keep-alive connections are closed (a client
-// reusing one sees it closed before any answer, and may resend), and a
-// connection in use closes after its answer. Then it stops the processes
+// reusing one sees it closed before any answer, and may resend), a
+// connection in use closes after its answer, and connections to ports in
+// the sandbox (tunnels) are closed. Then it stops the processes
 // it started, so that requests waiting on them (an exec, a wait, a long
 // poll) answer; they get answerGrace to do so, then whatever connection is
 // left is closed. A request already read when this began may still start a
 // process after the SIGTERM: the SIGKILL after the grace ends it.
-func shutdown(hs *http.Server, listeners []net.Listener, rp *reaper.Reaper, grace time.Duration, logger *log.Logger) {
+func shutdown(hs *http.Server, srv *server.Server, listeners []net.Listener, rp *reaper.Reaper, grace time.Duration, logger *log.Logger) {
 	for _, l := range listeners {
 		stopListening(l)
 	}
 	hs.SetKeepAlivesEnabled(false) // closes the idle connections
+	srv.CloseTunnels()             // http.Server no longer knows hijacked connections
 	stopChildren(rp, grace)
 	ctx, cancel := context.WithTimeout(context.Background(), answerGrace)
 	defer cancel()

@@ -49,6 +49,7 @@ type Server struct {
 	runner    *proc.Runner
 	procs     *proc.Manager
 	sessions  *proc.SessionManager
+	tunnels   tunnels
 	routes    []route
 }
 
@@ -106,6 +107,7 @@ func New(o Options) (*Server, error) {
 		{"POST", "/v1/files/move", false, s.fileMove},
 		{"PUT", "/v1/archive", false, s.archiveUpload},
 		{"GET", "/v1/archive", false, s.archiveDownload},
+		{"GET", "/v1/ports/{id}/connect", false, s.portConnect},
 	}
 	return s, nil
 }

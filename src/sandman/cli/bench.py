@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "burst": "burst.py",
     "density": "density.py",
     "service-overhead": "service_overhead.py",
+    "expose": "expose.py",
 }
 """Names ``sandman bench`` knows and their scripts in ``benchmarks/``."""
 DEFAULT = ("latency", "burst")

@@ -175,6 +175,8 @@ class AsyncSandbox:
     download_archive = _guarded(DaemonClient.download_archive)
     download_tree = _guarded(DaemonClient.download_tree)
 
+    expose = _guarded(DaemonClient.expose)
+
 
 class AsyncClient:
     """Sandboxes for one client session, from a backend (``sandman.local()`` for the embedded pool).

@@ -129,6 +129,8 @@ class Sandbox:
     upload_archive = _blocking(AsyncSandbox.upload_archive)
     download_archive = _blocking(AsyncSandbox.download_archive)
     download_tree = _blocking(AsyncSandbox.download_tree)
+    # Its listener runs on the portal's loop; `ExposedPort.close` (and ``with``) reach it there.
+    expose = _blocking(AsyncSandbox.expose)
 
 
 class Client:

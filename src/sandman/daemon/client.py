@@ -30,6 +30,7 @@ from sandman._transport import (
     iter_lines,
 )
 from sandman.daemon import protocol
+from sandman.daemon.tunnel import Dialer, ExposedPort
 from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED, TarExtractor
 from sandman.models import (
     ArchiveResult,
@@ -117,6 +118,9 @@ class DaemonClient:
         # Behind a gateway (``base_path``, e.g. the service's proxy route), the
         # gateway's own "cannot reach it" answers mean what a failed connect means.
         self._gateway = bool(base_path)
+        self._dialer: Dialer | None = None
+        self._exposed: list[ExposedPort] = []
+        self._closed = False
         if transport is not None:
             given = (uds, host, port, token, headers, ssl, peer_pid)
             if base_path or any(arg is not None for arg in given):
@@ -137,6 +141,11 @@ class DaemonClient:
         )  # fmt: skip
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
         self._address += base_path.rstrip("/")
+        # Ports connect on connections of their own (an upgrade, or the gateway's duplex form).
+        self._dialer = Dialer(
+            uds=uds, host=host, port=port, headers=fixed, prefix=base_path, ssl=ssl,
+            peer_pid=peer_pid, duplex=self._gateway,
+        )  # fmt: skip
 
     def _error(self, status: int, body: bytes) -> errors.DaemonError:
         exc = protocol.error_from_response(status, body)
@@ -159,7 +168,11 @@ class DaemonClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close idle connections; the client cannot be used afterwards."""
+        """Close idle connections and every exposed port; the client cannot be used afterwards."""
+        self._closed = True
+        exposed, self._exposed = self._exposed, []
+        for port in exposed:
+            await port.aclose()
         await self._transport.aclose()
 
     # -- plumbing -----------------------------------------------------------
@@ -796,6 +809,42 @@ class DaemonClient:
             await self.write_file(remote, data, mode=mode)
             return
         await self.upload_archive(remote, await asyncio.to_thread(_tar_directory, source))
+
+    # -- ports ----------------------------------------------------------------
+
+    async def expose(
+        self, port: int, *, local_host: str = "127.0.0.1", local_port: int = 0
+    ) -> ExposedPort:
+        """Reach the TCP server on ``port`` inside the sandbox at a local address.
+
+        Listens on ``local_host:local_port`` (a free port by default) and
+        returns at once; ``.url`` is ``http://127.0.0.1:NNNN``, ``.host`` and
+        ``.port`` its parts. Every connection made there is carried through
+        the daemon to ``port`` on the sandbox's loopback (127.0.0.1, else ::1),
+        bytes both ways: a web app, an environment server, any TCP service,
+        whether the sandbox has a network or not, and through the service.
+        Nothing need listen yet: a connection made while nothing does is
+        closed at once (``last_failure`` says why), so poll the URL until it
+        answers. Close it with ``aclose`` (``close`` from another thread), or
+        use it as a context manager; it is closed with the sandbox. Whoever
+        can connect to the local address reaches the port: keep the loopback
+        default unless that is meant.
+        """
+        if isinstance(port, bool) or not 1 <= port <= 65535:
+            raise errors.ConfigError(f"port must be in 1..65535, got {port!r}")
+        if self._closed:
+            raise errors.DaemonUnavailable(f"the client of {self._address} is closed")
+        if self._dialer is None:
+            raise errors.ConfigError(
+                "expose needs the daemon's address: a client made with transport= has none"
+            )
+        try:
+            exposed = await ExposedPort.start(self._dialer, port, host=local_host, port=local_port)
+        except OSError as exc:
+            raise errors.ConfigError(f"cannot listen on {local_host}:{local_port}: {exc}") from exc
+        self._exposed = [p for p in self._exposed if not p.closed]
+        self._exposed.append(exposed)
+        return exposed
 
     async def download(
         self,

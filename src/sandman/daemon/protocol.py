@@ -57,6 +57,10 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     # Resizing a process without a terminal is the caller's mistake.
     "not_a_tty": errors.InvalidRequest,
     "pty_unavailable": errors.DaemonError,
+    # A port nothing listens on (or that accepts nothing): never raised by `expose`,
+    # whose connection to it is closed instead, the reason in `ExposedPort.last_failure`.
+    "connection_refused": errors.DaemonError,
+    "connect_timeout": errors.DaemonError,
     # From the service's proxy route: what answers at the sandbox's socket is not its daemon.
     "untrusted_daemon": errors.UntrustedDaemon,
 }

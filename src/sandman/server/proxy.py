@@ -22,9 +22,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sandman import errors
-from sandman._transport import UntrustedPeer, check_peer
+from sandman._transport import ConnectionLost, UntrustedPeer, check_peer
+from sandman.daemon.tunnel import Dialer, Refused
 from sandman.pool import Record
 from sandman.providers.base import DaemonEndpoint
+from sandman.server.duplex import DuplexResponse
 from sandman.server.errors import ApiError, from_exception
 
 __all__ = ["Forwarder"]
@@ -61,6 +63,7 @@ class Forwarder:
 
     def __init__(self, *, max_body: int, connect_timeout: float, max_sockets: int = 256) -> None:
         self.max_body = max_body
+        self._connect_timeout = connect_timeout
         self._timeout = httpx.Timeout(None, connect=connect_timeout)
         self._max_sockets = max_sockets
         self._sockets: OrderedDict[tuple[str, int | None], _Upstream] = OrderedDict()
@@ -118,12 +121,7 @@ class Forwarder:
 
     async def forward(self, record: Record, request: Request, path: str) -> Response:
         """Send ``request`` on to the daemon of ``record`` at ``/path``; stream its answer back."""
-        endpoint = record.info.endpoint if record.info is not None else None
-        if record.lost is not None:
-            lost = errors.SandboxLost.of(record.id, record.lost.reason, record.lost.detail)
-            raise from_exception(lost)
-        if endpoint is None or record.state != "leased":
-            raise ApiError("sandbox_not_found", f"sandbox {record.id} is not running")
+        endpoint = _running(record)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise ApiError("body_too_large", f"the body is larger than {self.max_body} bytes")
@@ -188,6 +186,43 @@ class Forwarder:
         return StreamingResponse(
             body(), status_code=answer.status_code, headers=out, background=BackgroundTask(close)
         )
+
+    async def connect_port(self, record: Record, port: int) -> Response:
+        """``port`` of ``record``'s sandbox, carried both ways over the caller's exchange.
+
+        The daemon is asked with its own upgrade on a connection of its own
+        (never pooled); its refusal (``connection_refused``...) is passed back
+        as it sent it, before any byte of the port's.
+        """
+        endpoint = _running(record)
+        dialer = Dialer(
+            uds=endpoint.uds, host=endpoint.host, port=endpoint.port,
+            headers={"Authorization": f"Bearer {endpoint.token}"}, peer_pid=endpoint.pid,
+            connect_timeout=self._connect_timeout,
+        )  # fmt: skip
+        response = DuplexResponse()
+        try:
+            await response.open(dialer, port)
+        except Refused as exc:
+            return Response(exc.body, status_code=exc.status, media_type="application/json")
+        except UntrustedPeer as exc:
+            raise ApiError("untrusted_daemon", str(exc)) from exc
+        except (ConnectionLost, OSError) as exc:  # TimeoutError among them
+            raise ApiError(
+                "daemon_unavailable", f"cannot reach the daemon of {record.id}: {exc}"
+            ) from exc
+        return response
+
+
+def _running(record: Record) -> DaemonEndpoint:
+    """The daemon of a sandbox that runs for its holder; the error to answer otherwise."""
+    endpoint = record.info.endpoint if record.info is not None else None
+    if record.lost is not None:
+        lost = errors.SandboxLost.of(record.id, record.lost.reason, record.lost.detail)
+        raise from_exception(lost)
+    if endpoint is None or record.state != "leased":
+        raise ApiError("sandbox_not_found", f"sandbox {record.id} is not running")
+    return endpoint
 
 
 class _PeerChecked(httpcore.AsyncNetworkBackend):
