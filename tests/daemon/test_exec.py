@@ -20,8 +20,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie still answers kill(0): look at its state.
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    # A zombie still answers kill(0): look at its state (it may be reaped meanwhile).
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 

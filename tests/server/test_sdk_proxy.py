@@ -149,9 +149,10 @@ async def test_another_tenants_key_cannot_use_the_route() -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):
+        return False  # gone, or reaped between the two looks
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a command as another user needs root")
