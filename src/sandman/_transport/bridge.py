@@ -71,9 +71,11 @@ class HttpxTransport:
     ) -> None:
         self._where = str(base_url)
         self._client = httpx.AsyncClient(
-            transport=transport, base_url=base_url, headers=dict(headers or {}),
+            transport=transport,
+            base_url=base_url,
+            headers=dict(headers or {}),
             timeout=httpx.Timeout(None, connect=connect_timeout),
-        )  # fmt: skip
+        )
 
     def __repr__(self) -> str:
         return f"HttpxTransport({self._where!r})"

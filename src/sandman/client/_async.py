@@ -274,15 +274,21 @@ class AsyncClient:
         logger.warning(
             "session %s expired (found by %s); carrying on in a new session %s; "
             "%d sandboxes it held are lost: %s",
-            old, reason, new, len(ids), ", ".join(ids) or "none",
-        )  # fmt: skip
+            old,
+            reason,
+            new,
+            len(ids),
+            ", ".join(ids) or "none",
+        )
         emit(
             self._hook,
             PoolEvent(
-                "session.replaced", self._backend.name, session=new,
+                "session.replaced",
+                self._backend.name,
+                session=new,
                 detail={"old_session": old, "lost": ids, "reason": reason},
             ),
-        )  # fmt: skip
+        )
         return new
 
     def _forget(self, sandbox: AsyncSandbox) -> None:

@@ -164,7 +164,10 @@ class Client:
         self, image: str | SandboxSpec, *, timeout: float | None = None, **spec: Any
     ) -> Sandbox:
         """A ready sandbox; release it with `Sandbox.release` (or use `sandbox`)."""
-        return Sandbox(self._portal.call(partial(self._async.acquire, image, timeout=timeout, **spec)), self._portal)  # fmt: skip
+        return Sandbox(
+            self._portal.call(partial(self._async.acquire, image, timeout=timeout, **spec)),
+            self._portal,
+        )
 
     @contextmanager
     def sandbox(

@@ -136,16 +136,27 @@ class DaemonClient:
         fixed = {"Authorization": f"Bearer {token}"} if token is not None else {}
         fixed.update(headers or {})
         self._transport = HTTPTransport(
-            uds=uds, host=host, port=port, default_headers=fixed, prefix=base_path, ssl=ssl,
+            uds=uds,
+            host=host,
+            port=port,
+            default_headers=fixed,
+            prefix=base_path,
+            ssl=ssl,
             peer_pid=peer_pid,
-        )  # fmt: skip
+        )
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
         self._address += base_path.rstrip("/")
         # Ports connect on connections of their own (an upgrade, or the gateway's duplex form).
         self._dialer = Dialer(
-            uds=uds, host=host, port=port, headers=fixed, prefix=base_path, ssl=ssl,
-            peer_pid=peer_pid, duplex=self._gateway,
-        )  # fmt: skip
+            uds=uds,
+            host=host,
+            port=port,
+            headers=fixed,
+            prefix=base_path,
+            ssl=ssl,
+            peer_pid=peer_pid,
+            duplex=self._gateway,
+        )
 
     def _error(self, status: int, body: bytes) -> errors.DaemonError:
         exc = protocol.error_from_response(status, body)
@@ -339,15 +350,26 @@ class DaemonClient:
         command's process group.
         """
         payload = self._exec_payload(
-            command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            command,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            timeout=timeout,
+            kill_grace=kill_grace,
+            max_output=max_output,
+            shell=shell,
+            encoding=encoding,
+            user=user,
             merge_stderr=merge_stderr,
-        )  # fmt: skip
+        )
         result = await self._model(
-            ExecResult, "POST", "/v1/exec", payload,
+            ExecResult,
+            "POST",
+            "/v1/exec",
+            payload,
             deadline=self._command_deadline(timeout, kill_grace),
             timeout_error=errors.ExecTimeout,
-        )  # fmt: skip
+        )
         if check:
             _check(command, result.exit_code, result.timed_out, result.stdout, result.stderr)
         return result
@@ -376,10 +398,18 @@ class DaemonClient:
         event is ``stdout``.
         """
         payload = self._exec_payload(
-            command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            command,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            timeout=timeout,
+            kill_grace=kill_grace,
+            max_output=max_output,
+            shell=shell,
+            encoding=encoding,
+            user=user,
             merge_stderr=merge_stderr,
-        )  # fmt: skip
+        )
         body = to_json(payload)
         with _map_transport_errors(self._address):
             async with self._transport.stream(
@@ -486,9 +516,12 @@ class DaemonClient:
         """Wait for the process to exit; ``running`` is still true if ``timeout`` passed first."""
         deadline = None if timeout is None else timeout + self._request_timeout
         return await self._model(
-            ProcessInfo, "POST", _process(process_id, "wait"), {"timeout": timeout},
+            ProcessInfo,
+            "POST",
+            _process(process_id, "wait"),
+            {"timeout": timeout},
             deadline=deadline,
-        )  # fmt: skip
+        )
 
     async def kill(self, process_id: str) -> None:
         """Kill the process's group if it runs, and forget it."""
@@ -563,10 +596,13 @@ class DaemonClient:
         if kill_grace is not None:
             payload["kill_grace"] = kill_grace
         result = await self._model(
-            SessionRunResult, "POST", _session(session_id, "run"), payload,
+            SessionRunResult,
+            "POST",
+            _session(session_id, "run"),
+            payload,
             deadline=self._command_deadline(timeout, kill_grace),
             timeout_error=errors.ExecTimeout,
-        )  # fmt: skip
+        )
         if check:
             _check(command, result.exit_code, result.timed_out, result.stdout, result.stderr)
         return result
@@ -774,9 +810,12 @@ class DaemonClient:
         """
         target = protocol.target("/v1/archive", path=path)
         extractor = await asyncio.to_thread(
-            TarExtractor, local, max_bytes=max_bytes, max_entries=max_entries,
+            TarExtractor,
+            local,
+            max_bytes=max_bytes,
+            max_entries=max_entries,
             source=f"the archive of {path}",
-        )  # fmt: skip
+        )
         try:
             with _map_transport_errors(self._address):
                 async with self._transport.stream("GET", target) as response:

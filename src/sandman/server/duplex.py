@@ -80,11 +80,17 @@ class DuplexResponse(Response):
         upstream = self._upstream
         assert upstream is not None, "open() first"
         try:
-            await send({
-                "type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/octet-stream"),
-                            (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")],
-            })  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/octet-stream"),
+                        (b"cache-control", b"no-store"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
             tasks = (
                 asyncio.ensure_future(self._to_caller(send)),
                 asyncio.ensure_future(self._to_port(receive, upstream)),

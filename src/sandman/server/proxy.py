@@ -32,14 +32,33 @@ from sandman.server.errors import ApiError, from_exception
 __all__ = ["Forwarder"]
 
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the proxy sets itself.
-_DROP_REQUEST = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "authorization", "cookie",
-})  # fmt: skip
-_DROP_RESPONSE = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade",
-})  # fmt: skip
+_DROP_REQUEST = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "authorization",
+        "cookie",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 
 
@@ -76,9 +95,12 @@ class Forwarder:
             # httpx takes no network backend; its pool is rebuilt with ours,
             # with httpx's own defaults (tests/server prove the check holds).
             transport._pool = httpcore.AsyncConnectionPool(
-                uds=uds, max_connections=100, max_keepalive_connections=20,
-                keepalive_expiry=5.0, network_backend=_PeerChecked(peer_pid),
-            )  # fmt: skip
+                uds=uds,
+                max_connections=100,
+                max_keepalive_connections=20,
+                keepalive_expiry=5.0,
+                network_backend=_PeerChecked(peer_pid),
+            )
         return _Upstream(httpx.AsyncClient(transport=transport, timeout=self._timeout))
 
     def _acquire(self, endpoint: DaemonEndpoint) -> _Upstream:
@@ -142,9 +164,11 @@ class Forwarder:
         if not has_body:
             body_read.set()
         outgoing = client.build_request(
-            request.method, url, headers=headers,
+            request.method,
+            url,
+            headers=headers,
             content=_limited(request, self.max_body, body_read) if has_body else None,
-        )  # fmt: skip
+        )
         try:
             answer = await _unless_caller_left(
                 client.send(outgoing, stream=True), request, body_read
@@ -196,10 +220,13 @@ class Forwarder:
         """
         endpoint = _running(record)
         dialer = Dialer(
-            uds=endpoint.uds, host=endpoint.host, port=endpoint.port,
-            headers={"Authorization": f"Bearer {endpoint.token}"}, peer_pid=endpoint.pid,
+            uds=endpoint.uds,
+            host=endpoint.host,
+            port=endpoint.port,
+            headers={"Authorization": f"Bearer {endpoint.token}"},
+            peer_pid=endpoint.pid,
             connect_timeout=self._connect_timeout,
-        )  # fmt: skip
+        )
         response = DuplexResponse()
         try:
             await response.open(dialer, port)

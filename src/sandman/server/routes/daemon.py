@@ -36,13 +36,17 @@ async def _through(svc: Service, record: Record, reaching: Awaitable[Response]) 
     "/v1/sandboxes/{sandbox_id}/daemon/v1/ports/{port}/connect",
     operation_id="daemon_port_connect",
     responses={
-        200: {"description": "the port's bytes, as they come (chunked, full duplex)",
-              "content": {"application/octet-stream": {}}},
-        502: {"description": "the daemon's own refusal (connection_refused), passed through; "
-                             "or the service's: daemon_unavailable, untrusted_daemon"},
+        200: {
+            "description": "the port's bytes, as they come (chunked, full duplex)",
+            "content": {"application/octet-stream": {}},
+        },
+        502: {
+            "description": "the daemon's own refusal (connection_refused), passed through; "
+            "or the service's: daemon_unavailable, untrusted_daemon"
+        },
         **errors("sandbox_not_found", "sandbox_lost", "daemon_unavailable"),
     },
-)  # fmt: skip
+)
 async def port_connect(
     tenant: Tenant, sandbox_id: str, port: Annotated[int, Path(ge=1, le=65535)], request: Request
 ) -> Response:
@@ -75,10 +79,12 @@ async def daemon(tenant: Tenant, sandbox_id: str, path: str, request: Request) -
 
 for _method in ("GET", "POST", "PUT", "DELETE"):
     router.add_api_route(
-        "/v1/sandboxes/{sandbox_id}/daemon/{path:path}", daemon, methods=[_method],
+        "/v1/sandboxes/{sandbox_id}/daemon/{path:path}",
+        daemon,
+        methods=[_method],
         operation_id=f"daemon_{_method.lower()}",
         responses={
             200: {"description": "the daemon's answer, passed through", "content": {"*/*": {}}},
             **errors("sandbox_not_found", "sandbox_lost", "daemon_unavailable"),
         },
-    )  # fmt: skip
+    )

@@ -16,16 +16,19 @@ router = APIRouter(tags=["operations"])
 
 
 @router.get(
-    "/v1/health", response_model=HealthOut,
+    "/v1/health",
+    response_model=HealthOut,
     responses={503: {"model": HealthOut, "description": "shutting down"}},
-)  # fmt: skip
+)
 async def health(request: Request) -> Any:
     """Whether the service takes requests (no key needed)."""
     svc = service(request)
     out = HealthOut(
-        status="ok" if svc.accepting else "shutting_down", version=__version__,
-        pool=svc.pool.config.name, provider=svc.pool.provider.name,
-    )  # fmt: skip
+        status="ok" if svc.accepting else "shutting_down",
+        version=__version__,
+        pool=svc.pool.config.name,
+        provider=svc.pool.provider.name,
+    )
     if not svc.accepting:
         return JSONResponse(out.model_dump(), status_code=503)
     return out

@@ -22,13 +22,23 @@ convention); nobody reads it."""
 
 
 @router.post(
-    "", status_code=201, response_model=SandboxOut,
+    "",
+    status_code=201,
+    response_model=SandboxOut,
     responses=errors(
-        "session_expired", "image_not_found", "image_error", "tenant_sandbox_limit",
-        "tenant_pending_limit", "provider_error", "capacity", "throttled", "pool_closed",
-        "shutting_down", "create_timeout",
+        "session_expired",
+        "image_not_found",
+        "image_error",
+        "tenant_sandbox_limit",
+        "tenant_pending_limit",
+        "provider_error",
+        "capacity",
+        "throttled",
+        "pool_closed",
+        "shutting_down",
+        "create_timeout",
     ),
-)  # fmt: skip
+)
 async def acquire(tenant: Tenant, body: AcquireRequest, request: Request) -> Any:
     """Acquire a ready sandbox for a session: waits up to ``timeout`` seconds.
 
