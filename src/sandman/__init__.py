@@ -50,6 +50,7 @@ from sandman.errors import (
     StdinClosed,
     ThrottledError,
     Unauthorized,
+    UnknownUser,
     UnsafeArchive,
     UntrustedDaemon,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
+    "UnknownUser",
     "UnsafeArchive",
     "UntrustedDaemon",
     "__version__",

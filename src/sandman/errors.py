@@ -17,6 +17,7 @@ SandboxError
 │   ├── Unauthorized            wrong or missing token
 │   ├── InvalidRequest          (ValueError)  the daemon refused the request
 │   ├── PathNotFound            (FileNotFoundError)  also a missing process or session
+│   ├── UnknownUser             (LookupError)  no such user or group in the sandbox
 │   ├── PathExists              (FileExistsError)
 │   ├── IsADirectory            (IsADirectoryError)
 │   ├── NotADirectory           (NotADirectoryError)
@@ -75,6 +76,7 @@ __all__ = [
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
+    "UnknownUser",
     "UnsafeArchive",
     "UntrustedDaemon",
 ]
@@ -216,6 +218,17 @@ class PathNotFound(DaemonError, FileNotFoundError):
     """The path, process or session does not exist."""
 
     default_code = "not_found"
+
+
+class UnknownUser(DaemonError, LookupError):
+    """The ``user`` asked for is not in the sandbox's ``/etc/passwd`` (or its group
+    not in ``/etc/group``); nothing was started.
+
+    The message says it as docker does: ``unable to find user NAME: no
+    matching entries in passwd file``.
+    """
+
+    default_code = "unknown_user"
 
 
 class PathExists(DaemonError, FileExistsError):

@@ -21,6 +21,7 @@ __all__ = [
     "Health",
     "KubernetesOptions",
     "NetworkMode",
+    "OnTimeout",
     "ProcessInfo",
     "ProcessOutput",
     "SandboxSpec",
@@ -32,6 +33,10 @@ Encoding = Literal["utf-8", "base64"]
 """How command output travels: text (invalid bytes become U+FFFD) or base64 of the raw bytes."""
 
 FileType = Literal["file", "directory", "symlink", "other"]
+
+OnTimeout = Literal["kill", "interrupt"]
+"""What a shell session's run does when it times out: ``kill`` the session, or
+``interrupt`` the command line (SIGINT, as Ctrl-C) and keep the session."""
 
 NetworkMode = Literal["none", "isolated", "egress"]
 """``none``: loopback only. ``isolated``: reachable from the host only.

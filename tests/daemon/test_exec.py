@@ -166,3 +166,48 @@ async def test_cancelled_call_leaves_the_client_usable(client: DaemonClient) -> 
     with anyio.move_on_after(0.2):
         await client.exec(["sleep", "2"])
     assert (await client.exec(["echo", "after"])).stdout == "after\n"
+
+
+async def test_merge_stderr_interleaves_both_outputs_in_stdout(client: DaemonClient) -> None:
+    script = "echo out1; echo err1 >&2; echo out2; echo err2 >&2"
+    result = await client.exec(script, merge_stderr=True)
+    assert (result.stdout, result.stderr) == ("out1\nerr1\nout2\nerr2\n", "")
+    async with client.exec_stream(script, merge_stderr=True) as stream:
+        events = [event async for event in stream]
+    assert {e.event for e in events} == {"stdout", "exit"}
+    assert "".join(e.data for e in events if e.event == "stdout") == "out1\nerr1\nout2\nerr2\n"
+    failed = await client.exec("echo why >&2; exit 3", merge_stderr=True)
+    with pytest.raises(sandman.CommandFailed, match="why"):
+        await client.exec("echo why >&2; exit 3", merge_stderr=True, check=True)
+    assert (failed.exit_code, failed.stdout) == (3, "why\n")
+
+
+async def test_binary_stdin_reaches_the_command_byte_for_byte(client: DaemonClient) -> None:
+    payload = bytes(range(256)) * 3 + b"\xc3\x28\x00"
+    result = await client.exec(["cat"], stdin=payload, encoding="base64")
+    assert result.stdout_bytes == payload
+    async with client.exec_stream(["wc", "-c"], stdin=payload) as stream:
+        counted = "".join([e.data async for e in stream if e.event == "stdout"])
+    assert int(counted) == len(payload)
+    assert (await client.exec(["cat"], stdin="text stays text")).stdout == "text stays text"
+
+
+async def test_cancelling_an_exec_kills_its_process_group(
+    client: DaemonClient, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pid"
+    script = f"sleep 1000 & echo $! > {pidfile}.child; echo $$ > {pidfile}; wait"
+
+    async def wait_started() -> None:
+        with anyio.fail_after(10):
+            while not pidfile.exists() or not pidfile.read_text().endswith("\n"):
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.exec, script)
+        await wait_started()
+        tg.cancel_scope.cancel()
+    # The shell and its background child (same process group) are gone.
+    await _wait_gone(int(pidfile.read_text()))
+    await _wait_gone(int(Path(f"{pidfile}.child").read_text()))
+    assert (await client.exec(["true"])).ok

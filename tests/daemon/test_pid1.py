@@ -7,9 +7,7 @@ which is what a container runtime gives the daemon, minus the runtime.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import stat
 import subprocess
 import time
 import uuid
@@ -20,71 +18,25 @@ import anyio
 import pytest
 
 from sandman.daemon import DaemonClient, daemon_path
+from tests.daemon.rootfs import (
+    TOKEN,
+    Pid1,
+    busybox_is_static,
+    make_rootfs,
+    needs_unshare,
+    run_pid1,
+)
 from tests.daemon.running import wait_listening
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or not Path("/bin/busybox").exists(),
-    reason="needs root, unshare and a static busybox (scripts/setup installs them)",
-)
-
-TOKEN = "pid1-token"
-BUSYBOX_APPLETS = ["sh", "sleep", "ps", "cat", "echo", "seq", "ls", "true", "kill"]
-
-
-def _busybox_is_static() -> bool:
-    out = subprocess.run(
-        ["file", "-L", "/bin/busybox"], capture_output=True, text=True, check=False
-    ).stdout
-    return "statically linked" in out
-
-
-def _make_rootfs(root: Path) -> None:
-    for sub in ("bin", ".sandman", "run", "tmp", "proc", "dev"):
-        (root / sub).mkdir(parents=True)
-    os.mknod(root / "dev" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
-    for applet in BUSYBOX_APPLETS:
-        (root / "bin" / applet).symlink_to("busybox")
-    shutil.copy2(daemon_path(), root / ".sandman" / "sandmand")
-
-
-class Pid1:
-    def __init__(self, root: Path, process: subprocess.Popen[bytes], log: Path) -> None:
-        self.root = root
-        self.process = process
-        self.log = log
-        self.sock = str(root / "run" / "sandmand.sock")
-
-    def client(self) -> DaemonClient:
-        return DaemonClient(uds=self.sock, token=TOKEN)
-
-    def daemon_host_pid(self) -> int:
-        # unshare --fork: the daemon is unshare's only child.
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text()
-        return int(children.split()[0])
+pytestmark = needs_unshare
 
 
 @pytest.fixture
 def pid1(tmp_path: Path) -> Iterator[Pid1]:
-    if not _busybox_is_static():
-        pytest.skip("/bin/busybox is not static (install busybox-static)")
     root = tmp_path / "rootfs"
-    _make_rootfs(root)
-    log = tmp_path / "sandmand.log"
-    env = {"PATH": "/bin", "SANDMAND_TOKEN": TOKEN}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", f"--root={root}",
-             "/.sandman/sandmand", "--listen", "unix:/run/sandmand.sock"],
-            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-        )  # fmt: skip
-    try:
-        wait_listening(process, log, 1)
-        yield Pid1(root, process, log)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=15)
+    make_rootfs(root)
+    with run_pid1(root, tmp_path / "sandmand.log") as running:
+        yield running
 
 
 def test_binary_is_static_and_small() -> None:
@@ -131,12 +83,12 @@ async def test_pids_limited_sandbox_does_not_fill_with_zombies(tmp_path: Path) -
     cgroup_root = Path("/sys/fs/cgroup/pids")
     if not (cgroup_root / "cgroup.procs").exists():
         pytest.skip("no cgroup v1 pids controller")
-    if not _busybox_is_static():
+    if not busybox_is_static():
         pytest.skip("/bin/busybox is not static")
     cgroup = cgroup_root / f"sandman-test-{uuid.uuid4().hex[:8]}"
     cgroup.mkdir()
     root = tmp_path / "rootfs"
-    _make_rootfs(root)
+    make_rootfs(root)
     log = tmp_path / "sandmand.log"
     try:
         (cgroup / "pids.max").write_text("64")

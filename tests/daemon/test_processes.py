@@ -82,3 +82,10 @@ async def test_offsets_read_on(client: DaemonClient) -> None:
 async def test_unknown_process(client: DaemonClient) -> None:
     with pytest.raises(sandman.PathNotFound):
         await client.poll("p-does-not-exist")
+
+
+async def test_merged_output_of_a_background_process(client: DaemonClient) -> None:
+    proc = await client.spawn("echo out; echo err >&2; echo out2", merge_stderr=True)
+    await client.wait(proc.id, timeout=10)
+    output = await client.read_output(proc.id)
+    assert (output.stdout, output.stderr) == ("out\nerr\nout2\n", "")

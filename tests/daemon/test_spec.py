@@ -128,9 +128,13 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     await client.exec(["echo", "hi"], cwd=str(work), env={"A": "1"}, stdin="x", timeout=5,
                       kill_grace=1, max_output=100, encoding="base64")  # fmt: skip
     await client.exec("echo hi", shell="/bin/sh")
+    await client.exec(["cat"], stdin=b"\x00\xff", user="root", merge_stderr=True)
     async with client.exec_stream("echo a; echo b >&2", timeout=5) as events:
         _ = [event async for event in events]
-    proc = await client.spawn(["cat"], stdin=True, max_buffer=1024, cwd=str(work))
+    async with client.exec_stream("echo a", stdin=b"x", user="0", merge_stderr=True) as events:
+        _ = [event async for event in events]
+    proc = await client.spawn(["cat"], stdin=True, max_buffer=1024, cwd=str(work), user=0,
+                              merge_stderr=True)  # fmt: skip
     await client.write_stdin(proc.id, "data", close=True)
     await client.wait(proc.id, timeout=5)
     await client.read_output(proc.id, stdout_offset=0, stderr_offset=0, wait=0.1)
@@ -141,8 +145,12 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     term = await client.spawn(["cat"], tty=True, rows=10, cols=20)
     await client.resize(term.id, rows=11, cols=21)
     await client.kill(term.id)
-    session = await client.create_session(shell="/bin/sh", cwd=str(work), env={"B": "2"})
+    session = await client.create_session(
+        shell="/bin/sh", cwd=str(work), env={"B": "2"}, user="root"
+    )
     await client.run_in_session(session.id, "cd /", timeout=5, max_output=100)
+    await client.run_in_session(session.id, "cd /", timeout=5, merge_stderr=True,
+                                on_timeout="interrupt", kill_grace=1)  # fmt: skip
     await client.list_sessions()
     await client.get_session(session.id)
     await client.close_session(session.id)
@@ -166,6 +174,7 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
         client.list_dir(str(work / "a" / "t.txt")),
         client.poll("p-missing"),
         client.run_in_session("s-missing", "true"),
+        client.exec(["true"], user="no-such-user-here"),
     ):
         with pytest.raises(sandman.DaemonError):
             await failing

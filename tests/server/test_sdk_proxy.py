@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
+import anyio
 import pytest
 
 import sandman
@@ -137,4 +139,61 @@ async def test_another_tenants_key_cannot_use_the_route() -> None:
             finally:
                 await foreign.aclose()
                 await other.aclose()
+        await eventually(lambda: served.provider.live == 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a command as another user needs root")
+async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) -> None:
+    """Issue 16, gaps 1-5 through the route: the fake's daemons run on this host, as root."""
+    with serve() as served:
+        async with (
+            sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client,
+            client.sandbox("task", timeout=20) as sb,
+        ):
+            assert isinstance(sb._lease.endpoint, ProxiedEndpoint)
+            # 1. user=, from this host's /etc/passwd here
+            assert (await sb.exec(["id", "-un"], user="nobody")).stdout == "nobody\n"
+            with pytest.raises(sandman.UnknownUser, match="unable to find user ghost-user"):
+                await sb.exec(["true"], user="ghost-user")
+            # 2. merged output, also streamed
+            merged = await sb.exec("echo out; echo err >&2", merge_stderr=True)
+            assert (merged.stdout, merged.stderr) == ("out\nerr\n", "")
+            async with sb.exec_stream("echo o; echo e >&2", merge_stderr=True) as events:
+                kinds = {e.event async for e in events}
+            assert kinds == {"stdout", "exit"}
+            # 3. binary stdin
+            payload = b"\x00\xff\xfe" * 1000
+            copied = await sb.exec(["cat"], stdin=payload, encoding="base64")
+            assert copied.stdout_bytes == payload
+            # 4. a session timeout that interrupts
+            shell = await sb.create_session(shell="/bin/bash", user="nobody")
+            await sb.run_in_session(shell.id, "X=kept", check=True)
+            late = await sb.run_in_session(
+                shell.id, "sleep 1000", timeout=0.3, on_timeout="interrupt", merge_stderr=True
+            )
+            assert late.timed_out and late.alive
+            assert (await sb.run_in_session(shell.id, "echo $X $(id -un)")).stdout == (
+                "kept nobody\n"
+            )
+            # 5. a cancelled exec: the client's connection to the service closes, the
+            # service's to the daemon too, and the daemon kills the command's group.
+            pidfile = tmp_path / "pid"
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sb.exec, f"sleep 1000 & echo $! > {pidfile}; wait")
+                with anyio.fail_after(10):
+                    while not pidfile.exists() or not pidfile.read_text().endswith("\n"):
+                        await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+            child = int(pidfile.read_text())
+            with anyio.fail_after(10):
+                while _alive(child):
+                    await anyio.sleep(0.01)
         await eventually(lambda: served.provider.live == 0)

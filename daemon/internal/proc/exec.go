@@ -81,7 +81,13 @@ func (r *Runner) Exec(ctx context.Context, c *Command, o ExecOptions) (*ExecResu
 	if err != nil {
 		var le *LaunchError
 		if errors.As(err, &le) {
-			return &ExecResult{Exit: Exit{Code: le.Code}, Stderr: []byte(le.Msg), Duration: time.Since(t0)}, nil
+			res := &ExecResult{Exit: Exit{Code: le.Code}, Duration: time.Since(t0)}
+			if c.MergeStderr {
+				res.Stdout = []byte(le.Msg)
+			} else {
+				res.Stderr = []byte(le.Msg)
+			}
+			return res, nil
 		}
 		return nil, err
 	}
@@ -91,8 +97,12 @@ func (r *Runner) Exec(ctx context.Context, c *Command, o ExecOptions) (*ExecResu
 	out := capture{max: o.MaxOutput}
 	errc := capture{max: o.MaxOutput}
 	done := make(chan struct{}, 2)
+	pipes := []*os.File{st.stdout}
 	go out.readFrom(st.stdout, done)
-	go errc.readFrom(st.stderr, done)
+	if st.stderr != nil { // nil: merged into stdout
+		pipes = append(pipes, st.stderr)
+		go errc.readFrom(st.stderr, done)
+	}
 
 	k := killer{pid: st.child.Pid, grace: o.KillGrace}
 	k.arm(o.Timeout)
@@ -117,9 +127,10 @@ wait:
 		// The leader is gone; whatever it left in its group goes too.
 		_ = syscall.Kill(-child.Pid, syscall.SIGKILL)
 	}
-	lingerPipes(done, 2, st.stdout, st.stderr)
-	st.stdout.Close()
-	st.stderr.Close()
+	lingerPipes(done, len(pipes), pipes...)
+	for _, f := range pipes {
+		f.Close()
+	}
 	return &ExecResult{
 		Exit:      ExitOf(child.Status()),
 		Stdout:    out.buf,

@@ -303,7 +303,11 @@ func (m *Manager) Start(c *Command, o ProcessOptions) (*Process, error) {
 	var le *LaunchError
 	switch {
 	case errors.As(err, &le):
-		p.errb.write([]byte(le.Msg))
+		if c.MergeStderr {
+			p.out.write([]byte(le.Msg))
+		} else {
+			p.errb.write([]byte(le.Msg))
+		}
 		p.exit, p.ended = Exit{Code: le.Code}, time.Now()
 		close(p.finished)
 	case err != nil:

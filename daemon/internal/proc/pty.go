@@ -132,13 +132,17 @@ func dupCloexec(fd int) (int, error) {
 // stdout and stderr and its controlling terminal. The returned stdout is the
 // master (the terminal's output) and stdin a duplicate of it (the keyboard).
 func (r *Runner) startTTY(c *Command, size WinSize) (*started, error) {
-	path, argv, env, err := r.resolve(c)
+	l, err := r.resolve(c)
 	if err != nil {
 		return nil, err
 	}
 	master, slave, err := openPTY(size)
 	if err != nil {
 		return nil, err
+	}
+	if l.cred != nil {
+		// The terminal belongs to whoever runs on it, as login and sshd do.
+		_ = slave.Chown(int(l.cred.Uid), -1)
 	}
 	in, err := dupFile(master)
 	if err != nil {
@@ -147,14 +151,14 @@ func (r *Runner) startTTY(c *Command, size WinSize) (*started, error) {
 		return nil, err
 	}
 	fd := slave.Fd()
-	child, err := r.reaper.StartTTY(path, argv, env, c.Dir, []uintptr{fd, fd, fd})
+	child, err := r.reaper.StartTTY(l.path, l.argv, l.env, c.Dir, []uintptr{fd, fd, fd}, l.cred)
 	// Only the child holds the slave now: once it and its descendants have
 	// closed it, reading the master ends (EIO).
 	slave.Close()
 	if err != nil {
 		master.Close()
 		in.Close()
-		return nil, forkFailed(argv[0], err)
+		return nil, forkFailed(l, err)
 	}
 	r.adjustOOM(child.Pid)
 	return &started{child: child, stdout: master, stdin: in}, nil

@@ -37,7 +37,8 @@ type Session struct {
 	stdout     *os.File
 	stderr     *os.File
 	pumpDone   chan struct{}
-	runMu      sync.Mutex // held for a whole run; TryLock failing means busy
+	ready      chan struct{} // closed once the shell's first line (its trap) is done
+	runMu      sync.Mutex    // held for a whole run; TryLock failing means busy
 
 	mu       sync.Mutex
 	cur      *sessRun
@@ -93,15 +94,61 @@ func shQuote(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
-// Run evaluates cmd in the shell. `command eval` keeps a syntax error from
-// killing a POSIX shell; each stream ends with a fresh random marker line
-// whose leading newline we strip again, so output without a final newline
-// comes back unchanged.
-func (s *Session) Run(ctx context.Context, cmd string, timeout time.Duration, maxOutput int) (*RunResult, error) {
+// interruptTrap is the session shell's SIGINT trap, set when the shell
+// starts and again by every interruptible run: a SIGINT makes the shell
+// leave every loop it is in (a run wraps its command in one), so the rest of
+// the command line is skipped as Ctrl-C would, and the shell lives on. Its
+// children get SIGINT's default action (a trap is not inherited), and break
+// outside a loop does nothing.
+const interruptTrap = "trap '__sandman_int=1; break 1000 2>/dev/null' INT"
+
+// RunOptions are the knobs of one session run.
+type RunOptions struct {
+	Cmd       string
+	Timeout   time.Duration // <= 0: none
+	MaxOutput int
+	// MergeStderr sends the command's stderr to its stdout: one interleaved
+	// stream, reported as stdout.
+	MergeStderr bool
+	// Interrupt, on timeout (or when the client goes away), sends SIGINT to
+	// the session's process group and waits up to Grace for the command line
+	// to end, so the shell and its state survive; only then is the session
+	// killed. Otherwise the session is killed at once.
+	Interrupt bool
+	Grace     time.Duration
+}
+
+// script is the line the shell is sent for a run. `command eval` keeps a
+// syntax error from killing a POSIX shell; each stream ends with a fresh
+// random marker line whose leading newline we strip again, so output without
+// a final newline comes back unchanged.
+func (s *Session) script(o RunOptions, mark string) string {
+	run := "command eval " + shQuote(o.Cmd) + " " + s.stdinRedir
+	if o.MergeStderr {
+		run += " 2>&1"
+	}
+	var b strings.Builder
+	if o.Interrupt {
+		b.WriteString(interruptTrap + "; __sandman_int=; for __sandman_once in 1; do " + run +
+			"; done; __sandman_rc=$?; [ -z \"$__sandman_int\" ] || __sandman_rc=130; ")
+	} else {
+		b.WriteString(run + "; __sandman_rc=$?; ")
+	}
+	b.WriteString("printf '\\n%s %d\\n' " + mark + " \"$__sandman_rc\"; printf '\\n%s\\n' " + mark + " >&2\n")
+	return b.String()
+}
+
+// Run evaluates o.Cmd in the shell.
+func (s *Session) Run(ctx context.Context, o RunOptions) (*RunResult, error) {
+	<-s.ready // the shell reads its lines in order: this costs the run nothing
 	if !s.runMu.TryLock() {
 		return nil, apierr.New(http.StatusConflict, "session_busy", "a run is already in progress on session %s", s.ID)
 	}
 	defer s.runMu.Unlock()
+	return s.run(ctx, o)
+}
+
+func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 	if !s.Alive() {
 		return nil, apierr.New(http.StatusConflict, "session_closed", "the shell of session %s has exited", s.ID)
 	}
@@ -109,11 +156,10 @@ func (s *Session) Run(ctx context.Context, cmd string, timeout time.Duration, ma
 	_, _ = rand.Read(rb[:])
 	mark := "__sandman_" + hex.EncodeToString(rb[:])
 	run := &sessRun{
-		out: markScanner{pat: []byte("\n" + mark + " "), wantRC: true, max: maxOutput},
-		err: markScanner{pat: []byte("\n" + mark + "\n"), max: maxOutput},
+		out: markScanner{pat: []byte("\n" + mark + " "), wantRC: true, max: o.MaxOutput},
+		err: markScanner{pat: []byte("\n" + mark + "\n"), max: o.MaxOutput},
 	}
-	script := "command eval " + shQuote(cmd) + " " + s.stdinRedir + "; __sandman_rc=$?; " +
-		"printf '\\n%s %d\\n' " + mark + " \"$__sandman_rc\"; printf '\\n%s\\n' " + mark + " >&2\n"
+	script := s.script(o, mark)
 
 	t0 := time.Now()
 	s.mu.Lock()
@@ -130,45 +176,56 @@ func (s *Session) Run(ctx context.Context, cmd string, timeout time.Duration, ma
 	}()
 
 	var deadline <-chan time.Time
-	if timeout > 0 {
-		t := time.NewTimer(timeout)
+	if o.Timeout > 0 {
+		t := time.NewTimer(o.Timeout)
 		defer t.Stop()
 		deadline = t.C
-		_ = s.stdin.SetWriteDeadline(t0.Add(timeout))
+		_ = s.stdin.SetWriteDeadline(t0.Add(o.Timeout))
 	}
 	res := &RunResult{}
+	kill := false
 	if _, err := s.stdin.WriteString(script); err != nil && !errors.Is(err, syscall.EPIPE) {
-		// Only a deadline can get here: the shell stopped reading.
-		res.TimedOut = true
+		// Only a deadline can get here: the shell stopped reading, and
+		// may hold half a script; nothing short of killing it is safe.
+		res.TimedOut, kill = true, true
 	}
 	_ = s.stdin.SetWriteDeadline(time.Time{})
 
-	var grace <-chan time.Time
+	ctxDone := ctx.Done()
+	var markerC, graceC <-chan time.Time
 	ended := false
-	for !ended && !res.TimedOut {
+	for !ended && !kill {
 		select {
 		case <-s.progress:
 			s.mu.Lock()
-			o, e := run.out.complete, run.err.complete
+			outDone, errDone := run.out.complete, run.err.complete
 			s.mu.Unlock()
-			if o && e {
+			if outDone && errDone {
 				ended = true
-			} else if grace == nil {
+			} else if markerC == nil {
 				g := time.NewTimer(markerGrace)
 				defer g.Stop()
-				grace = g.C
+				markerC = g.C
 			}
-		case <-grace:
+		case <-markerC:
 			ended = true
 		case <-s.child.Done():
 			ended = true
 		case <-deadline:
 			res.TimedOut = true
-		case <-ctx.Done():
-			res.TimedOut = true // nobody waits for the result; treat it the same
+			deadline, ctxDone = nil, nil
+			kill = !s.interrupt(o)
+			graceC = graceAfter(o, kill)
+		case <-ctxDone: // nobody waits for the result; treat it as a timeout
+			res.TimedOut = true
+			deadline, ctxDone = nil, nil
+			kill = !s.interrupt(o)
+			graceC = graceAfter(o, kill)
+		case <-graceC: // SIGINT did not end the command line in time
+			kill = true
 		}
 	}
-	if res.TimedOut {
+	if kill {
 		_ = syscall.Kill(-s.Pid, syscall.SIGKILL)
 		<-s.child.Done()
 	}
@@ -195,6 +252,20 @@ func (s *Session) Run(ctx context.Context, cmd string, timeout time.Duration, ma
 		res.ExitCode = ExitOf(s.child.Status()).Code
 	}
 	return res, nil
+}
+
+// interrupt sends SIGINT to the session's group when the run asked for it;
+// false means "kill the session now".
+func (s *Session) interrupt(o RunOptions) bool {
+	return o.Interrupt && syscall.Kill(-s.Pid, syscall.SIGINT) == nil
+}
+
+// graceAfter is when an interrupted run gives up on the command line.
+func graceAfter(o RunOptions, killing bool) <-chan time.Time {
+	if killing {
+		return nil
+	}
+	return time.After(o.Grace)
 }
 
 // kill ends the shell and everything in its group.
@@ -228,12 +299,19 @@ func DefaultSessionShell() string {
 	return "/bin/sh"
 }
 
-// Start launches a shell. A shell that cannot be launched is not_found.
-func (m *SessionManager) Start(shell, dir string, env map[string]string) (*Session, error) {
+// sessionInitTimeout bounds the shell's first run, which sets its SIGINT trap.
+const sessionInitTimeout = 10 * time.Second
+
+// Start launches a shell, as user if not empty, and has it set its SIGINT
+// trap (see interruptTrap) before it takes any run, so that no interrupt can
+// come before it; that first line runs in the background (the shell would
+// read it before a run's anyway), so starting a session costs no round trip.
+// A shell that cannot be launched is not_found.
+func (m *SessionManager) Start(shell, dir string, env map[string]string, user string) (*Session, error) {
 	if shell == "" {
 		shell = DefaultSessionShell()
 	}
-	st, err := m.r.start(&Command{Argv: []string{shell}, Dir: dir, Env: env}, true)
+	st, err := m.r.start(&Command{Argv: []string{shell}, Dir: dir, Env: env, User: user}, true)
 	if err != nil {
 		var le *LaunchError
 		if errors.As(err, &le) {
@@ -245,12 +323,21 @@ func (m *SessionManager) Start(shell, dir string, env map[string]string) (*Sessi
 		Shell: shell, Pid: st.child.Pid, child: st.child, stdinRedir: "</dev/null",
 		stdin: st.stdin, stdout: st.stdout, stderr: st.stderr,
 		pumpDone: make(chan struct{}, 2), progress: make(chan struct{}, 1),
+		ready: make(chan struct{}),
 	}
 	if m.r.devNull == nil {
 		s.stdinRedir = "<&-"
 	}
 	go s.pump(st.stdout, Stdout)
 	go s.pump(st.stderr, Stderr)
+	s.runMu.Lock()
+	go func() {
+		defer close(s.ready)
+		defer s.runMu.Unlock()
+		// A shell that dies here (or hangs) is then reported with alive
+		// false, as one that exits on its own.
+		_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: sessionInitTimeout})
+	}()
 	m.mu.Lock()
 	m.seq++
 	s.seq = m.seq

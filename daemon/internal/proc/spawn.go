@@ -5,6 +5,7 @@ package proc
 
 import (
 	"errors"
+	"net/http"
 	"os"
 	"strconv"
 	"syscall"
@@ -21,6 +22,12 @@ type Command struct {
 	Shell string
 	Dir   string
 	Env   map[string]string
+	// User, if set, is who the command runs as ("name", "uid", "name:group",
+	// "uid:gid"), resolved in the sandbox's /etc/passwd and /etc/group.
+	User string
+	// MergeStderr gives the command one pipe for both stdout and stderr: one
+	// interleaved stream, reported as stdout.
+	MergeStderr bool
 }
 
 // DefaultShell runs Command.Cmd when Shell is empty.
@@ -44,6 +51,10 @@ type Runner struct {
 	devNull *os.File // shared read-only stdin for children that get none
 	// ChildOOMScoreAdj, if not zero, is set on every child (see server.Options).
 	ChildOOMScoreAdj int
+	// Etc is the directory whose passwd and group files resolve
+	// Command.User ("/etc"; tests point it elsewhere).
+	Etc       string
+	canSwitch bool // may set a child's uid, gid and groups
 }
 
 // NewRunner refuses a nil reaper: without it nobody would reap the children.
@@ -54,7 +65,7 @@ func NewRunner(r *reaper.Reaper, baseEnv []string) (*Runner, error) {
 	// A rootfs without /dev/null is tolerated: stdin then comes from an
 	// empty pipe (see nullStdin).
 	dn, _ := os.Open(os.DevNull)
-	return &Runner{reaper: r, baseEnv: baseEnv, devNull: dn}, nil
+	return &Runner{reaper: r, baseEnv: baseEnv, devNull: dn, Etc: "/etc", canSwitch: canSwitchUser()}, nil
 }
 
 // Reaper is the runner's reaper.
@@ -86,26 +97,50 @@ func checkDir(dir string) error {
 	return nil
 }
 
-// resolve does what both launches (start, startTTY) do before forking:
-// refuse a bad cwd, build the environment and argv, and find the program
-// (a *LaunchError means "report 126/127").
-func (r *Runner) resolve(c *Command) (path string, argv, env []string, err error) {
-	if err := checkDir(c.Dir); err != nil {
-		return "", nil, nil, err
-	}
-	env = mergeEnv(r.baseEnv, c.Env)
-	argv = c.argv()
-	path, lerr := lookPath(argv[0], env, c.Dir)
-	if lerr != nil {
-		return "", nil, nil, lerr
-	}
-	return path, argv, env, nil
+// launch is what a resolved Command starts with.
+type launch struct {
+	path string
+	argv []string
+	env  []string
+	cred *syscall.Credential // nil: the daemon's own
+	id   *identity           // nil without Command.User
 }
 
-// start launches c with fresh stdout/stderr pipes. stdinPipe asks for a stdin
-// pipe; otherwise stdin is /dev/null. A *LaunchError means "report 126/127".
+// resolve does what both launches (start, startTTY) do before forking:
+// refuse a bad cwd, resolve the user (its HOME goes under the request's env),
+// build the environment and argv, and find the program (a *LaunchError means
+// "report 126/127").
+func (r *Runner) resolve(c *Command) (*launch, error) {
+	if err := checkDir(c.Dir); err != nil {
+		return nil, err
+	}
+	l := &launch{env: r.baseEnv}
+	if c.User != "" {
+		id, err := lookupUser(r.Etc, c.User)
+		if err != nil {
+			return nil, err
+		}
+		if l.cred, err = r.credential(id); err != nil {
+			return nil, err
+		}
+		l.id = id
+		l.env = mergeEnv(l.env, map[string]string{"HOME": id.home})
+	}
+	l.env = mergeEnv(l.env, c.Env)
+	l.argv = c.argv()
+	path, lerr := lookPath(l.argv[0], l.env, c.Dir)
+	if lerr != nil {
+		return nil, lerr
+	}
+	l.path = path
+	return l, nil
+}
+
+// start launches c with fresh stdout/stderr pipes (one pipe for both with
+// MergeStderr: stderr is then nil). stdinPipe asks for a stdin pipe;
+// otherwise stdin is /dev/null. A *LaunchError means "report 126/127".
 func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
-	path, argv, env, err := r.resolve(c)
+	l, err := r.resolve(c)
 	if err != nil {
 		return nil, err
 	}
@@ -113,11 +148,13 @@ func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
 	if err != nil {
 		return nil, err
 	}
-	errR, errW, err := os.Pipe()
-	if err != nil {
-		outR.Close()
-		outW.Close()
-		return nil, err
+	errR, errW := (*os.File)(nil), outW
+	if !c.MergeStderr {
+		if errR, errW, err = os.Pipe(); err != nil {
+			outR.Close()
+			outW.Close()
+			return nil, err
+		}
 	}
 	var inR, inW *os.File
 	if stdinPipe {
@@ -128,36 +165,47 @@ func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
 	if err != nil {
 		outR.Close()
 		outW.Close()
-		errR.Close()
-		errW.Close()
+		if errR != nil {
+			errR.Close()
+			errW.Close()
+		}
 		return nil, err
 	}
-	child, err := r.reaper.Start(path, argv, env, c.Dir,
-		[]uintptr{inR.Fd(), outW.Fd(), errW.Fd()})
+	child, err := r.reaper.Start(l.path, l.argv, l.env, c.Dir,
+		[]uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, l.cred)
 	outW.Close()
-	errW.Close()
+	if errR != nil {
+		errW.Close()
+	}
 	if inR != r.devNull {
 		inR.Close()
 	}
 	if err != nil {
 		outR.Close()
-		errR.Close()
+		if errR != nil {
+			errR.Close()
+		}
 		if inW != nil {
 			inW.Close()
 		}
-		return nil, forkFailed(argv[0], err)
+		return nil, forkFailed(l, err)
 	}
 	r.adjustOOM(child.Pid)
 	return &started{child: child, stdout: outR, stderr: errR, stdin: inW}, nil
 }
 
-// forkFailed reports a failed exec as the exit code a shell would give.
-func forkFailed(name string, err error) *LaunchError {
+// forkFailed reports a failed exec as the exit code a shell would give, and
+// a refused change of user as permission_denied.
+func forkFailed(l *launch, err error) error {
+	if l.cred != nil && errors.Is(err, syscall.EPERM) {
+		return apierr.New(http.StatusForbidden, "permission_denied",
+			"cannot run commands as %s: %v", l.id.spec, err)
+	}
 	code := 126
 	if errors.Is(err, syscall.ENOENT) {
 		code = 127 // e.g. a script whose interpreter is missing
 	}
-	return launchErr(code, name, err.Error())
+	return launchErr(code, l.argv[0], err.Error())
 }
 
 func (r *Runner) adjustOOM(pid int) {

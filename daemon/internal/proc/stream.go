@@ -50,7 +50,11 @@ func (r *Runner) ExecStream(ctx context.Context, c *Command, o ExecOptions, emit
 			if o.Started != nil {
 				o.Started()
 			}
-			_ = emit(Stderr, []byte(le.Msg))
+			stream := Stderr
+			if c.MergeStderr {
+				stream = Stdout
+			}
+			_ = emit(stream, []byte(le.Msg))
 			return res, nil
 		}
 		return nil, err
@@ -62,12 +66,16 @@ func (r *Runner) ExecStream(ctx context.Context, c *Command, o ExecOptions, emit
 		go feedStdin(st.stdin, *o.Stdin)
 	}
 	ch := make(chan chunk, 16)
+	pipes := []*os.File{st.stdout}
 	go pump(st.stdout, Stdout, ch)
-	go pump(st.stderr, Stderr, ch)
+	if st.stderr != nil { // nil: merged into stdout
+		pipes = append(pipes, st.stderr)
+		go pump(st.stderr, Stderr, ch)
+	}
 
 	res := &ExecResult{}
 	sent := [3]int{}
-	open := 2
+	open := len(pipes)
 	deliver := func(ck chunk) {
 		if ck.data == nil {
 			open--
@@ -109,8 +117,9 @@ func (r *Runner) ExecStream(ctx context.Context, c *Command, o ExecOptions, emit
 			linger = t.C
 		case <-linger:
 			linger = nil
-			_ = st.stdout.SetReadDeadline(time.Unix(1, 0))
-			_ = st.stderr.SetReadDeadline(time.Unix(1, 0))
+			for _, f := range pipes {
+				_ = f.SetReadDeadline(time.Unix(1, 0))
+			}
 		case <-k.timeoutC:
 			k.timeout()
 		case <-k.graceC:
@@ -140,8 +149,9 @@ func (r *Runner) ExecStream(ctx context.Context, c *Command, o ExecOptions, emit
 			_ = syscall.Kill(-child.Pid, syscall.SIGKILL)
 		}
 	}
-	st.stdout.Close()
-	st.stderr.Close()
+	for _, f := range pipes {
+		f.Close()
+	}
 	res.Exit = ExitOf(child.Status())
 	res.TimedOut = k.timedOut
 	res.Duration = child.Ended().Sub(t0)

@@ -73,17 +73,18 @@ func New() *Reaper {
 
 // Start forks and execs path. The lock is held across fork and registration
 // so the wait loop can never see the exit of a pid not yet registered.
-// Every child gets its own process group (pgid = pid).
-func (r *Reaper) Start(path string, argv, env []string, dir string, files []uintptr) (*Child, error) {
-	return r.start(path, argv, env, dir, files, &syscall.SysProcAttr{Setpgid: true})
+// Every child gets its own process group (pgid = pid). cred, if not nil,
+// is the uid, gid and groups the child runs as (set before it changes to dir).
+func (r *Reaper) Start(path string, argv, env []string, dir string, files []uintptr, cred *syscall.Credential) (*Child, error) {
+	return r.start(path, argv, env, dir, files, &syscall.SysProcAttr{Setpgid: true, Credential: cred})
 }
 
 // StartTTY is Start for a child on a terminal: files[0] must be the
 // terminal's slave side. The child leads a new session (so its pgid is
 // still its pid) with that terminal as its controlling terminal.
-func (r *Reaper) StartTTY(path string, argv, env []string, dir string, files []uintptr) (*Child, error) {
+func (r *Reaper) StartTTY(path string, argv, env []string, dir string, files []uintptr, cred *syscall.Credential) (*Child, error) {
 	return r.start(path, argv, env, dir, files,
-		&syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0})
+		&syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred})
 }
 
 func (r *Reaper) start(path string, argv, env []string, dir string, files []uintptr, sys *syscall.SysProcAttr) (*Child, error) {

@@ -36,7 +36,7 @@ func TestStatusesReachTheirChild(t *testing.T) {
 		wg.Add(1)
 		go func(code int) {
 			defer wg.Done()
-			c, err := r.Start("/bin/sh", []string{"sh", "-c", "exit " + string(rune('0'+code%10))}, nil, "", []uintptr{0, 1, 2})
+			c, err := r.Start("/bin/sh", []string{"sh", "-c", "exit " + string(rune('0'+code%10))}, nil, "", []uintptr{0, 1, 2}, nil)
 			if err != nil {
 				t.Error(err)
 				return
@@ -55,7 +55,7 @@ func TestStatusesReachTheirChild(t *testing.T) {
 }
 
 func TestChildHasItsOwnGroup(t *testing.T) {
-	c, err := r.Start("/bin/sleep", []string{"sleep", "10"}, nil, "", []uintptr{0, 1, 2})
+	c, err := r.Start("/bin/sleep", []string{"sleep", "10"}, nil, "", []uintptr{0, 1, 2}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,11 +70,11 @@ func TestChildHasItsOwnGroup(t *testing.T) {
 }
 
 func TestStartFailure(t *testing.T) {
-	if _, err := r.Start("/no/such", []string{"x"}, nil, "", []uintptr{0, 1, 2}); err == nil {
+	if _, err := r.Start("/no/such", []string{"x"}, nil, "", []uintptr{0, 1, 2}, nil); err == nil {
 		t.Fatal("started a missing binary")
 	}
 	// The loop must still be alive after an idle period.
-	c, err := r.Start("/bin/true", []string{"true"}, nil, "", []uintptr{0, 1, 2})
+	c, err := r.Start("/bin/true", []string{"true"}, nil, "", []uintptr{0, 1, 2}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +83,7 @@ func TestStartFailure(t *testing.T) {
 
 func TestOrphansAreReaped(t *testing.T) {
 	rd, wr, _ := os.Pipe()
-	c, err := r.Start("/bin/sh", []string{"sh", "-c", "for i in 1 2 3 4 5; do (sleep 0.05 & echo $!); done"}, nil, "", []uintptr{0, wr.Fd(), 2})
+	c, err := r.Start("/bin/sh", []string{"sh", "-c", "for i in 1 2 3 4 5; do (sleep 0.05 & echo $!); done"}, nil, "", []uintptr{0, wr.Fd(), 2}, nil)
 	wr.Close()
 	if err != nil {
 		t.Fatal(err)

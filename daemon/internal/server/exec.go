@@ -1,6 +1,7 @@
 package server
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"net/http"
 	"unicode/utf8"
@@ -14,15 +15,23 @@ const defaultMaxOutput = 1 << 20
 
 // commandFields are the fields shared by exec and process start.
 type commandFields struct {
-	Argv  []string          `json:"argv"`
-	Cmd   *string           `json:"cmd"`
-	Shell *string           `json:"shell"`
-	Cwd   *string           `json:"cwd"`
-	Env   map[string]string `json:"env"`
+	Argv        []string          `json:"argv"`
+	Cmd         *string           `json:"cmd"`
+	Shell       *string           `json:"shell"`
+	Cwd         *string           `json:"cwd"`
+	Env         map[string]string `json:"env"`
+	User        *string           `json:"user"`
+	MergeStderr *bool             `json:"merge_stderr"`
 }
 
 func (f *commandFields) command() (*proc.Command, error) {
-	c := &proc.Command{Argv: f.Argv, Cmd: f.Cmd, Env: f.Env}
+	c := &proc.Command{Argv: f.Argv, Cmd: f.Cmd, Env: f.Env, MergeStderr: f.MergeStderr != nil && *f.MergeStderr}
+	if f.User != nil {
+		if err := proc.CheckUserSpec(*f.User); err != nil {
+			return nil, err
+		}
+		c.User = *f.User
+	}
 	switch {
 	case f.Argv != nil && f.Cmd != nil:
 		return nil, apierr.InvalidRequest("give argv or cmd, not both")
@@ -80,11 +89,12 @@ func containsByte(s string, b byte) bool {
 // ExecRequest is the body of POST /v1/exec and /v1/exec/stream.
 type ExecRequest struct {
 	commandFields
-	Stdin     *string  `json:"stdin"`
-	Timeout   *float64 `json:"timeout"`
-	KillGrace *float64 `json:"kill_grace"`
-	MaxOutput *int64   `json:"max_output"`
-	Encoding  *string  `json:"encoding"`
+	Stdin         *string  `json:"stdin"`
+	StdinEncoding *string  `json:"stdin_encoding"`
+	Timeout       *float64 `json:"timeout"`
+	KillGrace     *float64 `json:"kill_grace"`
+	MaxOutput     *int64   `json:"max_output"`
+	Encoding      *string  `json:"encoding"`
 }
 
 // parseExec validates an exec request; shared with the fuzz target.
@@ -102,7 +112,9 @@ func (s *Server) parseExec(data []byte) (*proc.Command, proc.ExecOptions, string
 	if err != nil {
 		return nil, o, "", err
 	}
-	o.Stdin = req.Stdin
+	if o.Stdin, err = stdinOf(req.Stdin, req.StdinEncoding); err != nil {
+		return nil, o, "", err
+	}
 	if o.Timeout, err = duration("timeout", req.Timeout, true); err != nil {
 		return nil, o, "", err
 	}
@@ -116,6 +128,24 @@ func (s *Server) parseExec(data []byte) (*proc.Command, proc.ExecOptions, string
 		return nil, o, "", err
 	}
 	return c, o, enc, nil
+}
+
+// stdinOf decodes stdin as its encoding says: utf-8 (the JSON string's own
+// text, the default) or base64 (any bytes).
+func stdinOf(data, enc *string) (*string, error) {
+	e, err := encoding(enc)
+	if err != nil {
+		return nil, apierr.InvalidRequest("stdin_encoding must be %q or %q", encUTF8, encBase64)
+	}
+	if data == nil || e == encUTF8 {
+		return data, nil
+	}
+	raw, err := base64.StdEncoding.DecodeString(*data)
+	if err != nil {
+		return nil, apierr.InvalidRequest("stdin is not valid base64: %v", err)
+	}
+	s := string(raw)
+	return &s, nil
 }
 
 type execResult struct {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -335,4 +336,112 @@ func childrenOf(ppid int, t *testing.T) []string {
 		}
 	}
 	return out
+}
+
+// merge_stderr: one pipe for both streams, so the order of writes is kept.
+func TestExecMergeStderr(t *testing.T) {
+	ts := newTestServer(t)
+	script := "echo out1; echo err1 >&2; echo out2; echo err2 >&2"
+	r := execOK(ts, map[string]any{"cmd": script, "merge_stderr": true})
+	if r.str("stdout") != "out1\nerr1\nout2\nerr2\n" || r.str("stderr") != "" {
+		t.Fatalf("exec: %s", r.body)
+	}
+	r = execOK(ts, map[string]any{"cmd": "echo 0123456789; echo abc >&2", "merge_stderr": true, "max_output": 12})
+	if r.str("stdout") != "0123456789\na" || !r.boolean("truncated") {
+		t.Fatalf("one cap for the merged stream: %s", r.body)
+	}
+	resp, sc := ts.stream(map[string]any{"cmd": script, "merge_stderr": true})
+	defer resp.Body.Close()
+	var out string
+	for sc.Scan() {
+		ev := validateEvent(t, sc.Bytes())
+		switch ev["event"] {
+		case "stdout":
+			out += ev["data"].(string)
+		case "stderr":
+			t.Fatalf("a stderr event with merge_stderr: %v", ev)
+		}
+	}
+	if out != "out1\nerr1\nout2\nerr2\n" {
+		t.Fatalf("stream: %q", out)
+	}
+	p := ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": script, "merge_stderr": true}), 201)
+	ts.want(ts.do("POST", "/v1/processes/"+p.str("id")+"/wait", map[string]any{"timeout": 10}), 200)
+	o := ts.want(ts.do("GET", "/v1/processes/"+p.str("id")+"/output", nil), 200)
+	if o.str("stdout") != "out1\nerr1\nout2\nerr2\n" || o.str("stderr") != "" {
+		t.Fatalf("process: %s", o.body)
+	}
+	// A launch failure still reports its reason, on the one stream there is.
+	r = execOK(ts, map[string]any{"argv": []string{"no-such-command-xyz"}, "merge_stderr": true})
+	if r.num("exit_code") != 127 || r.str("stdout") != "sandmand: no-such-command-xyz: command not found\n" || r.str("stderr") != "" {
+		t.Fatalf("not found: %s", r.body)
+	}
+}
+
+// stdin_encoding base64 carries any bytes to stdin.
+func TestExecBinaryStdin(t *testing.T) {
+	ts := newTestServer(t)
+	data := []byte("\x00\xff\xfe binary\r\n\x80")
+	b64 := base64.StdEncoding.EncodeToString(data)
+	r := execOK(ts, map[string]any{"argv": []string{"cat"}, "stdin": b64, "stdin_encoding": "base64", "encoding": "base64"})
+	if r.str("stdout") != b64 {
+		t.Fatalf("round trip: %s", r.body)
+	}
+	resp, sc := ts.stream(map[string]any{"argv": []string{"wc", "-c"}, "stdin": b64, "stdin_encoding": "base64"})
+	defer resp.Body.Close()
+	var out string
+	for sc.Scan() {
+		if ev := validateEvent(t, sc.Bytes()); ev["event"] == "stdout" {
+			out += ev["data"].(string)
+		}
+	}
+	if strings.TrimSpace(out) != strconv.Itoa(len(data)) {
+		t.Fatalf("stream: %q", out)
+	}
+	r = execOK(ts, map[string]any{"argv": []string{"cat"}, "stdin": "as text", "stdin_encoding": "utf-8"})
+	if r.str("stdout") != "as text" {
+		t.Fatalf("utf-8: %s", r.body)
+	}
+	ts.want(ts.do("POST", "/v1/exec", map[string]any{"argv": []string{"cat"}, "stdin": "not base64!", "stdin_encoding": "base64"}), 400, "invalid_request")
+	ts.want(ts.do("POST", "/v1/exec", map[string]any{"argv": []string{"cat"}, "stdin": "x", "stdin_encoding": "latin1"}), 400, "invalid_request")
+}
+
+// A plain exec whose client goes away is killed, group and all, as a
+// streamed one is.
+func TestExecClientDisconnectKills(t *testing.T) {
+	ts := newTestServer(t)
+	pidFile := filepath.Join(t.TempDir(), "pid")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		body := `{"cmd":"sleep 60 & echo $$ > ` + pidFile + `; wait"}`
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://sandmand/v1/exec", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+testToken)
+		resp, err := ts.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	var pgid int
+	eventually(t, 5*time.Second, "the command to start", func() bool {
+		data, err := os.ReadFile(pidFile)
+		if err != nil || !strings.HasSuffix(string(data), "\n") {
+			return false
+		}
+		pgid, err = strconv.Atoi(strings.TrimSpace(string(data)))
+		return err == nil
+	})
+	if groupGone(pgid) {
+		t.Fatal("command not running")
+	}
+	cancel()
+	if err := <-done; err == nil {
+		t.Fatal("the request was not cut")
+	}
+	eventually(t, 5*time.Second, "the process group to be killed", func() bool { return groupGone(pgid) })
+	coverMu.Lock()
+	covered["POST /v1/exec"] = true
+	coverMu.Unlock()
 }

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"sandman/daemon/internal/apierr"
+	"sandman/daemon/internal/proc"
 )
 
 var seeds = []string{
@@ -15,6 +16,10 @@ var seeds = []string{
 	`{"path":"/x","parents":true,"mode":"755"}`, `{"src":"a","dst":"b","overwrite":true}`,
 	`{"shell":"/bin/sh","cwd":"/","env":{}}`, `[]`, `{`, ``, `null`, `{"argv":null,"cmd":null}`,
 	`{"argv":["sh"],"tty":true,"rows":30,"cols":100}`, `{"rows":65535,"cols":1}`,
+	`{"argv":["cat"],"stdin":"AP8=","stdin_encoding":"base64","user":"agent:staff","merge_stderr":true}`,
+	`{"cmd":"x","stdin":"x","stdin_encoding":"utf-8","user":"1000:1000"}`, `{"argv":["x"],"user":""}`,
+	`{"cmd":"sleep 9","timeout":1,"on_timeout":"interrupt","kill_grace":0.5,"merge_stderr":true}`,
+	`{"cmd":"x","on_timeout":"kill"}`, `{"shell":"/bin/sh","user":"root"}`,
 }
 
 // checkDecodeErr: a decoder may refuse input, but only with a 4xx protocol
@@ -42,7 +47,8 @@ func FuzzDecodeExec(f *testing.F) {
 	s := &Server{killGrace: 2 * time.Second}
 	fuzzDecoder(f, func(b []byte) error {
 		c, o, enc, err := s.parseExec(b)
-		if err == nil && (c == nil || (c.Argv == nil) == (c.Cmd == nil) || enc == "" || o.MaxOutput < 0 || o.Timeout < 0 || o.KillGrace < 0) {
+		if err == nil && (c == nil || (c.Argv == nil) == (c.Cmd == nil) || enc == "" || o.MaxOutput < 0 || o.Timeout < 0 || o.KillGrace < 0 ||
+			(c.User != "" && proc.CheckUserSpec(c.User) != nil)) {
 			panic("accepted an inconsistent exec request")
 		}
 		return err
@@ -84,13 +90,19 @@ func FuzzDecodeWait(f *testing.F) {
 }
 
 func FuzzDecodeSessionCreate(f *testing.F) {
-	fuzzDecoder(f, func(b []byte) error { _, err := parseSessionCreate(b); return err })
+	fuzzDecoder(f, func(b []byte) error {
+		a, err := parseSessionCreate(b)
+		if err == nil && a.user != "" && proc.CheckUserSpec(a.user) != nil {
+			panic("accepted a bad user")
+		}
+		return err
+	})
 }
 
 func FuzzDecodeSessionRun(f *testing.F) {
 	fuzzDecoder(f, func(b []byte) error {
 		a, err := parseSessionRun(b)
-		if err == nil && (a.maxOutput < 0 || a.enc == "" || a.timeout < 0) {
+		if err == nil && (a.maxOutput < 0 || a.enc == "" || a.timeout < 0 || (a.killGrace != nil && *a.killGrace < 0)) {
 			panic("accepted an inconsistent run request")
 		}
 		return err

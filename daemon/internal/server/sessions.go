@@ -12,11 +12,12 @@ type SessionCreateRequest struct {
 	Shell *string           `json:"shell"`
 	Cwd   *string           `json:"cwd"`
 	Env   map[string]string `json:"env"`
+	User  *string           `json:"user"`
 }
 
 type sessionArgs struct {
-	shell, cwd string
-	env        map[string]string
+	shell, cwd, user string
+	env              map[string]string
 }
 
 func parseSessionCreate(data []byte) (sessionArgs, error) {
@@ -37,23 +38,41 @@ func parseSessionCreate(data []byte) (sessionArgs, error) {
 		}
 		a.cwd = *req.Cwd
 	}
+	if req.User != nil {
+		if err := proc.CheckUserSpec(*req.User); err != nil {
+			return a, err
+		}
+		a.user = *req.User
+	}
 	a.env = req.Env
 	return a, checkEnv(req.Env)
 }
 
 // SessionRunRequest is the body of POST /v1/sessions/{id}/run.
 type SessionRunRequest struct {
-	Cmd       *string  `json:"cmd"`
-	Timeout   *float64 `json:"timeout"`
-	MaxOutput *int64   `json:"max_output"`
-	Encoding  *string  `json:"encoding"`
+	Cmd         *string  `json:"cmd"`
+	Timeout     *float64 `json:"timeout"`
+	MaxOutput   *int64   `json:"max_output"`
+	Encoding    *string  `json:"encoding"`
+	MergeStderr *bool    `json:"merge_stderr"`
+	OnTimeout   *string  `json:"on_timeout"`
+	KillGrace   *float64 `json:"kill_grace"`
 }
+
+// What a session run does on timeout.
+const (
+	onTimeoutKill      = "kill"
+	onTimeoutInterrupt = "interrupt"
+)
 
 type runArgs struct {
 	cmd       string
 	timeout   float64
 	maxOutput int
 	enc       string
+	merge     bool
+	interrupt bool
+	killGrace *float64 // nil: the daemon's --kill-grace
 }
 
 func parseSessionRun(data []byte) (runArgs, error) {
@@ -76,8 +95,22 @@ func parseSessionRun(data []byte) (runArgs, error) {
 	if req.Timeout != nil {
 		a.timeout = *req.Timeout
 	}
+	if _, err = duration("kill_grace", req.KillGrace, false); err != nil {
+		return a, err
+	}
+	a.killGrace = req.KillGrace
 	if a.maxOutput, err = nonNegative("max_output", req.MaxOutput, defaultMaxOutput); err != nil {
 		return a, err
+	}
+	a.merge = req.MergeStderr != nil && *req.MergeStderr
+	if req.OnTimeout != nil {
+		switch *req.OnTimeout {
+		case onTimeoutKill:
+		case onTimeoutInterrupt:
+			a.interrupt = true
+		default:
+			return a, apierr.InvalidRequest("on_timeout must be %q or %q", onTimeoutKill, onTimeoutInterrupt)
+		}
 	}
 	a.enc, err = encoding(req.Encoding)
 	return a, err
@@ -99,7 +132,7 @@ func (s *Server) sessionCreate(w http.ResponseWriter, r *http.Request, _ string)
 	if err != nil {
 		return err
 	}
-	ss, err := s.sessions.Start(a.shell, a.cwd, a.env)
+	ss, err := s.sessions.Start(a.shell, a.cwd, a.env, a.user)
 	if err != nil {
 		return err
 	}
@@ -158,7 +191,14 @@ func (s *Server) sessionRun(w http.ResponseWriter, r *http.Request, id string) e
 		return err
 	}
 	timeout, _ := duration("timeout", &a.timeout, false)
-	res, err := ss.Run(r.Context(), a.cmd, timeout, a.maxOutput)
+	grace := s.killGrace
+	if a.killGrace != nil {
+		grace, _ = duration("kill_grace", a.killGrace, false)
+	}
+	res, err := ss.Run(r.Context(), proc.RunOptions{
+		Cmd: a.cmd, Timeout: timeout, MaxOutput: a.maxOutput,
+		MergeStderr: a.merge, Interrupt: a.interrupt, Grace: grace,
+	})
 	if err != nil {
 		return err
 	}

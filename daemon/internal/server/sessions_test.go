@@ -1,6 +1,8 @@
 package server
 
 import (
+	"context"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -149,4 +151,102 @@ func TestSessionEndpoints(t *testing.T) {
 	ts.want(ts.do("DELETE", "/v1/sessions/"+id, nil), 204)
 	ts.want(ts.do("GET", "/v1/sessions/"+id, nil), 404, "not_found")
 	ts.want(ts.do("DELETE", "/v1/sessions/"+id, nil), 404, "not_found")
+}
+
+func TestSessionMergeStderr(t *testing.T) {
+	ts := newTestServer(t)
+	for _, sh := range shells(t) {
+		t.Run(filepath.Base(sh), func(t *testing.T) {
+			ts.t = t
+			id := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": sh}), 201).str("id")
+			r := run(ts, id, "cd /; echo out1; echo err1 >&2; echo out2", map[string]any{"merge_stderr": true})
+			if r.str("stdout") != "out1\nerr1\nout2\n" || r.str("stderr") != "" || r.num("exit_code") != 0 {
+				t.Fatalf("merged: %s", r.body)
+			}
+			r = run(ts, id, "pwd; echo err >&2")
+			if r.str("stdout") != "/\n" || r.str("stderr") != "err\n" {
+				t.Fatalf("state kept, streams apart again: %s", r.body)
+			}
+		})
+	}
+}
+
+// on_timeout=interrupt: SIGINT abandons the command line; the shell, its
+// variables and its directory survive.
+func TestSessionTimeoutInterrupts(t *testing.T) {
+	ts := newTestServer(t)
+	interrupt := map[string]any{"timeout": 0.3, "on_timeout": "interrupt"}
+	for _, sh := range shells(t) {
+		t.Run(filepath.Base(sh), func(t *testing.T) {
+			ts.t = t
+			r := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": sh}), 201)
+			id, shellPid := r.str("id"), int(r.num("pid"))
+			dir := t.TempDir()
+			pidFile := filepath.Join(dir, "pid")
+			for _, cmd := range []string{
+				"cd " + dir + "; A=1; echo before; sleep 30 & echo $! > " + pidFile + "; wait; echo after",
+				"B=2; while :; do sleep 0.05; done; echo after",
+				"C=3; while :; do :; done; echo after",
+				"for i in 1 2 3; do sleep 10; done; echo after",
+			} {
+				r = run(ts, id, cmd, interrupt)
+				if !r.boolean("timed_out") || !r.boolean("alive") || r.num("exit_code") != 130 || strings.Contains(r.str("stdout"), "after") {
+					t.Fatalf("%s: %s", cmd, r.body)
+				}
+			}
+			r = run(ts, id, "pwd; echo $A $B $C", map[string]any{"timeout": 5})
+			if r.str("stdout") != dir+"\n1 2 3\n" || !r.boolean("alive") {
+				t.Fatalf("state after interrupts: %s", r.body)
+			}
+			if data, err := os.ReadFile(pidFile); err == nil {
+				// A background job of the shell ignores SIGINT (it is not
+				// the foreground job); killing it is the caller's business.
+				run(ts, id, "kill "+strings.TrimSpace(string(data))+" 2>/dev/null; true")
+			}
+			if groupGone(shellPid) {
+				t.Fatal("the shell's group is gone")
+			}
+			// A command that ignores SIGINT: the session is killed kill_grace later.
+			t0 := time.Now()
+			r = run(ts, id, "sh -c \"trap '' INT; sleep 30\"", map[string]any{"timeout": 0.2, "on_timeout": "interrupt", "kill_grace": 0.2})
+			if !r.boolean("timed_out") || r.boolean("alive") || r.num("exit_code") != 137 {
+				t.Fatalf("stubborn: %s", r.body)
+			}
+			if d := time.Since(t0); d > 5*time.Second {
+				t.Fatalf("stubborn took %v", d)
+			}
+			eventually(t, 5*time.Second, "the session's group to be gone", func() bool { return groupGone(shellPid) })
+		})
+	}
+}
+
+// With interrupt, a client that goes away interrupts the run too, and the
+// session lives on.
+func TestSessionInterruptOnDisconnect(t *testing.T) {
+	ts := newTestServer(t)
+	id := ts.want(ts.do("POST", "/v1/sessions", nil), 201).str("id")
+	marker := filepath.Join(t.TempDir(), "started")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		body := `{"cmd":"X=1; touch ` + marker + `; sleep 30","on_timeout":"interrupt"}`
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://sandmand/v1/sessions/"+id+"/run", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+testToken)
+		resp, err := ts.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	eventually(t, 5*time.Second, "the run to start", func() bool { _, err := os.Stat(marker); return err == nil })
+	cancel()
+	<-done
+	var r *response
+	eventually(t, 5*time.Second, "the session to be free again", func() bool {
+		r = ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "echo $X"})
+		return r.status == 200
+	})
+	if r.str("stdout") != "1\n" || !r.boolean("alive") {
+		t.Fatalf("after the disconnect: %s", r.body)
+	}
 }

@@ -36,6 +36,7 @@ from sandman.models import (
     ExecResult,
     FileStat,
     Health,
+    OnTimeout,
     ProcessInfo,
     ProcessOutput,
     SessionInfo,
@@ -255,19 +256,22 @@ class DaemonClient:
         *,
         cwd: str | None,
         env: Mapping[str, str] | None,
-        stdin: str | None,
+        stdin: str | bytes | None,
         timeout: float | None,
         kill_grace: float | None,
         max_output: int | None,
         shell: str | None,
         encoding: Encoding,
+        user: str | int | None,
+        merge_stderr: bool,
     ) -> dict[str, Any]:
-        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        payload = protocol.command_fields(
+            command, shell=shell, cwd=cwd, env=env, user=user, merge_stderr=merge_stderr
+        )
         payload.update(
             protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
         )
-        if stdin is not None:
-            payload["stdin"] = stdin
+        payload.update(protocol.stdin_fields(stdin))
         if kill_grace is not None:
             payload["kill_grace"] = kill_grace
         return payload
@@ -278,22 +282,35 @@ class DaemonClient:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = None,
         kill_grace: float | None = None,
         max_output: int | None = None,
         shell: str | None = None,
         encoding: Encoding = "utf-8",
+        user: str | int | None = None,
+        merge_stderr: bool = False,
         check: bool = False,
     ) -> ExecResult:
         """Run a command to completion: a string runs in ``shell -c``, a sequence as argv.
 
+        ``stdin`` is text or bytes (any bytes: they travel as base64), then
+        end-of-file; without it the command reads ``/dev/null``. ``user`` runs
+        it as that user: a name or uid, optionally ``:group``, looked up in the
+        sandbox's ``/etc/passwd`` and ``/etc/group`` (UnknownUser if missing;
+        its groups and ``HOME`` come along). ``merge_stderr=True`` gives the
+        command one pipe for both outputs: ``stdout`` holds them interleaved
+        as written, ``stderr`` is empty.
+
         A non-zero exit code is data (``result.exit_code``); ``check=True``
         raises CommandFailed for it, and ExecTimeout if the command timed out.
+        Cancelling the call (a timeout around it, a cancelled task) kills the
+        command's process group.
         """
         payload = self._exec_payload(
             command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding,
+            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            merge_stderr=merge_stderr,
         )  # fmt: skip
         result = await self._model(
             ExecResult, "POST", "/v1/exec", payload,
@@ -311,21 +328,26 @@ class DaemonClient:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: str | None = None,
+        stdin: str | bytes | None = None,
         timeout: float | None = None,
         kill_grace: float | None = None,
         max_output: int | None = None,
         shell: str | None = None,
         encoding: Encoding = "utf-8",
+        user: str | int | None = None,
+        merge_stderr: bool = False,
     ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
         """Run a command and read its output as it happens.
 
         ``async with client.exec_stream("make") as events: async for ev in events: ...``
         The last event is ``exit``. Leaving the block early kills the command.
+        The parameters are `exec`'s; with ``merge_stderr=True`` every output
+        event is ``stdout``.
         """
         payload = self._exec_payload(
             command, cwd=cwd, env=env, stdin=stdin, timeout=timeout, kill_grace=kill_grace,
-            max_output=max_output, shell=shell, encoding=encoding,
+            max_output=max_output, shell=shell, encoding=encoding, user=user,
+            merge_stderr=merge_stderr,
         )  # fmt: skip
         body = to_json(payload)
         with _map_transport_errors(self._address):
@@ -356,6 +378,8 @@ class DaemonClient:
         tty: bool = False,
         rows: int | None = None,
         cols: int | None = None,
+        user: str | int | None = None,
+        merge_stderr: bool = False,
     ) -> ProcessInfo:
         """Start a command in the background; it outlives this call (see `poll`,
         `read_output`, `wait`).
@@ -364,8 +388,11 @@ class DaemonClient:
         it on a pseudo-terminal of ``rows`` x ``cols`` (default 24 x 80; see
         `resize`): its output, echo included, is all stdout, and stdin is
         always open. ``max_buffer`` bounds the output kept for `read_output`.
+        ``user`` and ``merge_stderr`` are as for `exec`.
         """
-        payload = protocol.command_fields(command, shell=shell, cwd=cwd, env=env)
+        payload = protocol.command_fields(
+            command, shell=shell, cwd=cwd, env=env, user=user, merge_stderr=merge_stderr
+        )
         if stdin:
             payload["stdin"] = True
         if max_buffer is not None:
@@ -444,9 +471,13 @@ class DaemonClient:
         shell: str | None = None,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        user: str | int | None = None,
     ) -> SessionInfo:
         """Start a persistent shell (bash if the image has it, else sh): ``cd``,
-        exports and functions persist between `run_in_session` calls."""
+        exports and functions persist between `run_in_session` calls.
+
+        ``user`` runs the shell, and so every command in it, as that user (as
+        for `exec`)."""
         payload: dict[str, Any] = {}
         if shell is not None:
             payload["shell"] = shell
@@ -454,6 +485,7 @@ class DaemonClient:
             payload["cwd"] = cwd
         if env:
             payload["env"] = dict(env)
+        payload.update(protocol.user_fields(user))
         return await self._model(SessionInfo, "POST", "/v1/sessions", payload)
 
     async def list_sessions(self) -> list[SessionInfo]:
@@ -473,19 +505,35 @@ class DaemonClient:
         timeout: float | None = None,
         max_output: int | None = None,
         encoding: Encoding = "utf-8",
+        merge_stderr: bool = False,
+        on_timeout: OnTimeout = "kill",
+        kill_grace: float | None = None,
         check: bool = False,
     ) -> SessionRunResult:
         """Run a command in the session's shell; ``cd`` and ``export`` persist.
 
-        On timeout the session is killed (``alive`` is false afterwards).
+        ``merge_stderr=True`` runs it with ``2>&1``: ``stdout`` holds both
+        outputs interleaved, ``stderr`` is empty. On timeout (and if the call
+        is cancelled) the session is killed by default (``alive`` is false
+        afterwards). ``on_timeout="interrupt"`` sends SIGINT instead, as
+        Ctrl-C: the rest of the command line is skipped and the shell lives
+        on with its state (``timed_out`` and ``alive`` true, exit code 130);
+        only if the command line is still running ``kill_grace`` seconds
+        later (default 2) is the session killed.
         """
         payload: dict[str, Any] = {"cmd": command}
         payload.update(
             protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
         )
+        if merge_stderr:
+            payload["merge_stderr"] = True
+        if on_timeout != "kill":
+            payload["on_timeout"] = on_timeout
+        if kill_grace is not None:
+            payload["kill_grace"] = kill_grace
         result = await self._model(
             SessionRunResult, "POST", _session(session_id, "run"), payload,
-            deadline=self._command_deadline(timeout, None),
+            deadline=self._command_deadline(timeout, kill_grace),
             timeout_error=errors.ExecTimeout,
         )  # fmt: skip
         if check:
@@ -824,7 +872,7 @@ def _check(
         raise errors.ExecTimeout(f"command timed out: {shown!r}")
     if exit_code != 0:
         raise errors.CommandFailed(
-            f"command exited {exit_code}: {shown!r}: {stderr[-500:]}",
+            f"command exited {exit_code}: {shown!r}: {(stderr or stdout)[-500:]}",
             exit_code=exit_code,
             stdout=stdout,
             stderr=stderr,

@@ -6,6 +6,7 @@ Pure functions only, so they are shared by every client and tested without I/O.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,8 +22,10 @@ __all__ = [
     "error_from_response",
     "output_fields",
     "quote_segment",
+    "stdin_fields",
     "target",
     "tty_fields",
+    "user_fields",
 ]
 
 PROTOCOL_VERSION = "v1"
@@ -40,6 +43,7 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     "permission_denied": errors.PermissionDenied,
     "no_space": errors.NoSpace,
     "not_found": errors.PathNotFound,
+    "unknown_user": errors.UnknownUser,
     "already_exists": errors.PathExists,
     "directory_not_empty": errors.DirectoryNotEmpty,
     "is_a_directory": errors.IsADirectory,
@@ -92,8 +96,11 @@ def command_fields(
     shell: str | None = None,
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
+    user: str | int | None = None,
+    merge_stderr: bool = False,
 ) -> dict[str, Any]:
-    """The fields that say what to run: a string runs in a shell, a sequence as argv."""
+    """The fields that say what to run (a string runs in a shell, a sequence as
+    argv), as whom, and where its output goes."""
     fields: dict[str, Any]
     if isinstance(command, str):
         fields = {"cmd": command}
@@ -110,7 +117,28 @@ def command_fields(
         fields["cwd"] = cwd
     if env:
         fields["env"] = dict(env)
+    fields.update(user_fields(user))
+    if merge_stderr:
+        fields["merge_stderr"] = True
     return fields
+
+
+def user_fields(user: str | int | None) -> dict[str, Any]:
+    """The ``user`` field: a name or uid, optionally ``:group`` (name or gid)."""
+    if user is None:
+        return {}
+    if isinstance(user, bool) or (isinstance(user, int) and user < 0):
+        raise errors.ConfigError(f"user must be a name or a uid, got {user!r}")
+    return {"user": str(user)}
+
+
+def stdin_fields(stdin: str | bytes | None) -> dict[str, Any]:
+    """The stdin of a one-shot command: text as it is, bytes as base64."""
+    if stdin is None:
+        return {}
+    if isinstance(stdin, str):
+        return {"stdin": stdin}
+    return {"stdin": base64.b64encode(stdin).decode("ascii"), "stdin_encoding": "base64"}
 
 
 def tty_fields(*, tty: bool, rows: int | None, cols: int | None) -> dict[str, Any]:

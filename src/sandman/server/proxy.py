@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import httpcore
 import httpx
@@ -139,12 +140,20 @@ class Forwarder:
             url = f"{url}?{request.url.query}"
         upstream = self._acquire(endpoint)
         client = upstream.client
+        body_read = asyncio.Event()
+        if not has_body:
+            body_read.set()
         outgoing = client.build_request(
             request.method, url, headers=headers,
-            content=_limited(request, self.max_body) if has_body else None,
+            content=_limited(request, self.max_body, body_read) if has_body else None,
         )  # fmt: skip
         try:
-            answer = await client.send(outgoing, stream=True)
+            answer = await _unless_caller_left(
+                client.send(outgoing, stream=True), request, body_read
+            )
+            if answer is None:
+                await self._release(upstream)
+                return Response(status_code=_CLIENT_CLOSED)
         except UntrustedPeer as exc:
             await self._release(upstream)
             raise ApiError("untrusted_daemon", str(exc)) from exc
@@ -220,7 +229,8 @@ class _PeerChecked(httpcore.AsyncNetworkBackend):
 _closing: set[asyncio.Future[None]] = set()
 
 
-async def _limited(request: Request, max_body: int) -> AsyncIterator[bytes]:
+async def _limited(request: Request, max_body: int, read: asyncio.Event) -> AsyncIterator[bytes]:
+    """The request's body, refused past ``max_body``; sets ``read`` once it is all read."""
     seen = 0
     async for chunk in request.stream():
         seen += len(chunk)
@@ -228,3 +238,45 @@ async def _limited(request: Request, max_body: int) -> AsyncIterator[bytes]:
             raise ApiError("body_too_large", f"the body is larger than {max_body} bytes")
         if chunk:
             yield chunk
+    read.set()
+
+
+# What the log shows for a request whose caller left before the daemon answered
+# (nginx's "client closed request"); nobody receives it.
+_CLIENT_CLOSED = 499
+
+
+async def _caller_left(request: Request, body_read: asyncio.Event) -> None:
+    """Return once the caller has disconnected (asked only once its body is read)."""
+    await body_read.wait()
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # a bodiless request's one empty body message
+    except Exception:  # noqa: BLE001 - no way to tell: wait for the daemon's answer
+        await asyncio.Event().wait()
+
+
+async def _unless_caller_left(
+    sending: Coroutine[Any, Any, httpx.Response], request: Request, body_read: asyncio.Event
+) -> httpx.Response | None:
+    """The daemon's answer (its head), or None when the caller left first.
+
+    A plain exec answers only once its command has ended: if the caller gives
+    up before, the request to the daemon is cancelled, which closes that
+    connection, and the daemon kills the command as it would for a caller of
+    its own. (Once the answer streams, the response notices the caller leave.)
+    """
+    send = asyncio.ensure_future(sending)
+    left = asyncio.ensure_future(_caller_left(request, body_read))
+    try:
+        await asyncio.wait({send, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not send.done():
+            send.cancel()
+        await asyncio.wait({send, left})
+    if left.cancelled():
+        return send.result()  # the caller is still there
+    if not send.cancelled() and send.exception() is None:
+        await send.result().aclose()  # it came too late for anyone
+    return None
