@@ -42,7 +42,7 @@ def _start(sock: Path, token: str, log: Path) -> subprocess.Popen[bytes]:
 
 async def tour(sock: Path, token: str, workdir: Path) -> None:
     async with DaemonClient(uds=str(sock), token=token) as sb:
-        health = await sb.health()
+        health = await sb.wait_ready(10)  # the socket exists a moment before it listens
         print(f"sandmand {health.version} (protocol {health.protocol}) is up, pid {health.pid}")
 
         result = await sb.exec("echo hello from $0; uname -s", cwd=str(workdir))

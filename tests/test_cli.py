@@ -17,7 +17,8 @@ from sandman.client import AsyncClient, InProcessBackend
 from sandman.pool import Pool, PoolConfig
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.providers.local.fresh import fresh_local_provider
-from tests.server.conftest import KEY_A, KEY_B, eventually, serve
+from tests.server.conftest import KEY_A, KEY_B, serve
+from tests.support import eventually
 
 
 def test_doctor_reports_each_check() -> None:

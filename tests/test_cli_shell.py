@@ -17,7 +17,7 @@ import termios
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -33,6 +33,7 @@ from sandman.settings import LocalConfig
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.server.conftest import KEY_A
 from tests.server.test_serve import Host, free_port, served
+from tests.support import until
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # busybox sh's prompt; capture-pane drops the trailing space.
@@ -69,14 +70,6 @@ class Tmux:
         self("kill-server", check=False)
         tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp"))
         (tmpdir / f"tmux-{os.getuid()}" / self.socket).unlink(missing_ok=True)
-
-
-def _until(what: str, cond: Callable[[], bool], timeout: float, why: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}:\n{why()}")
-        time.sleep(0.05)
 
 
 def _leftovers(state: Path, sandbox_id: str) -> list[str]:
@@ -163,7 +156,7 @@ def _start_shell(tmux: Tmux, state: Path, busybox_tar: Path, *options: str) -> t
     command = f"{shlex.join([*sandman, '--state-dir', str(state), 'shell', 'bb', *options])}; "
     command += f"echo $? > {shlex.quote(str(rc_file))}"
     tmux("new-session", "-d", "-s", "shell", "-x", "100", "-y", "30", command)
-    _until("the prompt", lambda: PROMPT.search(tmux.screen()) is not None, 90, tmux.screen)
+    until("the prompt", lambda: PROMPT.search(tmux.screen()) is not None, 90, tmux.screen)
     banner = re.search(r"in sandbox (sb-[0-9a-f]+)", tmux.screen())
     assert banner, tmux.screen()
     return rc_file, banner.group(1)
@@ -176,8 +169,8 @@ def _listed(state: Path) -> str:
 
 
 def _assert_released(state: Path, sandbox_id: str) -> None:
-    _until("`sandman ls` to be empty", lambda: _listed(state) == "", 30, lambda: _listed(state))
-    _until(
+    until("`sandman ls` to be empty", lambda: _listed(state) == "", 30, lambda: _listed(state))
+    until(
         "nothing of the sandbox left",
         lambda: not _leftovers(state, sandbox_id),
         30,
@@ -187,7 +180,7 @@ def _assert_released(state: Path, sandbox_id: str) -> None:
 
 def _assert_ended(tmux: Tmux, rc_file: Path, rc: str, state: Path, sandbox_id: str) -> None:
     """The pane's ``sandman shell`` exits with status ``rc`` and leaves nothing behind."""
-    _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+    until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
     assert rc_file.read_text().strip() == rc
     _assert_released(state, sandbox_id)
 
@@ -203,9 +196,9 @@ slow = pytest.mark.timeout(180)
 def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
     rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar)
     tmux("send-keys", "-t", "shell", "echo $((6*7))", "Enter")
-    _until("42", lambda: tmux.shows("42"), 20, tmux.screen)
+    until("42", lambda: tmux.shows("42"), 20, tmux.screen)
     tmux("send-keys", "-t", "shell", "stty size", "Enter")
-    _until("the pane's size", lambda: tmux.shows("30 100"), 20, tmux.screen)
+    until("the pane's size", lambda: tmux.shows("30 100"), 20, tmux.screen)
     # A resized window reaches the sandbox's terminal (SIGWINCH -> resize).
     tmux("resize-window", "-t", "shell", "-x", "120", "-y", "40")
 
@@ -217,13 +210,13 @@ def test_shell_in_tmux(busybox_tar: Path, state: Path, tmux: Tmux) -> None:
             time.sleep(0.05)
         return tmux.shows("40 120")
 
-    _until("the new size", resized, 20, tmux.screen)
+    until("the new size", resized, 20, tmux.screen)
     # Ctrl-C goes to the sandbox, not to the CLI.
     tmux("send-keys", "-t", "shell", "sleep 1000", "Enter")
-    _until("sleep to run", lambda: _runs(sandbox_id, b"sleep\x001000\x00"), 20, tmux.screen)
+    until("sleep to run", lambda: _runs(sandbox_id, b"sleep\x001000\x00"), 20, tmux.screen)
     tmux("send-keys", "-t", "shell", "C-c")
     tmux("send-keys", "-t", "shell", "echo after-$((1+1))", "Enter")
-    _until("the shell after ^C", lambda: tmux.shows("after-2"), 20, tmux.screen)
+    until("the shell after ^C", lambda: tmux.shows("after-2"), 20, tmux.screen)
 
     tmux("send-keys", "-t", "shell", "exit 7", "Enter")
     _assert_ended(tmux, rc_file, "7", state, sandbox_id)
@@ -268,12 +261,12 @@ def test_shell_against_a_service_via_its_proxy(busybox_tar: Path, state: Path, t
         rc_file, sandbox_id = _start_shell(tmux, state, busybox_tar, *options)
         assert sandboxes() == [(sandbox_id, "leased")]
         tmux("send-keys", "-t", "shell", "echo $((6*7))", "Enter")
-        _until("42", lambda: tmux.shows("42"), 20, tmux.screen)
+        until("42", lambda: tmux.shows("42"), 20, tmux.screen)
         tmux("send-keys", "-t", "shell", "exit 5", "Enter")
-        _until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
+        until("the session to end", lambda: not tmux.alive(), 60, tmux.screen)
         assert rc_file.read_text().strip() == "5"
         # Released on the service (which keeps it listed as gone), and nothing of it left.
-        _until("the service to let it go", lambda: sandboxes() == [(sandbox_id, "gone")], 30,
+        until("the service to let it go", lambda: sandboxes() == [(sandbox_id, "gone")], 30,
                lambda: repr(sandboxes()))  # fmt: skip
         _assert_released(state, sandbox_id)
         # The keys and the screen went through the service's proxy route, not to the daemon.

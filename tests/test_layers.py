@@ -1,5 +1,6 @@
-"""Layers import downward only (ARCHITECTURE.md):
-cli | server | eval -> client -> pool -> providers -> daemon | images | models | errors | settings.
+"""Layers import downward only (docs/architecture.md):
+cli | server | eval -> client -> pool -> providers -> daemon | images
+-> models | errors | settings | _transport.
 The two providers never import each other, and nothing imports server or cli."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "sandman"
 
 LAYERS = {
-    "errors": 0, "models": 0, "settings": 0, "_version": 0,
+    "errors": 0, "models": 0, "settings": 0, "_version": 0, "_transport": 0,
     "daemon": 1, "images": 1,
     "providers": 2,
     "pool": 3, "testing": 3,

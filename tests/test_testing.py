@@ -8,7 +8,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import sandman.testing
 from sandman.models import SandboxSpec
 from sandman.providers.base import Provider, SandboxInfo
 from sandman.testing import FakeProvider, Faults
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -63,13 +64,6 @@ def state_dir() -> Iterator[Path]:
         for pid in _processes_under(path):
             os.kill(pid, 9)
         shutil.rmtree(path, ignore_errors=True)
-
-
-async def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_satisfies_the_provider_protocol() -> None:
@@ -244,7 +238,7 @@ async def test_a_cancelled_create_leaves_nothing(state_dir: Path) -> None:
     faults = Faults(create_latency=10.0)
     async with FakeProvider(faults=faults, state_dir=state_dir) as provider:
         task = asyncio.create_task(provider.create(SPEC, labels={"pool": "p"}))
-        await _eventually(lambda: provider.creating == 1)
+        await eventually(lambda: provider.creating == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -257,12 +251,12 @@ async def test_a_cancelled_create_with_leak_on_fail_leaves_a_leftover(state_dir:
     faults = Faults(create_latency=10.0, leak_on_fail=1.0)
     async with FakeProvider(faults=faults, state_dir=state_dir) as provider:
         task = asyncio.create_task(provider.create(SPEC, labels={"pool": "p"}))
-        await _eventually(lambda: provider.creating == 1)
+        await eventually(lambda: provider.creating == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         (leftover,) = await provider.list(labels={"pool": "p"})
-        await _eventually(lambda: provider.daemon_pid(leftover.id) is not None)
+        await eventually(lambda: provider.daemon_pid(leftover.id) is not None)
         await provider.delete(leftover.id)
         assert provider.live == 0 and not _processes_under(state_dir)
 
@@ -366,7 +360,7 @@ async def test_lose_now(state_dir: Path) -> None:
             assert lost.state == "stopped" and lost.endpoint is None
             with pytest.raises(sandman.DaemonUnavailable):
                 await client.health()
-        await _eventually(lambda: not _alive(pid))
+        await eventually(lambda: not _alive(pid))
         assert provider.live == 1 and [i.id for i in await provider.list()] == [info.id]
         with pytest.raises(sandman.SandboxNotFound):
             provider.lose("nope")
@@ -383,11 +377,14 @@ async def test_lose_after(state_dir: Path) -> None:
         async with info.endpoint.client() as client:
             await client.wait_ready(timeout=10)
             assert (await provider.inspect(info.id)).state == "running"
-            await asyncio.sleep(0.5)
-            assert (await provider.inspect(info.id)).state == "stopped"
+
+            async def stopped() -> bool:
+                return (await provider.inspect(info.id)).state == "stopped"
+
+            await eventually(stopped, what="the fake to lose the sandbox")
             with pytest.raises(sandman.DaemonUnavailable):
                 await client.health()
-        await _eventually(lambda: not _alive(pid))
+        await eventually(lambda: not _alive(pid))
         await provider.delete(info.id)
         assert provider.live == 0
 
@@ -395,8 +392,11 @@ async def test_lose_after(state_dir: Path) -> None:
 async def test_lose_after_without_daemons() -> None:
     async with FakeProvider(faults=Faults(lose_after=0.05), daemon=False) as provider:
         infos = [await provider.create(SPEC) for _ in range(5)]
-        await asyncio.sleep(0.2)
-        assert {i.state for i in await provider.list()} == {"stopped"}
+
+        async def all_stopped() -> bool:
+            return {i.state for i in await provider.list()} == {"stopped"}
+
+        await eventually(all_stopped, what="the fake to lose every sandbox")
         for info in infos:
             await provider.delete(info.id)
         assert provider.live == 0

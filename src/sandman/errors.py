@@ -9,7 +9,8 @@ SandboxError
 │   └── ImageError              permanent: pull or import failed
 │       └── ImageNotFound       (LookupError)  no such image in the store or registry
 ├── SandboxNotFound             released, expired, evicted
-│   └── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
+│   ├── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
+│   └── SessionExpired          the client's session is over (the client opens a new one)
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
 │   ├── UntrustedDaemon         the peer at the daemon's socket is another process
@@ -73,6 +74,7 @@ __all__ = [
     "SandboxTimeout",
     "SessionBusy",
     "SessionClosed",
+    "SessionExpired",
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
@@ -158,6 +160,12 @@ class SandboxLost(SandboxNotFound):
         backend said of it)."""
         said = f": {detail}" if detail else ""
         return cls(f"sandbox {sandbox_id} is gone, lost ({reason}){said}", reason=reason)
+
+
+class SessionExpired(SandboxNotFound):
+    """The client's session with the pool or the service is over (not a shell session):
+    its lease passed without a heartbeat, or it was closed, and the sandboxes it held
+    went with it. `AsyncClient` opens a new session by itself and says what was lost."""
 
 
 class DaemonError(SandboxError):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import sandman
+from sandman._transport import HTTPTransport
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import HTTPTransport
 from tests.daemon.conftest import TOKEN
 from tests.daemon.running import RunningDaemon, start_daemon
 

@@ -22,8 +22,8 @@ from referencing.jsonschema import DRAFT202012
 
 import sandman
 from sandman import models
+from sandman._transport import AsyncTransport, HTTPTransport, Response, ResponseStream
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import HTTPTransport, StreamingResponse
 from sandman.daemon.protocol import ERROR_CLASSES
 from tests.daemon.conftest import TOKEN
 from tests.daemon.running import RunningDaemon
@@ -58,20 +58,33 @@ class Exchange:
     response_body: bytearray = field(default_factory=bytearray)
 
 
-class RecordingTransport(HTTPTransport):
-    """Keeps a copy of every request and response that passes through."""
+class RecordingTransport:
+    """Keeps a copy of every request and response that passes through ``inner``."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, inner: AsyncTransport) -> None:
+        self._inner = inner
         self.exchanges: list[Exchange] = []
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+    ) -> Response:
+        async with self.stream(method, target, body=body, content_type=content_type) as response:
+            return Response(response.status, response.headers, await response.read())
 
     @asynccontextmanager
     async def stream(
         self, method: str, target: str, *, body: Any = None, content_type: str | None = None
-    ) -> AsyncIterator[StreamingResponse]:
+    ) -> AsyncIterator[ResponseStream]:
         exchange = Exchange(method, target, body if isinstance(body, bytes) else None, content_type)
         self.exchanges.append(exchange)
-        async with super().stream(method, target, body=body, content_type=content_type) as response:
+        async with self._inner.stream(
+            method, target, body=body, content_type=content_type
+        ) as response:
             exchange.status = response.status
             exchange.response_type = response.headers.get("content-type", "")
             plain = response.iter_bytes
@@ -83,6 +96,9 @@ class RecordingTransport(HTTPTransport):
 
             response.iter_bytes = tapped  # type: ignore[method-assign]
             yield response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def _operation(method: str, path: str) -> tuple[str, dict[str, Any]]:
@@ -186,10 +202,9 @@ async def test_client_requests_and_daemon_answers_match_the_spec(
 ) -> None:
     assert daemon.uds is not None
     recorder = RecordingTransport(
-        uds=daemon.uds, default_headers={"Authorization": f"Bearer {TOKEN}"}
+        HTTPTransport(uds=daemon.uds, default_headers={"Authorization": f"Bearer {TOKEN}"})
     )
-    client = DaemonClient(uds=daemon.uds, token=TOKEN)
-    client._transport = recorder  # the seam: same client, recording transport
+    client = DaemonClient(transport=recorder)  # the seam: same client, recording transport
     try:
         await _exercise(client, tmp_path)
     finally:

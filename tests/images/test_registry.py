@@ -34,6 +34,7 @@ from tests.images.registry_server import (
     push,
     start_registry,
 )
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -122,13 +123,6 @@ def unpacks(caplog: pytest.LogCaptureFixture) -> int:
 
 def assert_no_scratch(store: ImageStore) -> None:
     assert list((store.root / "tmp").iterdir()) == []
-
-
-async def wait_for(path: Path, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while not path.exists():
-        assert time.monotonic() < end, f"{path} never appeared"
-        await anyio.sleep(0.02)
 
 
 # -- pulling -----------------------------------------------------------------------------------
@@ -310,7 +304,7 @@ async def test_cancel_kills_skopeo(store: ImageStore, skopeo_shim: Path) -> None
                 )
 
             group.start_soon(pull)
-            await wait_for(skopeo_shim / "pid")
+            await eventually((skopeo_shim / "pid").exists, what="the shim's pid file to appear")
             group.cancel_scope.cancel()
     finally:
         silent.close()
@@ -327,7 +321,7 @@ async def test_asyncio_cancel_kills_skopeo_and_start_up_spares_running_pulls(
     silent = SilentServer()
     try:
         task = asyncio.create_task(store.pull(f"{silent.host}/sample:1.0", tls_verify=False))
-        await wait_for(skopeo_shim / "pid")
+        await eventually((skopeo_shim / "pid").exists, what="the shim's pid file to appear")
         scratch = Path((skopeo_shim / "cwd").read_text().strip())
         # Another store on the same root starts up: it must not clean a pull in progress.
         await ImageStore(store.root).list()

@@ -95,11 +95,9 @@ def _accuracy(log: EvalLog) -> float:
 
 @needs_local
 @_inspects_own_warnings
-def test_an_eval_with_a_scripted_solver(
-    local_state: Path, nothing_left: LocalProvider, tmp_path: Path
-) -> None:
+def test_an_eval_with_a_scripted_solver(busybox_provider: LocalProvider, tmp_path: Path) -> None:
     config = SandmanSandboxEnvironmentConfig(
-        image=INSPECT_IMAGE, state_dir=str(local_state), workdir="/task", cpu=0.5, memory="256Mi"
+        image=INSPECT_IMAGE, workdir="/task", cpu=0.5, memory="256Mi"
     )
     words = ["alpha", "beta", "gamma"]
     task = Task(
@@ -120,7 +118,7 @@ def test_an_eval_with_a_scripted_solver(
 @needs_local
 @_inspects_own_warnings
 def test_an_eval_whose_model_calls_the_bash_tool(
-    local_state: Path, nothing_left: LocalProvider, tmp_path: Path
+    busybox_provider: LocalProvider, tmp_path: Path
 ) -> None:
     usage = ModelUsage(input_tokens=1, output_tokens=1, total_tokens=2)  # else tiktoken, online
     outputs = [
@@ -133,9 +131,8 @@ def test_an_eval_whose_model_calls_the_bash_tool(
         dataset=[Sample(input="write 42 to answer.txt", target="42")],
         solver=[use_tools([bash(timeout=30)]), generate()],
         scorer=answer_file(),
-        sandbox=("sandman", SandmanSandboxEnvironmentConfig(image=INSPECT_IMAGE,
-                                                            state_dir=str(local_state))),
-    )  # fmt: skip
+        sandbox=("sandman", SandmanSandboxEnvironmentConfig(image=INSPECT_IMAGE)),
+    )
     log = _run(task, tmp_path, model=get_model(MODEL, custom_outputs=outputs))
     assert _accuracy(log) == 1.0
     assert log.samples is not None
@@ -226,9 +223,9 @@ async def test_a_dockerfile_or_no_config_is_refused() -> None:
 
 @pytest.fixture
 async def environment(
-    local_state: Path, nothing_left: LocalProvider
+    busybox_provider: LocalProvider,
 ) -> AsyncIterator[SandmanSandboxEnvironment]:
-    config = SandmanSandboxEnvironmentConfig(image=BUSYBOX, state_dir=str(local_state))
+    config = SandmanSandboxEnvironmentConfig(image=BUSYBOX)
     await SandmanSandboxEnvironment.task_init("t", config)
     environments = await SandmanSandboxEnvironment.sample_init("t", config, {})
     env = environments["default"]
@@ -273,11 +270,9 @@ async def test_a_released_sandbox_is_unavailable(environment: SandmanSandboxEnvi
 @needs_local
 @pytest.mark.anyio
 async def test_a_sandbox_of_another_user_cannot_switch_users(
-    local_state: Path, nothing_left: LocalProvider
+    busybox_provider: LocalProvider,
 ) -> None:
-    config = SandmanSandboxEnvironmentConfig(
-        image=BUSYBOX, state_dir=str(local_state), user="nobody", workdir="/tmp"
-    )
+    config = SandmanSandboxEnvironmentConfig(image=BUSYBOX, user="nobody", workdir="/tmp")
     await SandmanSandboxEnvironment.task_init("t", config)
     environments = await SandmanSandboxEnvironment.sample_init("t", config, {})
     env = environments["default"]

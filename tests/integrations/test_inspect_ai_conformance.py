@@ -8,7 +8,7 @@ permissions apply. What fails does so for the reasons in `XFAIL`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,8 @@ from sandman.integrations.inspect_ai import (
     SandmanSandboxEnvironment,
     SandmanSandboxEnvironmentConfig,
 )
-from tests.integrations.conftest import needs_local
+from sandman.providers.local import LocalProvider
+from tests.integrations.conftest import busybox_state, needs_local
 from tests.integrations.images import INSPECT_IMAGE
 
 pytestmark = [pytest.mark.integrations, pytest.mark.anyio, needs_local]
@@ -58,24 +59,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-async def task(local_state: Path) -> AsyncIterator[Path]:
+def state(busybox_tar: Path, inspect_tar: Path) -> Iterator[LocalProvider]:
+    with busybox_state(busybox_tar, inspect_tar) as provider:
+        yield provider
+
+
+@pytest.fixture(scope="module")
+async def task(state: LocalProvider) -> AsyncIterator[None]:
     """inspect's task around the checks: the pool is made once and closed at the end."""
-    config = SandmanSandboxEnvironmentConfig(image=INSPECT_IMAGE, state_dir=str(local_state))
+    config = SandmanSandboxEnvironmentConfig(image=INSPECT_IMAGE)
     await SandmanSandboxEnvironment.task_init(TASK, config)
-    yield local_state
+    yield
     await SandmanSandboxEnvironment.task_cleanup(TASK, config, True)
 
 
 @pytest.fixture
 async def sandbox_env(
-    request: pytest.FixtureRequest, task: Path, sandbox_user: str
+    request: pytest.FixtureRequest, task: None, sandbox_user: str
 ) -> AsyncIterator[SandboxEnvironment]:
     reason = XFAIL[sandbox_user].get(request.node.originalname)
     if reason:
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
     config = SandmanSandboxEnvironmentConfig(
         image=INSPECT_IMAGE,
-        state_dir=str(task),
         # a working directory the user may write to (the runtime makes it, as root)
         workdir="/work" if sandbox_user == "root" else "/tmp",
         user=None if sandbox_user == "root" else sandbox_user,

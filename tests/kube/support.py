@@ -4,11 +4,8 @@ an admin client that sweeps a test's pods."""
 from __future__ import annotations
 
 import ssl
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import anyio
 import httpx
 
 from sandman.models import KubernetesOptions, SandboxSpec
@@ -46,17 +43,6 @@ KWOK = KubernetesOptions(
 
 def config_for(cluster: KubeCluster, **fields: Any) -> KubernetesConfig:
     return KubernetesConfig(kubeconfig=cluster.kubeconfig, namespace=cluster.namespace, **fields)
-
-
-async def wait_for(what: str, timeout: float, check: Callable[[], Awaitable[T | None]]) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await anyio.sleep(0.2)
 
 
 class Admin:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import wait_for
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 

@@ -22,15 +22,8 @@ from sandman.models import SandboxSpec
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import (
-    BUSYBOX,
-    KWOK,
-    POOL,
-    Admin,
-    config_for,
-    real_node_spec,
-    wait_for,
-)
+from tests.kube.support import BUSYBOX, KWOK, POOL, Admin, config_for, real_node_spec
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 120)]
 

@@ -26,7 +26,8 @@ from sandman import errors
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.providers.kubernetes.prepare import prepare_images
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import POOL, Admin, config_for, real_node_spec, wait_for
+from tests.kube.support import POOL, Admin, config_for, real_node_spec
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 180)]
 

@@ -22,7 +22,8 @@ from sandman.pool import Pool, PoolConfig, PoolEvent
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import Admin, wait_for
+from tests.kube.support import Admin
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 

@@ -15,7 +15,8 @@ from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig, PoolEvent, Record
 from sandman.providers.base import SandboxInfo, WatchesLost
 from sandman.testing import FakeProvider
-from tests.pool.test_pool import SPEC, eventually
+from tests.pool.test_pool import SPEC
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig, owner
 from sandman.pool.owner import LABEL_OWNER
 from sandman.testing import FakeProvider
+from tests.support import eventually
 
 SPEC = SandboxSpec(image="task")
 # A Kubernetes label value: at most 63 of [A-Za-z0-9-_.], alphanumeric at both ends.
@@ -81,12 +81,6 @@ def test_what_cannot_be_told_here_is_unknown(value: str) -> None:
 
 
 # -- pools ------------------------------------------------------------------------
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture

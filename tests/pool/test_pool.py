@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,16 +12,11 @@ import sandman
 from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
 from sandman.testing import FakeProvider, Faults
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(image="task")
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture

@@ -38,12 +38,6 @@ def settings(**overrides: Any) -> ServerSettings:
     return ServerSettings.model_validate({**base, **overrides})
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeProvider]:
     provider = FakeProvider(daemon=False, seed=1)

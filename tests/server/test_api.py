@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.server import LABEL_TENANT, ServerSettings, TenantLimits, create_app, service_of
 from sandman.testing import FakeProvider
-from tests.server.conftest import AUTH_A, AUTH_B, eventually, settings
+from tests.server.conftest import AUTH_A, AUTH_B, settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

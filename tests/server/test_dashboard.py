@@ -26,15 +26,8 @@ from sandman.server import LABEL_TENANT, ApiKey, ServerSettings, create_app
 from sandman.server.dashboard import BUCKETS, NO_TENANT, OTHER_TENANTS, Sampler
 from sandman.server.schemas import DashboardOut
 from sandman.testing import FakeProvider
-from tests.server.conftest import (
-    AUTH_A,
-    AUTH_B,
-    KEY_A,
-    KEY_B,
-    eventually,
-    serve_in_thread,
-    settings,
-)
+from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, serve_in_thread, settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -15,8 +15,9 @@ from sandman.pool import Pool, PoolConfig
 from sandman.server import create_app
 from sandman.testing import FakeProvider
 from tests.pool.test_lost import Blind
-from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, eventually, serve, settings
+from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, serve, settings
 from tests.server.test_api import acquire, error_code, open_session, sample
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

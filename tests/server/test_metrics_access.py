@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from sandman.pool import Pool
 from sandman.server import ServerSettings, create_app
 from sandman.testing import FakeProvider
-from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, eventually, settings
+from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

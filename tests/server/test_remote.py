@@ -13,7 +13,8 @@ import sandman
 from sandman.client.remote import SERVICE_ERRORS
 from sandman.pool import PacingConfig, PoolConfig
 from sandman.server import STATUS, TenantLimits
-from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, eventually, serve
+from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, serve
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -34,7 +35,9 @@ async def test_connect_acquire_exec_release_leaves_nothing() -> None:
                 timeline = await sb.timeline()
                 assert list(timeline)[:2] == ["queued", "create_called"]
                 assert "handed_out" in timeline
-                await asyncio.sleep(0.5)  # heartbeats go through
+                session = client.session
+                await asyncio.sleep(0.5)  # two heartbeats (every 0.2 s), each accepted:
+                assert client.session == session  # none found the session expired
             await eventually(lambda: served.provider.live == 0)
             timeline = await sb.timeline()
             assert "released" in timeline

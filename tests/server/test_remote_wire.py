@@ -10,7 +10,8 @@ from sandman.client.remote import RemoteBackend
 from sandman.pool import Pool, PoolConfig
 from sandman.server import create_app
 from sandman.testing import FakeProvider
-from tests.server.conftest import KEY_A, eventually, serve, settings
+from tests.server.conftest import KEY_A, serve, settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,8 @@ import pytest
 import sandman
 from sandman.client.remote import ProxiedEndpoint, RemoteBackend
 from sandman.providers.base import DaemonEndpoint
-from tests.server.conftest import KEY_A, KEY_B, eventually, serve
+from tests.server.conftest import KEY_A, KEY_B, serve
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -168,7 +168,11 @@ async def test_leave_on_shutdown_and_the_next_instance_adopts(host: Host) -> Non
                 assert [(s["id"], s["state"]) for s in listed] == [(sb.id, "leased")]
                 other = await api.get("/v1/sandboxes", headers={"Authorization": f"Bearer {KEY_B}"})
                 assert other.json()["sandboxes"] == []  # still tenant a's alone
-            await asyncio.sleep(1.5)  # the client's heartbeats reach the new instance
+            # Three heartbeats (every 0.5 s) reach the new instance, which adopted the
+            # session: none finds it expired, so the client keeps it.
+            session = client.session
+            await asyncio.sleep(1.5)
+            assert client.session == session
             assert (await sb.exec(["cat", "/kept"])).stdout == "state"
             await sb.release()
             deadline = time.monotonic() + 30
@@ -179,3 +183,74 @@ async def test_leave_on_shutdown_and_the_next_instance_adopts(host: Host) -> Non
             assert await second.terminate() == 0, second.output()
     finally:
         await client.aclose()
+
+
+@pytest.mark.timeout(240)
+async def test_sigkill_mid_burst_then_adopt_leases_only_what_clients_received(
+    host: Host,
+) -> None:
+    """A service that leaves its sandboxes is SIGKILLed while a burst is being created.
+    The next instance adopts as leased only sandboxes whose hand-over was recorded, and
+    deletes the rest (made, or half made, for acquires that never got an answer); the
+    clients give back what was recorded but never reached them. In the end exactly
+    what the clients received is leased."""
+    pool = f"serve-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    clients = [sandman.connect(url, api_key=KEY_A, heartbeat_interval=0.3) for _ in range(3)]
+    received: dict[str, sandman.AsyncSandbox] = {}
+    first_received = asyncio.Event()
+
+    async def one(client: sandman.AsyncClient) -> None:
+        sb = await client.acquire("busybox", memory="64Mi", pids=64, timeout=120)
+        received[sb.id] = sb
+        first_received.set()
+
+    async def leased(api: httpx.AsyncClient) -> set[str]:
+        listed = (await api.get("/v1/sandboxes", params={"state": "leased"})).json()
+        return {s["id"] for s in listed["sandboxes"]}
+
+    burst: list[asyncio.Task[None]] = []
+    try:
+        with served(host, port, pool, "--on-shutdown", "leave") as first:
+            await first.wait_healthy()
+            burst = [asyncio.ensure_future(one(c)) for c in clients for _ in range(10)]
+            # Mid-burst: one handed over, many more being made.
+            async with asyncio.timeout(120):
+                await first_received.wait()
+            first.kill()  # SIGKILL: no shutdown at all
+            await asyncio.wait(burst, timeout=60)
+            assert all(t.done() for t in burst)
+        handed = set(received)
+        infos = await host.provider.list()
+        assert handed < {i.id for i in infos}  # more was made than any client received
+        unrecorded = {i.id for i in infos if "sandman.io/session" not in i.labels}
+        assert not unrecorded & handed  # every hand-over was recorded before its answer
+
+        with served(host, port, pool, "--adopt") as second:
+            await second.wait_healthy()
+            auth = {"Authorization": f"Bearer {KEY_A}"}
+            async with httpx.AsyncClient(base_url=second.url, headers=auth) as api:
+                assert not await leased(api) & unrecorded
+                # Recorded but never answered (killed in between): its client gives it back.
+                deadline = time.monotonic() + 60
+                while await leased(api) != handed:
+                    assert time.monotonic() < deadline, (await leased(api), handed)
+                    await asyncio.sleep(0.05)
+            deadline = time.monotonic() + 60
+            while {i.id for i in await host.provider.list()} != handed:
+                assert time.monotonic() < deadline, "what no client received is still there"
+                await asyncio.sleep(0.05)
+            for sb in received.values():  # what was received still works
+                assert (await sb.exec(["echo", "kept"])).stdout == "kept\n"
+                await sb.release()
+            for client in clients:
+                await client.aclose()
+            assert await second.terminate() == 0, second.output()
+        assert await host.provider.list() == []
+    finally:
+        for task in burst:
+            task.cancel()
+        await asyncio.gather(*burst, return_exceptions=True)
+        for client in clients:
+            await client.aclose()

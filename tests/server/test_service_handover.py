@@ -11,7 +11,8 @@ from sandman.pool import Pool, PoolEvent
 from sandman.server.schemas import AcquireRequest
 from sandman.server.service import Service
 from sandman.testing import FakeProvider
-from tests.server.conftest import eventually, settings
+from tests.server.conftest import settings
+from tests.support import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -35,16 +35,16 @@ async def _prepare(
             f"bad --namespace {namespace!r}: {exc.errors()[0]['msg']}"
         ) from None
     credentials = load_credentials(config)
-    nodes = sorted(node["metadata"]["name"] for node in await list_nodes(credentials, selector))
-    if not nodes:
-        raise errors.ConfigError(f"no Ready, schedulable node matches {selector!r}")
-    click.echo(
-        f"pulling {len(images)} image(s) onto {len(nodes)} node(s) "
-        f"in namespace {credentials.namespace}",
-        err=True,
-    )
     api = KubeAPI(credentials)
     try:
+        nodes = sorted(node["metadata"]["name"] for node in await list_nodes(api, selector))
+        if not nodes:
+            raise errors.ConfigError(f"no Ready, schedulable node matches {selector!r}")
+        click.echo(
+            f"pulling {len(images)} image(s) onto {len(nodes)} node(s) "
+            f"in namespace {credentials.namespace}",
+            err=True,
+        )
         with click.progressbar(
             length=len(images) * len(nodes), label="pulls", file=sys.stderr
         ) as bar:

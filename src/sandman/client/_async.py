@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
@@ -14,8 +15,11 @@ from sandman import errors
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
 from sandman.models import SandboxSpec
+from sandman.pool.events import EventHook, PoolEvent, emit
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
+
+logger = logging.getLogger(__name__)
 
 
 P = ParamSpec("P")
@@ -61,11 +65,19 @@ class AsyncSandbox:
     are `DaemonClient`'s, with the same names, parameters and words.
     """
 
-    def __init__(self, lease: Lease, backend: Backend) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        backend: Backend,
+        *,
+        on_release: Callable[[AsyncSandbox], None] | None = None,
+    ) -> None:
         self._lease = lease
         self._backend = backend
         self._daemon = lease.endpoint.client()
         self._released = False
+        self._lost: str | None = None  # why, once its client's session was replaced
+        self._on_release = on_release
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r})"
@@ -100,6 +112,8 @@ class AsyncSandbox:
         if self._released:
             return
         self._released = True
+        if self._on_release is not None:
+            self._on_release(self)
         await self._daemon.aclose()
         await self._backend.release(self.id)
 
@@ -109,6 +123,8 @@ class AsyncSandbox:
         sandbox really is gone."""
         if self._released:
             raise errors.SandboxNotFound(f"sandbox {self.id} was released")
+        if self._lost is not None:
+            raise errors.SandboxNotFound(f"sandbox {self.id} is gone: {self._lost}")
         try:
             yield
         except errors.DaemonUnavailable as exc:
@@ -167,15 +183,40 @@ class AsyncClient:
     and releases it at the end of the block, whatever happens in it. The
     session is kept alive by heartbeats while the client is open; `aclose`
     ends it, releasing whatever it still holds.
+
+    A session can still end behind the client's back (the process was
+    stopped for longer than the lease, the service restarted without its
+    state): when a heartbeat or an acquire finds it gone, the client opens a
+    new session and carries on (that acquire is tried once more, in the new
+    session). What the old session held is lost: those sandboxes raise
+    `SandboxNotFound` on their next call, and the client logs a warning and
+    sends ``hook`` a ``session.replaced`` event (``session`` is the new id;
+    ``detail``: ``old_session``, ``lost``, the ids of the sandboxes lost, and
+    ``reason``, what found the session gone).
     """
 
-    def __init__(self, backend: Backend, *, heartbeat_interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        heartbeat_interval: float = 5.0,
+        hook: EventHook | None = None,
+    ) -> None:
         self._backend = backend
         self._heartbeat_interval = heartbeat_interval
+        self._hook = hook
         self._session: str | None = None
         self._heartbeats: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        # The sandboxes handed to this client and not released, and the session of each.
+        self._held: dict[str, tuple[str, AsyncSandbox]] = {}
+
+    @property
+    def session(self) -> str | None:
+        """The id of the client's session now (None before the first acquire); it changes
+        when an expired session is replaced (see the class)."""
+        return self._session
 
     async def __aenter__(self) -> Self:
         await self._ensure_session()
@@ -195,14 +236,55 @@ class AsyncClient:
         async with self._lock:
             if self._session is None:
                 self._session = await self._backend.open_session()
-                self._heartbeats = asyncio.create_task(self._beat(self._session))
+                self._heartbeats = asyncio.create_task(self._beat())
             return self._session
 
-    async def _beat(self, session: str) -> None:
+    async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
-            with contextlib.suppress(errors.SandboxError):
+            session = self._session
+            if session is None:
+                continue
+            try:
                 await self._backend.heartbeat(session)
+            except errors.SessionExpired:
+                # Not reachable now: the next beat tries again.
+                with contextlib.suppress(errors.SandboxError):
+                    await self._replace_session(session, reason="heartbeat")
+            except errors.SandboxError:
+                pass  # the service may be back by the next beat
+
+    async def _replace_session(self, old: str, *, reason: str) -> str:
+        """A new session in place of ``old``, which is over; once, however many find it."""
+        async with self._lock:
+            if self._closed:
+                raise errors.PoolClosed("the client is closed")
+            if self._session != old:
+                assert self._session is not None
+                return self._session  # replaced already
+            new = await self._backend.open_session()
+            self._session = new
+        lost = [sb for session, sb in self._held.values() if session == old]
+        for sb in lost:
+            sb._lost = f"the session {old} that held it expired (replaced by {new})"
+            self._held.pop(sb.id, None)
+        ids = [sb.id for sb in lost]
+        logger.warning(
+            "session %s expired (found by %s); carrying on in a new session %s; "
+            "%d sandboxes it held are lost: %s",
+            old, reason, new, len(ids), ", ".join(ids) or "none",
+        )  # fmt: skip
+        emit(
+            self._hook,
+            PoolEvent(
+                "session.replaced", self._backend.name, session=new,
+                detail={"old_session": old, "lost": ids, "reason": reason},
+            ),
+        )  # fmt: skip
+        return new
+
+    def _forget(self, sandbox: AsyncSandbox) -> None:
+        self._held.pop(sandbox.id, None)
 
     async def acquire(
         self,
@@ -215,12 +297,23 @@ class AsyncClient:
 
         ``image`` is an image reference (other `SandboxSpec` fields as keywords:
         ``cpu``, ``memory``, ``pids``, ``network``, ``env``...) or a whole spec.
-        ``timeout`` bounds the wait: CreateTimeout after it.
+        ``timeout`` bounds the wait: CreateTimeout after it. If the client's
+        session turns out to be over, a new one replaces it and the acquire is
+        tried once more in it, within the same ``timeout``.
         """
         full = image if isinstance(image, SandboxSpec) else SandboxSpec(image=image, **spec)
         session = await self._ensure_session()
-        lease = await self._backend.acquire(full, session=session, timeout=timeout)
-        return AsyncSandbox(lease, self._backend)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            lease = await self._backend.acquire(full, session=session, timeout=timeout)
+        except errors.SessionExpired:
+            session = await self._replace_session(session, reason="acquire")
+            left = None if timeout is None else max(0.0, timeout - (loop.time() - started))
+            lease = await self._backend.acquire(full, session=session, timeout=left)
+        sandbox = AsyncSandbox(lease, self._backend, on_release=self._forget)
+        self._held[sandbox.id] = (session, sandbox)
+        return sandbox
 
     @asynccontextmanager
     async def sandbox(

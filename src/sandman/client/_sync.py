@@ -142,6 +142,11 @@ class Client:
         self._closed = False
         atexit.register(self.close)
 
+    @property
+    def session(self) -> str | None:
+        """The id of the client's session now; see `AsyncClient.session`."""
+        return self._async.session
+
     def __enter__(self) -> Self:
         return self
 

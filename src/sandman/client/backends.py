@@ -33,6 +33,11 @@ class Lease:
 
 
 class Backend(Protocol):
+    @property
+    def name(self) -> str:
+        """Where the sandboxes come from, for events and logs (a pool's name, a URL)."""
+        ...
+
     async def open_session(self) -> str: ...
     async def heartbeat(self, session: str) -> None: ...
     async def close_session(self, session: str) -> None: ...
@@ -57,6 +62,11 @@ class InProcessBackend:
         self.pool = pool
         self._own_pool = own_pool
         self._own_provider = own_provider
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return self.pool.config.name
 
     async def open_session(self) -> str:
         await self.pool.start()

@@ -4,10 +4,11 @@
 over the service's JSON API. Only sessions, acquire and release go to the
 service; commands and files go straight to the daemon endpoint it returns.
 
-The calls go over the daemon client's lean keep-alive HTTP/1.1 transport,
-not httpx: an acquire or release is a small JSON exchange, and httpx spent
-~1 ms of client CPU on each (several times the service's own work), which
-made most of the service's per-request overhead against the embedded pool
+The calls go through the transport seam (``sandman._transport``), over the
+daemon client's lean keep-alive HTTP/1.1 transport, not httpx: an acquire or
+release is a small JSON exchange, and httpx spent ~1 ms of client CPU on each
+(several times the service's own work), which made most of the service's
+per-request overhead against the embedded pool
 (``benchmarks/service_overhead.py``). httpx is used only when the caller
 passes an httpx transport (e.g. ``httpx.ASGITransport(app)`` in tests).
 
@@ -23,9 +24,10 @@ import json
 import logging
 import os
 import ssl
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
 import anyio
@@ -33,12 +35,14 @@ import httpx
 from pydantic_core import to_json
 
 from sandman import errors
+from sandman._transport import AsyncTransport, ConnectionLost, HTTPTransport
+from sandman._transport.bridge import HttpxTransport
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import ConnectionLost, HTTPTransport
 from sandman.models import SandboxSpec
+from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
 
 __all__ = ["SERVICE_ERRORS", "ProxiedEndpoint", "RemoteBackend", "connect", "connect_sync"]
@@ -52,7 +56,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
     "sandbox_lost": errors.SandboxLost,
-    "session_expired": errors.SandboxNotFound,
+    "session_expired": errors.SessionExpired,
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
     "tenant_sandbox_limit": errors.CapacityError,
@@ -87,30 +91,13 @@ class _Answer:
         return json.loads(self.body)
 
 
-class _Wire(Protocol):
-    """How requests reach the service; raises `errors.ProviderError` when they cannot."""
+class _Wire:
+    """Requests to the service through a transport; `errors.ProviderError` when they
+    cannot reach it. ``timeout`` bounds the whole exchange."""
 
-    async def request(
-        self, method: str, target: str, body: bytes | None, timeout: float | None
-    ) -> _Answer: ...
-
-    async def aclose(self) -> None: ...
-
-
-class _LeanWire:
-    """The daemon client's keep-alive HTTP/1.1 transport, to the service's address."""
-
-    def __init__(self, url: httpx.URL, headers: Mapping[str, str]) -> None:
-        self._where = str(url)
-        tls = url.scheme == "https"
-        # The URL's own authority (brackets of an IPv6 literal included) as Host.
-        fixed = {"Host": url.netloc.decode("ascii"), **headers}
-        # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
-        context = httpx.create_ssl_context() if tls else None
-        self._http = HTTPTransport(
-            host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
-            prefix=url.path, ssl=context,
-        )  # fmt: skip
+    def __init__(self, transport: AsyncTransport, where: str) -> None:
+        self._http = transport
+        self._where = where
 
     async def request(
         self, method: str, target: str, body: bytes | None, timeout: float | None
@@ -135,38 +122,17 @@ class _LeanWire:
         await self._http.aclose()
 
 
-class _HttpxWire:
-    """httpx over a caller's transport (e.g. ``httpx.ASGITransport(app)``)."""
-
-    def __init__(
-        self, url: httpx.URL, headers: Mapping[str, str], transport: httpx.AsyncBaseTransport
-    ) -> None:
-        self._where = str(url)
-        self._http = httpx.AsyncClient(base_url=url, headers=dict(headers), transport=transport)
-
-    async def request(
-        self, method: str, target: str, body: bytes | None, timeout: float | None
-    ) -> _Answer:
-        headers = None if body is None else {"Content-Type": "application/json"}
-        try:
-            response = await self._http.request(
-                method, target, content=body, headers=headers, timeout=timeout
-            )
-        except httpx.TimeoutException as exc:
-            raise errors.ProviderError(
-                f"the service at {self._where} did not answer: {exc!r}"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise errors.ProviderError(
-                f"cannot reach the service at {self._where}: {exc!r}"
-            ) from exc
-        return _Answer(
-            response.status_code, {k.lower(): v for k, v in response.headers.items()},
-            response.content,
-        )  # fmt: skip
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
+def _lean(url: httpx.URL, headers: Mapping[str, str]) -> HTTPTransport:
+    """The lean keep-alive HTTP/1.1 transport, to the service's address."""
+    tls = url.scheme == "https"
+    # The URL's own authority (brackets of an IPv6 literal included) as Host.
+    fixed = {"Host": url.netloc.decode("ascii"), **headers}
+    # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
+    context = httpx.create_ssl_context() if tls else None
+    return HTTPTransport(
+        host=url.host, port=url.port or (443 if tls else 80), default_headers=fixed,
+        prefix=url.path, ssl=context,
+    )  # fmt: skip
 
 
 def _segment(value: str) -> str:
@@ -278,14 +244,27 @@ class RemoteBackend:
         self._transport = transport
         self._parsed = parsed
         self._http = self._wire()
+        # Per session, the sandboxes its caller got and has not released; the sessions an
+        # acquire's answer may have been lost in (see `_settle`); acquires in flight per
+        # session, and ever.
+        self._held: dict[str, set[str]] = {}
+        self._unsure: set[str] = set()
+        self._acquiring: Counter[str] = Counter()
+        self._acquires = 0
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
-            return _HttpxWire(self._parsed, self._headers, self._transport)
-        return _LeanWire(self._parsed, self._headers)
+            over = HttpxTransport(self._transport, base_url=self._parsed, headers=self._headers)
+            return _Wire(over, str(self._parsed))
+        return _Wire(_lean(self._parsed, self._headers), str(self._parsed))
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
+
+    @property
+    def name(self) -> str:
+        """The service's URL."""
+        return self.url
 
     async def _call(
         self,
@@ -319,9 +298,52 @@ class RemoteBackend:
         return str(data["id"])
 
     async def heartbeat(self, session: str) -> None:
-        await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
+        try:
+            await self._call("POST", f"/v1/sessions/{_segment(session)}/heartbeat")
+        except errors.SessionExpired:
+            self._forget(session)
+            raise
+        if session in self._unsure and not self._acquiring[session]:
+            try:
+                await self._settle(session)
+            except errors.SandboxError as exc:
+                logger.debug("session %s: could not settle lost answers yet: %s", session, exc)
+
+    def _forget(self, session: str) -> None:
+        self._held.pop(session, None)
+        self._unsure.discard(session)
+
+    async def _settle(self, session: str) -> None:
+        """Release what the service holds for ``session`` that never reached the caller.
+
+        The service records a hand-over before it answers, so an answer lost on
+        the way (the service killed just after, the connection cut) leaves a
+        sandbox leased to this session that no one here holds, for as long as
+        the session lives, a successor instance's adoption included. After such
+        an acquire, once the service answers again and no acquire is in flight,
+        this lists the session's sandboxes and gives back the strays.
+        """
+        started = self._acquires
+        listed = await self._call(
+            "GET", "/v1/sandboxes", params={"session": session, "state": "leased"}
+        )
+        if self._acquires != started or self._acquiring[session]:
+            return  # one began meanwhile: its sandbox may be listed, and not ours yet
+        leased = {str(s["id"]) for s in listed.json()["sandboxes"]}
+        held = self._held.setdefault(session, set())
+        held &= leased  # the rest is gone already
+        strays = sorted(leased - held)
+        for sandbox_id in strays:
+            await self.release(sandbox_id)
+        self._unsure.discard(session)
+        if strays:
+            logger.warning(
+                "session %s: released %d sandboxes whose hand-over never reached this "
+                "client: %s", session, len(strays), ", ".join(strays),
+            )  # fmt: skip
 
     async def close_session(self, session: str) -> None:
+        self._forget(session)
         try:
             await self._call("DELETE", f"/v1/sessions/{_segment(session)}")
         except errors.SandboxNotFound:
@@ -334,6 +356,28 @@ class RemoteBackend:
             logger.warning("could not close session %s: %s", session, exc)
 
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
+        self._acquiring[session] += 1
+        self._acquires += 1
+        try:
+            lease = await self._acquire(spec, session=session, timeout=timeout)
+        except errors.ProviderError as exc:
+            if exc.__cause__ is not None:
+                self._unsure.add(session)  # no answer: it may have been handed over all the same
+            raise
+        except asyncio.CancelledError:
+            self._unsure.add(session)
+            raise
+        except errors.SessionExpired:
+            self._forget(session)
+            raise
+        finally:
+            self._acquiring[session] -= 1
+            if not self._acquiring[session]:
+                del self._acquiring[session]
+        self._held.setdefault(session, set()).add(lease.id)
+        return lease
+
+    async def _acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
         # Cancelling this call closes the connection; the service then cancels the
         # acquire and the pool hands the sandbox to the next waiter or deletes it.
         read = None if timeout is None else timeout + _ACQUIRE_SLACK
@@ -345,9 +389,11 @@ class RemoteBackend:
             uds=where.get("uds"), host=where.get("host"), port=where.get("port"),
             token=where.get("token", ""), pid=where.get("pid"),
         )  # fmt: skip
-        if endpoint.uds is None and endpoint.host is None:
-            raise errors.ProviderError(f"sandbox {data.get('id')} has no daemon endpoint")
         sandbox_id = str(data["id"])
+        if endpoint.uds is None and endpoint.host is None:
+            with contextlib.suppress(errors.SandboxError):
+                await self.release(sandbox_id)  # the caller never gets it
+            raise errors.ProviderError(f"sandbox {sandbox_id} has no daemon endpoint")
         try:
             if self._via_proxy or (self._via_proxy is None and not await self._reachable(endpoint)):
                 endpoint = self.proxied(sandbox_id)
@@ -409,6 +455,8 @@ class RemoteBackend:
         return direct
 
     async def release(self, sandbox_id: str) -> None:
+        for held in self._held.values():
+            held.discard(sandbox_id)
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
 
@@ -445,6 +493,7 @@ def connect(
     timeout: float = 30.0,
     transport: httpx.AsyncBaseTransport | None = None,
     via_proxy: bool | None = None,
+    hook: EventHook | None = None,
 ) -> AsyncClient:
     """An `AsyncClient` whose sandboxes come from the Sandman service at ``url``.
 
@@ -457,11 +506,15 @@ def connect(
     Commands and files go straight to each sandbox's daemon when this process
     can reach it, else through the service's proxy route; ``via_proxy=True``
     always takes the route (no route to pod IPs), ``False`` never does.
+
+    If the service says the session is over (this process was stopped past the
+    lease, the service lost its state), the client opens a new one and carries
+    on; ``hook`` gets a ``session.replaced`` event naming what was lost.
     """
     backend = RemoteBackend(
         url, api_key=api_key, timeout=timeout, transport=transport, via_proxy=via_proxy
     )
-    return AsyncClient(backend, heartbeat_interval=heartbeat_interval)
+    return AsyncClient(backend, heartbeat_interval=heartbeat_interval, hook=hook)
 
 
 def connect_sync(
@@ -471,11 +524,12 @@ def connect_sync(
     heartbeat_interval: float = 5.0,
     timeout: float = 30.0,
     via_proxy: bool | None = None,
+    hook: EventHook | None = None,
 ) -> Client:
     """The blocking twin of `connect`: ``with sandman.connect_sync(url, api_key=k) as client: ...``."""
     return Client(
         connect(url, api_key=api_key, heartbeat_interval=heartbeat_interval, timeout=timeout,
-                via_proxy=via_proxy)
+                via_proxy=via_proxy, hook=hook)
     )  # fmt: skip
 
 

@@ -20,14 +20,16 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from sandman import errors
-from sandman.daemon import protocol
-from sandman.daemon._http import (
+from sandman._transport import (
+    AsyncTransport,
     ConnectionLost,
-    HTTPResponse,
     HTTPTransport,
-    StreamingResponse,
+    Response,
+    ResponseStream,
     UntrustedPeer,
+    iter_lines,
 )
+from sandman.daemon import protocol
 from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED, TarExtractor
 from sandman.models import (
     ArchiveResult,
@@ -90,6 +92,11 @@ class DaemonClient:
     are bounded by their own ``timeout`` (plus the kill grace and some slack).
     With ``peer_pid`` (a unix socket on this host), every connection's peer
     must be that process, else `UntrustedDaemon` and nothing is sent.
+
+    ``transport`` replaces the built-in HTTP/1.1 transport (and the address
+    and header arguments, which it carries itself): anything with its
+    ``request``/``stream``/``aclose`` (``sandman._transport.AsyncTransport``),
+    e.g. a recording one in a test, or httpx's through ``HttpxTransport``.
     """
 
     def __init__(
@@ -104,7 +111,22 @@ class DaemonClient:
         headers: Mapping[str, str] | None = None,
         ssl: SSLContext | None = None,
         peer_pid: int | None = None,
+        transport: AsyncTransport | None = None,
     ) -> None:
+        self._request_timeout = request_timeout
+        # Behind a gateway (``base_path``, e.g. the service's proxy route), the
+        # gateway's own "cannot reach it" answers mean what a failed connect means.
+        self._gateway = bool(base_path)
+        if transport is not None:
+            given = (uds, host, port, token, headers, ssl, peer_pid)
+            if base_path or any(arg is not None for arg in given):
+                raise errors.ConfigError(
+                    "DaemonClient takes either transport= or an address, not both: "
+                    "the transport carries its own address and headers"
+                )
+            self._transport: AsyncTransport = transport
+            self._address = repr(transport)
+            return
         if (uds is None) == (host is None or port is None):
             raise errors.ConfigError("DaemonClient needs either uds=, or host= and port=")
         fixed = {"Authorization": f"Bearer {token}"} if token is not None else {}
@@ -115,10 +137,6 @@ class DaemonClient:
         )  # fmt: skip
         self._address = f"unix:{uds}" if uds is not None else f"tcp:{host}:{port}"
         self._address += base_path.rstrip("/")
-        # Behind a gateway (``base_path``, e.g. the service's proxy route), the
-        # gateway's own "cannot reach it" answers mean what a failed connect means.
-        self._gateway = bool(base_path)
-        self._request_timeout = request_timeout
 
     def _error(self, status: int, body: bytes) -> errors.DaemonError:
         exc = protocol.error_from_response(status, body)
@@ -156,7 +174,7 @@ class DaemonClient:
         content_type: str | None = None,
         deadline: float | None | Literal["default"] = "default",
         timeout_error: type[errors.SandboxTimeout] = errors.SandboxTimeout,
-    ) -> HTTPResponse:
+    ) -> Response:
         if payload is not None:
             # pydantic-core's encoder: straight to UTF-8 bytes, ~8x json.dumps.
             body, content_type = to_json(payload), _JSON
@@ -358,7 +376,7 @@ class DaemonClient:
                     raise self._error(response.status, await response.read())
 
                 async def events() -> AsyncIterator[ExecEvent]:
-                    async for line in response.iter_lines():
+                    async for line in iter_lines(response):
                         if line:
                             yield ExecEvent.model_validate_json(line)
 
@@ -836,7 +854,7 @@ async def _capped(
         yield piece
 
 
-async def _read_capped(response: StreamingResponse, limit: int) -> bytes:
+async def _read_capped(response: ResponseStream, limit: int) -> bytes:
     """An error body, of which no more than ``limit`` bytes are kept."""
     pieces: list[bytes] = []
     size = 0

@@ -49,10 +49,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sandman import errors
 from sandman.client import AsyncSandbox, RemoteBackend
 from sandman.integrations._client import (
-    API_KEY_VARIABLE,
-    URL_VARIABLE,
-    close_shared_clients,
-    shared_client,
+    ENV_API_KEY,
+    close_loop_clients,
+    loop_client,
+    resolve_url,
 )
 from sandman.models import NetworkMode, SandboxSpec
 
@@ -94,11 +94,8 @@ class SandmanSandboxEnvironmentConfig(BaseModel):
     """The user the sandbox runs as (default: the image's). Not root: ``exec(user=...)``
     for another user then raises `SandboxUserUnsupportedError`."""
     url: str | None = None
-    """The Sandman service; default ``$SANDMAN_URL``, else an embedded local pool."""
-    state_dir: str | None = None
-    """The embedded local pool's state directory (its images); default the provider's."""
-    via_proxy: bool | None = None
-    """Reach sandboxes through the service's proxy route (see `sandman.connect`)."""
+    """The Sandman service; default ``$SANDMAN_URL``, else an embedded local pool (on
+    ``$SANDMAN_STATE_DIR``, default the local provider's)."""
     acquire_timeout: float | None = Field(default=None, gt=0)
     """Seconds to wait for a sandbox before failing the sample (`CreateTimeout`)."""
 
@@ -178,9 +175,7 @@ class SandmanSandboxEnvironment(SandboxEnvironment):
         metadata: dict[str, str],
     ) -> dict[str, SandboxEnvironment]:
         settings = _config(config)
-        client = shared_client(
-            url=settings.url, state_dir=settings.state_dir, via_proxy=settings.via_proxy
-        )
+        client = await loop_client(settings.url)
         sandbox = await client.acquire(settings.spec(), timeout=settings.acquire_timeout)
         logger.debug("sandman: sandbox %s for a sample of %s", sandbox.id, task_name)
         return {"default": cls(sandbox)}
@@ -216,7 +211,7 @@ class SandmanSandboxEnvironment(SandboxEnvironment):
                 "ends (then its pool's watchdog, or the service's session lease, deletes them)"
             )
             return
-        await close_shared_clients()
+        await close_loop_clients()
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
@@ -225,15 +220,15 @@ class SandmanSandboxEnvironment(SandboxEnvironment):
         An embedded pool's sandboxes die with their process (its watchdog);
         ``sandman gc`` reaps what a dead one left.
         """
-        url = os.environ.get(URL_VARIABLE)
-        if id is None or not url:
+        url = resolve_url()
+        if id is None or url is None:
             logger.warning(
                 "sandman: nothing to clean up here: sandboxes are released with their "
                 "sample, and those of a dead process by its pool's watchdog or the "
                 "service's session lease (`sandman gc` for a local state directory)"
             )
             return
-        backend = RemoteBackend(url, api_key=os.environ.get(API_KEY_VARIABLE) or None)
+        backend = RemoteBackend(url, api_key=os.environ.get(ENV_API_KEY) or None)
         try:
             await backend.release(id)
         finally:

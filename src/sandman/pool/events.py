@@ -17,11 +17,14 @@ logger = logging.getLogger("sandman.pool")
 class PoolEvent:
     """``name`` is e.g. ``create.started``, ``create.complete``, ``create.failed``,
     ``sandbox.ready``, ``sandbox.leased``, ``sandbox.released``, ``delete.complete``,
-    ``delete.failed``, ``session.expired``, ``reconcile.orphan``, ``pool.stalled`` (its own
-    loop stood still for ``seconds``: not counted against any session), ``disown.failed``
-    (a sandbox left at close kept this process as its owner), ``sandbox.lost`` (it died
-    by itself: ``reason``, one of `sandman.SandboxLost.REASONS`, and ``detail``),
-    ``lost.watch_failed`` (the provider's reports of lost sandboxes broke; asked again)."""
+    ``delete.failed``, ``session.expired``, ``reconcile.adopted``, ``reconcile.orphan``
+    (``reason``: ``orphan, never handed over`` when no hand-over was on record),
+    ``handover.failed`` (the hand-over could not be recorded: the sandbox is deleted),
+    ``pool.stalled`` (its own loop stood still for ``seconds``: not counted against any
+    session), ``disown.failed`` (a sandbox left at close kept this process as its owner),
+    ``sandbox.lost`` (it died by itself: ``reason``, one of `sandman.SandboxLost.REASONS`,
+    and ``detail``), ``lost.watch_failed`` (the provider's reports of lost sandboxes
+    broke; asked again); and from a client, ``session.replaced`` (see `AsyncClient`)."""
 
     name: str
     pool: str

@@ -22,6 +22,8 @@ Invariants kept here:
 - a released, expired, failed or orphaned sandbox is deleted with retries
   until the provider confirms it is gone;
 - a session that stops heartbeating loses its sandboxes when its lease ends;
+- a hand-over is recorded on the sandbox (its session label) before the caller
+  is answered, and adoption leases only sandboxes whose hand-over is on record.
 - a sandbox that died by itself is deleted, and its holder told why.
 """
 
@@ -50,6 +52,8 @@ __all__ = ["Pool", "PoolConfig"]
 logger = logging.getLogger(__name__)
 
 _WARM_CLIENT = "__warm__"
+HAND_OVER_GRACE = 5.0
+"""Seconds recording a hand-over may take past the caller's deadline."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,14 @@ class PoolConfig:
     """How many lost sandboxes (deleted already) are remembered, so that their holders'
     next calls say why (`SandboxLost`); the oldest are forgotten first."""
     adopt_orphans: bool = False
-    """At start, keep running sandboxes a previous life of this pool left (as leased to their
-    session label) instead of deleting them."""
+    """At start, keep running sandboxes a previous life of this pool left instead of deleting
+    them: those whose hand-over it recorded, as leased to that session. The rest (being
+    created, or spares no caller received) are deleted."""
+    record_hand_over: bool = True
+    """Record each hand-over on the sandbox itself (its ``sandman.io/session`` label, one
+    `Provider.relabel`) before the caller is answered, so a later pool of this name adopts
+    exactly what callers received. Only a pool no one will ever adopt (a unique name,
+    swept by its watchdog: ``sandman.local()``) may save the call."""
     reap_dead_owners: bool | None = None
     """Reconcile also deletes sandboxes of any pool whose owner (``sandman.io/owner``, see
     `sandman.pool.owner`) is a dead process, and records of nothing that run nothing
@@ -280,10 +290,10 @@ class Pool:
         return sid
 
     def heartbeat(self, session_id: str) -> None:
-        """Extend the session's lease; SandboxNotFound if it already expired."""
+        """Extend the session's lease; SessionExpired if it already expired."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise errors.SandboxNotFound(f"session {session_id} is unknown or expired")
+            raise errors.SessionExpired(f"session {session_id} is unknown or expired")
         session.last_seen = time.monotonic()
 
     def close_session(self, session_id: str) -> None:
@@ -309,11 +319,78 @@ class Pool:
 
         Waits at most ``timeout`` seconds (CreateTimeout). If the caller gives up
         (timeout or cancellation), a sandbox being made for it goes to the next
-        waiter for the same spec, to the warm spares, or is deleted.
+        waiter for the same spec, to the warm spares, or is deleted. The
+        hand-over is recorded on the sandbox (`PoolConfig.record_hand_over`)
+        before this returns; a sandbox whose hand-over cannot be recorded is
+        deleted, never returned (one more is tried, then ProviderError).
+        SessionExpired if the session is over, or ends while this waits.
         """
         self._check_open()
         if session not in self._sessions:
-            raise errors.SandboxNotFound(f"session {session} is unknown or expired")
+            raise errors.SessionExpired(f"session {session} is unknown or expired")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        for attempt in (1, 2):
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            record = await self._take(spec, session, left)
+            # A sandbox ready in time is not thrown away for a write of a few ms.
+            until = None if deadline is None else max(deadline, loop.time() + HAND_OVER_GRACE)
+            try:
+                async with asyncio.timeout_at(until):
+                    await self._record_hand_over(record, session)
+            except BaseException as exc:
+                # Nobody may get, or keep, a sandbox whose hand-over is not on record.
+                self._release(record, reason="hand-over not recorded")
+                if isinstance(exc, TimeoutError):
+                    raise errors.CreateTimeout(
+                        f"no sandbox of {spec.image!r} within {timeout} s (pool "
+                        f"{self.config.name!r}): recording the hand-over of {record.id} "
+                        "did not finish"
+                    ) from None
+                if not isinstance(exc, Exception):
+                    raise
+                self._emit("handover.failed", record, error=repr(exc), attempt=attempt)
+                if session not in self._sessions:
+                    raise errors.SessionExpired(f"session {session} ended while waiting") from exc
+                if attempt == 2 or self._closed:
+                    raise errors.ProviderError(
+                        f"could not record the hand-over of sandbox {record.id} to session "
+                        f"{session}: {exc}"
+                    ) from exc
+                continue
+            if record.state != "leased" or record.session != session:
+                # Released (its session ended) or lost while the hand-over was recorded.
+                if session not in self._sessions:
+                    raise errors.SessionExpired(f"session {session} ended while waiting")
+                self._check_open()
+                self._emit("handover.failed", record, error=record.state, attempt=attempt)
+                if attempt == 2:
+                    raise errors.ProviderError(
+                        f"sandbox {record.id} was {record.state} at its hand-over"
+                    )
+                continue
+            return record
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _record_hand_over(self, record: Record, session: str) -> None:
+        """The session label, written durably; throttling and capacity errors are waited out."""
+        if not self.config.record_hand_over:
+            return
+        backoff = self.config.delete_backoff
+        for attempt in range(self.config.retry_limit + 1):
+            try:
+                await self.provider.relabel(record.id, {LABEL_SESSION: session})
+            except errors.SandboxError as exc:
+                if not exc.retryable or attempt == self.config.retry_limit:
+                    raise
+                await asyncio.sleep(getattr(exc, "retry_after", None) or backoff)
+                backoff = min(backoff * 2, self.config.delete_backoff_max)
+            else:
+                record.labels[LABEL_SESSION] = session
+                return
+
+    async def _take(self, spec: SandboxSpec, session: str, timeout: float | None) -> Record:
+        """A sandbox leased to ``session`` in memory: a spare, or one made for it."""
         idle = self._take_idle(spec)
         if idle is not None:
             self._lease(idle, session)
@@ -335,6 +412,14 @@ class Pool:
                     f"no sandbox of {spec.image!r} within {timeout} s "
                     f"(pool {self.config.name!r}): " + self._whereabouts(request)
                 ) from None
+            if (
+                isinstance(exc, asyncio.CancelledError)
+                and future.cancelled()
+                and session not in self._sessions
+                and not _cancelling()
+            ):
+                # Not this caller cancelled: its session ended (`close_session`).
+                raise errors.SessionExpired(f"session {session} ended while waiting") from None
             raise
         finally:
             if not request.future.done():
@@ -472,8 +557,9 @@ class Pool:
         expires = now + self.config.lifetime
         record = Record(
             id=f"sb-{secrets.token_hex(6)}", spec=request.spec, state="creating",
-            labels={LABEL_POOL: self.config.name, LABEL_SESSION: request.session,
-                    LABEL_EXPIRES: f"{expires:.0f}", owners.LABEL_OWNER: self.owner},
+            # No session label: that records the hand-over (`acquire`), not the request.
+            labels={LABEL_POOL: self.config.name, LABEL_EXPIRES: f"{expires:.0f}",
+                    owners.LABEL_OWNER: self.owner},
             expires_at=expires, session=None if request.warm else request.session,
         )  # fmt: skip
         record.stamp("queued", request.queued_at)
@@ -738,10 +824,12 @@ class Pool:
         """Delete what the provider holds for this pool that the pool does not know, or expired;
         mark lost what the pool holds that the provider lists as stopped, or no more.
 
-        With ``adopt``, running unexpired orphans are kept as leased to their
-        session label (a session that then never heartbeats loses them), each
-        relabelled as this process's first. A sandbox of this pool's name that
-        another live process owns is left alone. With ``reap_dead_owners``,
+        With ``adopt``, running unexpired orphans whose hand-over was recorded
+        are kept as leased to that session (a session that then never heartbeats
+        loses them), each relabelled as this process's first; the rest no caller
+        ever received, and they are deleted (only their image is on record, too
+        little to serve as a spare of some spec). A sandbox of this pool's name
+        that another live process owns is left alone. With ``reap_dead_owners``,
         also deleted: any pool's sandboxes whose owner process is dead, and
         records of nothing that run nothing (a crash's leftovers).
         """
@@ -792,7 +880,8 @@ class Pool:
                 self._watch(info)
                 self._emit("reconcile.adopted", record)
             else:
-                self._orphan(info, expires=expires)
+                reason = "orphan" if session else "orphan, never handed over"
+                self._orphan(info, expires=expires, reason=reason)
 
     def _record_of(self, info: SandboxInfo, expires: float = 0.0) -> Record:
         record = Record(
@@ -806,6 +895,11 @@ class Pool:
         record = self._record_of(info, expires)
         self._emit("reconcile.orphan", record, state=info.state, reason=reason)
         self._release(record, reason=reason)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _dead(info: SandboxInfo | None) -> bool:

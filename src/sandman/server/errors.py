@@ -74,6 +74,7 @@ _CODES: tuple[tuple[type[errors.SandboxError], str], ...] = (
     (errors.ThrottledError, "throttled"),
     (errors.CapacityError, "capacity"),
     (errors.ProviderError, "provider_error"),
+    (errors.SessionExpired, "session_expired"),
     (errors.SandboxLost, "sandbox_lost"),
     (errors.SandboxNotFound, "sandbox_not_found"),
     (errors.PoolClosed, "pool_closed"),

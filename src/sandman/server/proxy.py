@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sandman import errors
-from sandman.daemon._http import UntrustedPeer, check_peer
+from sandman._transport import UntrustedPeer, check_peer
 from sandman.pool import Record
 from sandman.providers.base import DaemonEndpoint
 from sandman.server.errors import ApiError, from_exception

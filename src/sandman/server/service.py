@@ -218,8 +218,6 @@ class Service:
             self._check_accepting()
             raise ApiError("session_expired", f"session {request.session} ended while waiting")
         exc = task.exception()
-        if isinstance(exc, errors.SandboxNotFound):
-            raise ApiError("session_expired", str(exc)) from exc
         if isinstance(exc, errors.SandboxError):
             raise from_exception(exc) from exc
         if exc is not None:

@@ -6,13 +6,15 @@ CPU per create matters. Measured per pod create (benchmarks/k8s_burst.py
 client 0.5 ms, ``kubernetes_asyncio`` 1.8 ms (it builds typed models of every
 answer), httpx 2.8 ms.
 
-Every failure leaves this module as a Sandman error (`raise_for`):
+It is the provider's one HTTP client (``sandman prepare`` uses it too).
+Every failure leaves this module as a Sandman error (`raise_for_status`):
 
 - 429 (API Priority and Fairness, max-inflight) and 5xx -> ThrottledError with
   the server's Retry-After: the pool's pacer backs off and retries;
 - 403 for an exceeded (or not yet counted) ResourceQuota -> CapacityError
   (retryable); other 403s and 401 -> ConfigError (our identity lacks a permission);
-- 404 -> SandboxNotFound; 400, 409 and 422 -> ConfigError (a bad name or spec);
+- 404 -> SandboxNotFound; 400 (BadRequest), 409 and 422 -> ConfigError (a bad
+  name, spec or selector);
 - no answer at all (connect, read timeouts) -> ThrottledError: the API server
   is overloaded or away, and waiting is the right response.
 """
@@ -26,12 +28,11 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import aiohttp
-import httpx
 
 from sandman import errors
 from sandman.providers.kubernetes.credentials import Credentials
 
-__all__ = ["Forbidden", "KubeAPI", "WatchExpired", "raise_for", "raise_for_status"]
+__all__ = ["BadRequest", "Forbidden", "KubeAPI", "WatchExpired", "raise_for_status"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,17 @@ _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far
 
 class Forbidden(errors.ConfigError):
     """403: the identity lacks the permission (not a quota refusal)."""
+
+
+class BadRequest(errors.ConfigError):
+    """400: the request is wrong (e.g. a label selector that does not parse).
+
+    ``reason`` is the API server's own message.
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class WatchExpired(Exception):
@@ -62,16 +74,12 @@ def _message(body: bytes) -> str:
     return str(parsed.get("message", parsed)) if isinstance(parsed, dict) else str(parsed)[:300]
 
 
-def raise_for(response: httpx.Response, what: str) -> None:
-    """Raise the Sandman error for a failed API response (an httpx one); return for a 2xx."""
-    raise_for_status(response.status_code, response.headers, response.content, what)
-
-
 def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what: str) -> None:
     """Raise the Sandman error for a failed API response; return for a 2xx."""
     if status < 300:
         return
-    message = f"{what}: {status} {_message(body)}"
+    reason = _message(body)
+    message = f"{what}: {status} {reason}"
     if status == 429 or status >= 500:
         raise errors.ThrottledError(message, retry_after=_retry_after(headers))
     # "status unknown": a quota the controller has not counted yet (just made, or lagging).
@@ -83,7 +91,9 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
                     "watch/delete in the namespace)")  # fmt: skip
     if status == 404:
         raise errors.SandboxNotFound(message)
-    if status in (400, 409, 422):
+    if status == 400:
+        raise BadRequest(message, reason)
+    if status in (409, 422):
         raise errors.ConfigError(message)
     raise errors.ProviderError(message)
 
@@ -212,14 +222,26 @@ class KubeAPI:
             params["continue"] = metadata["continue"]
             params.pop("resourceVersion", None)  # a continue token carries its own
 
-    async def list_nodes(self, *, page: int = _PAGE) -> list[dict[str, Any]]:
-        """Every Node of the cluster (a cluster-scoped read: ``nodes`` ``list``), paged,
-        from the API server's watch cache. Forbidden when the identity may not."""
+    async def list_nodes(
+        self, selector: str = "", *, page: int = _PAGE, consistent: bool = False
+    ) -> list[dict[str, Any]]:
+        """Every Node of the cluster matching the label selector (a cluster-scoped read:
+        ``nodes`` ``list``), paged. Forbidden when the identity may not; BadRequest for
+        a selector the API server cannot parse.
+
+        From the API server's watch cache as it is, unless ``consistent`` (see
+        `list_pods`).
+        """
         url = f"{self._credentials.server}/api/v1/nodes"
+        what = f"list nodes {selector!r}" if selector else "list nodes"
         items: list[dict[str, Any]] = []
-        params: dict[str, str | int] = {"limit": page, "resourceVersion": "0"}
+        params: dict[str, str | int] = {"limit": page}
+        if selector:
+            params["labelSelector"] = selector
+        if not consistent:
+            params["resourceVersion"] = "0"
         while True:
-            body = await self.request("GET", url, "list nodes", params=params)
+            body = await self.request("GET", url, what, params=params)
             items.extend(body.get("items") or [])
             token = (body.get("metadata") or {}).get("continue")
             if not token:

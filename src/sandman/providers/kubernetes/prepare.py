@@ -33,11 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from sandman import errors
-from sandman.providers.kubernetes.api import KubeAPI, raise_for
-from sandman.providers.kubernetes.credentials import Credentials
+from sandman.providers.kubernetes.api import BadRequest, Forbidden, KubeAPI
 from sandman.providers.kubernetes.placement import parse_image
 from sandman.providers.kubernetes.pods import transient_pull_failure
 from sandman.providers.kubernetes.watch import PodWatch
@@ -184,30 +181,19 @@ def _ready(node: dict[str, Any]) -> bool:
     return ready and not (node.get("spec") or {}).get("unschedulable", False)
 
 
-async def list_nodes(credentials: Credentials, selector: str = "") -> list[dict[str, Any]]:
-    """The Ready, schedulable nodes matching the label `selector` (a cluster-scoped read)."""
-    what = f"list nodes {selector!r}"
-    token = credentials.bearer()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx.AsyncClient(
-        base_url=credentials.server, verify=credentials.ssl_context, headers=headers, timeout=30
-    ) as http:
-        try:
-            response = await http.get("/api/v1/nodes", params={"labelSelector": selector})
-        except httpx.TransportError as exc:
-            raise errors.ProviderError(f"{what}: API server unreachable: {exc!r}") from exc
-    if response.status_code == 400:
-        try:
-            message = str(response.json().get("message", ""))
-        except ValueError:
-            message = response.text[:200]
-        raise errors.ConfigError(f"bad node selector {selector!r}: {message}")
-    if response.status_code == 403:
+async def list_nodes(api: KubeAPI, selector: str = "") -> list[dict[str, Any]]:
+    """The Ready, schedulable nodes matching the label `selector` (a cluster-scoped read,
+    consistent: a node labelled a moment ago is there)."""
+    try:
+        nodes = await api.list_nodes(selector, consistent=True)
+    except BadRequest as exc:
+        raise errors.ConfigError(f"bad node selector {selector!r}: {exc.reason}") from None
+    except Forbidden:
         raise errors.ConfigError(
-            f"{what}: forbidden; prepare needs get/list on nodes (cluster-scoped) besides pods"
-        )
-    raise_for(response, what)
-    return [node for node in response.json().get("items") or [] if _ready(node)]
+            f"list nodes {selector!r}: forbidden; prepare needs get/list on nodes "
+            "(cluster-scoped) besides pods"
+        ) from None
+    return [node for node in nodes if _ready(node)]
 
 
 async def prepare_images(

@@ -1,40 +1,40 @@
-"""A lean HTTP/1.1 client over a unix socket or TCP, with keep-alive.
+"""The lean HTTP/1.1 transport: unix socket or TCP, keep-alive, peer-checked.
 
 The daemon protocol is a handful of small requests on a latency budget of a
 fraction of a millisecond; general clients (httpx) spend several times the
-cost of the command itself per call. This one does only what sandmand needs:
-one request at a time per connection, Content-Length or chunked bodies, and a
-pool of idle connections.
+cost of the command itself per call (``benchmarks/latency.py`` measures both).
+This one does only what sandmand and the service need: one request at a time
+per connection, Content-Length or chunked bodies, and a pool of idle
+connections.
 
 Each connection is an `asyncio.Protocol` that parses the response as bytes
 arrive, inside ``data_received``: a small answer (head and body in one read)
 costs the caller a single wake-up, where StreamReader's readuntil/read pair
 costs a wake-up or buffer copy per step.
 
-It raises only `ConnectionLost` (and `OSError` from connecting); the daemon
-client maps those to the package's errors.
+It keeps the seam's contract (`sandman._transport.base`): `ConnectionLost`
+for a broken connection or an answer that is not HTTP, `OSError` from
+connecting, nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import re
 import ssl as _ssl
-import struct
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 
-__all__ = [
-    "ConnectionLost",
-    "HTTPResponse",
-    "HTTPTransport",
-    "StreamingResponse",
-    "UntrustedPeer",
-]
+from sandman._transport.base import ConnectionLost, Response, check_peer
+
+__all__ = ["HTTPTransport", "StreamingResponse"]
 
 _MAX_HEAD = 64 * 1024
+# A chunk size fits in 64 bits; more digits is an overflow, not a large chunk.
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?", re.DOTALL)
+_STATUS_LINE = re.compile(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: |\Z)")
+_MAX_LENGTH_DIGITS = 18  # Content-Length below 10**18
 # Unread body bytes a connection buffers before it stops reading the socket
 # (back-pressure for large downloads read slowly).
 _HIGH_WATER = 256 * 1024
@@ -49,38 +49,6 @@ _CHUNK_END = 5  # chunked body: the CRLF closing a chunk
 _TRAILER = 6  # chunked body: trailer lines up to an empty line
 _UNTIL_CLOSE = 7  # body delimited by the server closing the connection
 _DONE = 8  # the whole response arrived
-
-
-class ConnectionLost(Exception):
-    """The connection closed or broke before a whole response arrived."""
-
-
-class UntrustedPeer(ConnectionError):
-    """The process at the other end of a unix socket is not the one expected."""
-
-
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def check_peer(sock: socket.socket, expected_pid: int, where: str) -> None:
-    """Raise UntrustedPeer unless ``sock``'s peer (SO_PEERCRED) is process ``expected_pid``.
-
-    For a unix stream socket the kernel records the process that called
-    listen(2); only the daemon itself does that on a sandbox's socket.
-    """
-    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    if pid != expected_pid:
-        raise UntrustedPeer(
-            f"the peer at {where} is process {pid} (uid {uid}), not the sandbox's daemon "
-            f"(pid {expected_pid}): refusing to talk to it"
-        )
-
-
-@dataclass(slots=True)
-class HTTPResponse:
-    status: int
-    headers: dict[str, str]
-    body: bytes
 
 
 class _Connection(asyncio.Protocol):
@@ -192,9 +160,12 @@ class _Connection(asyncio.Protocol):
                         raise ValueError("response head too large")
                     self._rest = data[pos:]
                     return progressed
+                if stop - pos > _MAX_HEAD:
+                    raise ValueError("response head too large")
                 self._parse_head(data[pos:stop])
-                progressed = True
                 pos = stop + 4
+                # Still _HEAD after an interim (1xx) answer: nothing for the task yet.
+                progressed = progressed or self._state != _HEAD
             elif state in (_CHUNK_SIZE, _TRAILER):
                 stop = data.find(b"\r\n", pos)
                 if stop < 0:
@@ -209,9 +180,10 @@ class _Connection(asyncio.Protocol):
                         self._state = _DONE
                         progressed = True
                     continue
-                size = int(line.split(b";", 1)[0], 16)
-                if size < 0:
-                    raise ValueError("negative chunk size")
+                match = _CHUNK_SIZE_LINE.fullmatch(line)
+                if match is None:
+                    raise ValueError(f"bad chunk size line {line[:40]!r}")
+                size = int(match[1], 16)
                 self._remaining = size
                 self._state = _CHUNK_DATA if size else _TRAILER
             elif state == _CHUNK_END:
@@ -234,26 +206,46 @@ class _Connection(asyncio.Protocol):
                 return progressed
 
     def _parse_head(self, raw: bytes) -> None:
+        """The status line and headers; the body's framing. Strict where framing is
+        decided: what a lenient reading could frame wrong is refused (ValueError)."""
         lines = raw.decode("latin-1").split("\r\n")
-        try:
-            status = int(lines[0].split(" ", 2)[1])
-        except (IndexError, ValueError):
-            raise ValueError(f"malformed status line {lines[0]!r}") from None
+        match = _STATUS_LINE.match(lines[0])
+        if match is None:
+            raise ValueError(f"malformed status line {lines[0][:100]!r}")
+        status = int(match[1])
+        if status < 200:
+            if status == 101:
+                raise ValueError("101 Switching Protocols, which nothing asked for")
+            return  # interim (100 Continue, 103 Early Hints): the answer follows
         headers: dict[str, str] = {}
         for line in lines[1:]:
-            if line:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
+            name, colon, value = line.partition(":")
+            name = name.strip().lower()
+            if not colon or not name:
+                raise ValueError(f"malformed header line {line[:100]!r}")
+            value = value.strip()
+            if name not in headers:
+                headers[name] = value
+            elif name == "content-length":
+                if value != headers[name]:
+                    raise ValueError("conflicting Content-Length headers")
+            else:  # repeated: one comma-separated list (RFC 9110 5.3)
+                headers[name] = f"{headers[name]}, {value}"
         self.status = status
         self.headers = headers
         if self._no_body or status in (204, 304):
             self._state = _DONE
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif "transfer-encoding" in headers:
+            # Nothing asked for another coding (no TE header is sent), and with a
+            # Content-Length beside it, the answer is ambiguous (RFC 9112 6.3).
+            if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
+                raise ValueError(f"unsupported framing {headers['transfer-encoding']!r}")
             self._state = _CHUNK_SIZE
         elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
-            if self._remaining < 0:
-                raise ValueError("negative Content-Length")
+            length = headers["content-length"]
+            if not (length.isascii() and length.isdigit() and len(length) <= _MAX_LENGTH_DIGITS):
+                raise ValueError(f"bad Content-Length {length[:40]!r}")
+            self._remaining = int(length)
             self._state = _LENGTH if self._remaining else _DONE
         else:
             self._state = _UNTIL_CLOSE
@@ -364,17 +356,6 @@ class StreamingResponse:
                 await conn.wait()
         self._done = True
 
-    async def iter_lines(self) -> AsyncIterator[bytes]:
-        """Yield the body line by line (without the newline), as lines complete."""
-        pending = b""
-        async for piece in self.iter_bytes():
-            pending += piece
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line
-        if pending:
-            yield pending
-
     async def read(self) -> bytes:
         # Through iter_bytes, so that a wrapper replacing it sees every byte.
         pieces = []
@@ -422,6 +403,10 @@ class HTTPTransport:
         fixed = {"Host": authority, **(default_headers or {})}
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode("latin-1")
 
+    def __repr__(self) -> str:
+        where = f"unix:{self._uds}" if self._tcp is None else "tcp:{}:{}".format(*self._tcp)
+        return f"HTTPTransport({where + self._prefix!r})"
+
     async def request(
         self,
         method: str,
@@ -429,11 +414,11 @@ class HTTPTransport:
         *,
         body: bytes | None = None,
         content_type: str | None = None,
-    ) -> HTTPResponse:
+    ) -> Response:
         """Send one request and read the whole response."""
         async with self.stream(method, target, body=body, content_type=content_type) as response:
             data = await response.read()
-            return HTTPResponse(response.status, response.headers, data)
+            return Response(response.status, response.headers, data)
 
     def stream(
         self,

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client against a scripted server: framing, keep-alive, failures."""
+"""The lean HTTP/1.1 transport against a scripted server: framing, keep-alive, failures."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from sandman import errors
+from sandman._transport import ConnectionLost, HTTPTransport, iter_lines
 from sandman.daemon import DaemonClient
-from sandman.daemon._http import ConnectionLost, HTTPTransport
 
 pytestmark = pytest.mark.anyio
 
@@ -93,7 +93,7 @@ async def test_chunked_and_no_content(tmp_path: Path) -> None:
         assert (await transport.request("DELETE", "/")).status == 204
         assert (await transport.request("GET", "/")).body == b"abcde"
         async with transport.stream("GET", "/") as response:
-            assert [line async for line in response.iter_lines()] == [b"abcde"]
+            assert [line async for line in iter_lines(response)] == [b"abcde"]
         await transport.aclose()
     assert len(conns) == 1
 

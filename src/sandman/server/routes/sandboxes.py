@@ -1,0 +1,95 @@
+"""``/v1/sandboxes``: acquire, list, describe and release the tenant's sandboxes."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
+
+from sandman.pool.records import State
+from sandman.server.errors import ApiError
+from sandman.server.routes._deps import Tenant, errors, metrics, sampler, service
+from sandman.server.schemas import AcquireRequest, SandboxList, SandboxOut, sandbox_out
+from sandman.server.service import ClientGone
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+CLIENT_CLOSED_REQUEST = 499
+"""Answered to a client that went away while its acquire waited (nginx's
+convention); nobody reads it."""
+
+
+@router.post(
+    "", status_code=201, response_model=SandboxOut,
+    responses=errors(
+        "session_expired", "image_not_found", "image_error", "tenant_sandbox_limit",
+        "tenant_pending_limit", "provider_error", "capacity", "throttled", "pool_closed",
+        "shutting_down", "create_timeout",
+    ),
+)  # fmt: skip
+async def acquire(tenant: Tenant, body: AcquireRequest, request: Request) -> Any:
+    """Acquire a ready sandbox for a session: waits up to ``timeout`` seconds.
+
+    The answer holds the daemon's endpoint and token. If the HTTP client
+    goes away while waiting, the acquire is cancelled and the pool hands
+    the sandbox to the next waiter, or deletes it.
+    """
+    started = time.monotonic()
+    try:
+        record = await service(request).acquire(tenant, body, lambda: _disconnected(request))
+    except ApiError as exc:
+        metrics(request).observe_acquire(started, exc.code)
+        sampler(request).refused(tenant, exc.code, exc.message, image=body.spec.image)
+        raise
+    except ClientGone:
+        metrics(request).observe_acquire(started, "client_gone")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    metrics(request).observe_acquire(started, "ok")
+    return sandbox_out(record, endpoint=True)
+
+
+@router.get("", response_model=SandboxList, responses=errors())
+async def list_sandboxes(
+    tenant: Tenant,
+    request: Request,
+    session: Annotated[str | None, Query(max_length=128)] = None,
+    state: State | None = None,
+    image: Annotated[str | None, Query(max_length=4096)] = None,
+) -> SandboxList:
+    """The tenant's sandboxes (those recently gone too), filtered."""
+    records = service(request).list(tenant, session=session, state=state, image=image)
+    return SandboxList(sandboxes=[sandbox_out(r) for r in records])
+
+
+@router.get(
+    "/{sandbox_id}",
+    response_model=SandboxOut,
+    responses=errors("sandbox_not_found", "provider_error"),
+)
+async def get_sandbox(
+    tenant: Tenant, sandbox_id: str, request: Request, probe: bool = False
+) -> SandboxOut:
+    """One of the tenant's sandboxes: state, timeline, endpoint and token.
+
+    With ``probe``, ``running`` says whether the backend has it running now.
+    """
+    record = service(request).sandbox(tenant, sandbox_id)
+    running = await service(request).running(record) if probe else None
+    return sandbox_out(record, endpoint=True, running=running)
+
+
+@router.delete("/{sandbox_id}", status_code=204, responses=errors("sandbox_not_found"))
+async def release(tenant: Tenant, sandbox_id: str, request: Request) -> Response:
+    """Release the sandbox; it is deleted in the background. Idempotent."""
+    service(request).release(tenant, sandbox_id)
+    return Response(status_code=204)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the HTTP client has gone away (its body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

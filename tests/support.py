@@ -1,0 +1,70 @@
+"""Waiting in tests: on a condition, with a deadline, never a fixed sleep.
+
+A test that sleeps a fixed time either wastes it or, on a loaded 2-core
+machine, asserts before the thing it waits for happened. These poll instead
+and fail with what they waited for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+
+__all__ = ["eventually", "until", "wait_for"]
+
+T = TypeVar("T")
+
+
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10.0,
+    *,
+    what: str = "the condition",
+    interval: float = 0.005,
+) -> None:
+    """Return once ``condition()`` (plain or async) is true; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(interval)
+
+
+async def wait_for(
+    what: str, timeout: float, check: Callable[[], Awaitable[T | None]], *, interval: float = 0.2
+) -> T:
+    """The first truthy answer of ``check()``; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(interval)
+
+
+def until(
+    what: str,
+    condition: Callable[[], bool],
+    timeout: float = 10.0,
+    why: Callable[[], str] | None = None,
+    *,
+    interval: float = 0.01,
+) -> None:
+    """`eventually` for synchronous code; ``why()`` adds detail to the failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            detail = f": {why()}" if why is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
+        time.sleep(interval)
