@@ -86,13 +86,13 @@ def task(
     return path
 
 
-def harbor(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``harbor trials start ARGS``, importing this tree's sandman, the embedded pool on
-    the test's state directory (``SANDMAN_STATE_DIR``, set by `busybox_provider`)."""
+def harbor(*args: str | Path, command: str = "trials") -> subprocess.CompletedProcess[str]:
+    """``harbor trials start ARGS`` (or ``job start``), importing this tree's sandman, the
+    embedded pool on the test's state directory (``SANDMAN_STATE_DIR``, `busybox_provider`)."""
     env = dict(os.environ, HARBOR_TELEMETRY="0")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [str(HARBOR), "trials", "start", *map(str, args)],
+        [str(HARBOR), command, "start", *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
@@ -118,6 +118,24 @@ def test_the_oracle_solves_a_task_and_nothing_is_left(
     # solve.sh ran in the task's workdir, its output downloaded from the sandbox
     assert (trial_dir / "agent" / "oracle.txt").read_text() == "solving in /app as root\n"
     assert (trial_dir / "verifier" / "reward.txt").read_text() == "1\n"
+    assert leftovers(busybox_provider) == []
+
+
+def test_a_job_runs_its_trials_at_once_with_options(
+    busybox_provider: LocalProvider, tmp_path: Path
+) -> None:
+    ran = harbor(
+        "-p", task(tmp_path), "-a", "oracle", "--env", ENV, "-o", tmp_path / "jobs",
+        "-k", "3", "-n", "3", "--ek", "acquire_timeout=60",
+        command="job",
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    [job] = (tmp_path / "jobs").glob("*/result.json")
+    stats = json.loads(job.read_text())["stats"]
+    assert (stats["n_completed_trials"], stats["n_errored_trials"]) == (3, 0)
+    assert stats["evals"]["oracle__adhoc"]["metrics"] == [{"mean": 1.0}]
+    config = json.loads((job.parent / "config.json").read_text())
+    assert config["environment"]["kwargs"] == {"acquire_timeout": 60}
     assert leftovers(busybox_provider) == []
 
 
