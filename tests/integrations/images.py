@@ -6,7 +6,8 @@ fallback to ``sh``. ``busybox-inspect`` adds more applets (``rmdir``,
 ``chown``...), a ``bash`` that is busybox's ``sh`` (inspect's ``bash()`` tool
 runs ``bash --login -c``), and stand-ins for busybox's ``adduser -D`` and
 shadow's ``userdel -r``, which the host's busybox lacks, so that
-``test_exec_as_user`` can add the user it then runs commands as.
+``test_exec_as_user`` can add the user it then runs commands as, and an
+``/etc/os-release`` (inspect reads it before injecting its tools).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ echo "$name:x:$uid:$uid:$name:/home/$name:/bin/sh" >>/etc/passwd
 echo "$name:x:$uid:" >>/etc/group
 mkdir -p "/home/$name" && chown "$uid:$uid" "/home/$name"
 """
+
+OS_RELEASE = """ID=busybox
+NAME="BusyBox (Sandman's tests)"
+VERSION="1"
+"""
+"""inspect identifies the distribution before it injects its tools (`bash_session()`...)."""
 
 USERDEL = """#!/bin/sh
 # A stand-in for shadow's `userdel [-r] NAME`.
@@ -74,4 +81,5 @@ def inspect_rootfs_tar(busybox_tar: Path, path: Path) -> Path:
         add("bin/bash", data=BASH.encode())
         add("usr/sbin/adduser", data=ADDUSER.encode())
         add("usr/sbin/userdel", data=USERDEL.encode())
+        add("etc/os-release", data=OS_RELEASE.encode())
     return path
