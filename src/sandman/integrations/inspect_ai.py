@@ -306,7 +306,9 @@ class SandmanSandboxEnvironment(SandboxEnvironment):
                     info = await sb.wait(process.id)
             except TimeoutError:
                 timed_out = True
-                info = await sb.signal(process.id, "KILL")
+                with contextlib.suppress(errors.SandboxError):  # it may have just ended
+                    await sb.signal(process.id, "KILL")
+                info = await sb.wait(process.id, timeout=5)
             stdout, stderr = await _output(sb, process.id)
         finally:
             with contextlib.suppress(errors.SandboxError):
