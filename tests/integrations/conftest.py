@@ -16,6 +16,7 @@ import pytest
 from sandman.integrations._client import ENV_API_KEY, ENV_STATE_DIR, ENV_URL, close_shared
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
+from tests.integrations.images import BUSYBOX, INSPECT_IMAGE, inspect_rootfs_tar
 from tests.support import until
 
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner at import
@@ -90,4 +91,36 @@ def local_provider(busybox_tar: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
     """The provider behind the adapters' embedded pool, on a fresh state directory with
     busybox imported as ``busybox``; nothing may be left at the end (`adapters_on`)."""
     with state_with({"busybox": busybox_tar}) as provider, adapters_on(provider, monkeypatch):
+        yield provider
+
+
+# -- the inspect_ai and Harbor adapters' ------------------------------------------------------
+
+needs_local = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("crun") is None,
+    reason="the adapters' end-to-end tests use the local provider: root and crun",
+)
+
+
+@pytest.fixture(scope="session")
+def inspect_tar(busybox_tar: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``busybox-inspect`` image's rootfs (`tests.integrations.images`)."""
+    return inspect_rootfs_tar(busybox_tar, tmp_path_factory.mktemp("images") / "inspect.tar")
+
+
+@contextlib.contextmanager
+def busybox_state(busybox_tar: Path, inspect_tar: Path) -> Iterator[LocalProvider]:
+    """`local_provider` for a longer scope: ``busybox`` and ``busybox-inspect`` imported."""
+    with (
+        state_with({BUSYBOX: busybox_tar, INSPECT_IMAGE: inspect_tar}) as provider,
+        pytest.MonkeyPatch.context() as monkeypatch,
+        adapters_on(provider, monkeypatch),
+    ):
+        yield provider
+
+
+@pytest.fixture
+def busybox_provider(busybox_tar: Path, inspect_tar: Path) -> Iterator[LocalProvider]:
+    """A fresh state directory with both busybox images, the adapters' (`adapters_on`)."""
+    with busybox_state(busybox_tar, inspect_tar) as provider:
         yield provider

@@ -310,6 +310,33 @@ async def test_one_clients_burst_does_not_starve_another(fake: FakeProvider) -> 
         await asyncio.gather(*bulk)
 
 
+def test_deletes_cut_short_at_the_end_of_asyncio_run_are_done_at_close() -> None:
+    """asyncio.run cancels every task left when its main one returns: the delete of a
+    sandbox just released among them, and a task that closes the pool then (as the
+    adapters' client of a loop does). The close deletes what the cancelled delete left."""
+    provider = FakeProvider(daemon=False, seed=7)
+    provider.faults.delete_latency = 0.2
+
+    async def main() -> None:
+        pool = pool_of(provider)
+        await pool.start()
+
+        async def close_at_end() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await pool.aclose()
+
+        closer = asyncio.create_task(close_at_end())
+        record = await pool.acquire(SPEC, session=pool.open_session())
+        pool.release(record.id)  # its delete is under way as main returns
+        assert not closer.done()
+
+    asyncio.run(main())
+    assert provider.live == 0
+    asyncio.run(provider.aclose())
+
+
 async def test_closed_pool_refuses_and_releases_everything(fake: FakeProvider) -> None:
     pool = pool_of(fake)
     await pool.start()

@@ -222,6 +222,14 @@ class Pool:
             async with asyncio.timeout(timeout):
                 while self._tasks:
                     await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                # A delete cut short (its task cancelled: asyncio.run cancels every
+                # task left when its main one returns, this close's caller among
+                # them) is done again: what is released here must be gone.
+                for record in list(self._records.values()):
+                    if release or record.state not in ("ready", "leased"):
+                        self._spawn(self._delete(record), f"sandman-delete-{record.id}")
+                while self._tasks:
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
