@@ -30,7 +30,8 @@ from sandman.providers.local import LocalProvider
 from tests.integrations.conftest import leftovers, needs_local
 from tests.integrations.images import BUSYBOX
 
-pytestmark = [pytest.mark.integrations, needs_local]
+# A harbor CLI run starts Python, harbor and a pool: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.integrations, needs_local, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "sandman.integrations.harbor:SandmanEnvironment"
