@@ -72,10 +72,12 @@ async def test_every_local_setting_reaches_the_provider(
 ) -> None:
     parent = f"/sandman-test/entry-{os.getpid()}"
     client = sandman.local(state_dir=local_state, cgroup_parent=parent, disk=None)
-    async with client, client.sandbox("busybox") as sb:
-        assert (await sb.exec("true")).ok
-        assert Path(f"/sys/fs/cgroup/memory{parent}/{sb.id}").is_dir()
-    remove_cgroup_parent(parent)
+    try:
+        async with client, client.sandbox("busybox") as sb:
+            assert (await sb.exec("true")).ok
+            assert Path(f"/sys/fs/cgroup/memory{parent}/{sb.id}").is_dir()
+    finally:
+        remove_cgroup_parent(parent)  # even when the test fails
     with pytest.raises(sandman.ConfigError, match="cgroup_parent"):
         sandman.local(state_dir=local_state, cgroup_parent="no leading slash")
     with pytest.raises(sandman.ConfigError, match="not both"):
