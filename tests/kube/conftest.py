@@ -91,10 +91,10 @@ def _run(*argv: str | Path, env: dict[str, str]) -> None:
         )
 
 
-IP_FORWARD_BEFORE = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
-def _leftovers(state_dir: Path) -> list[str]:
+def _leftovers(state_dir: Path, ip_forward_before: str | None) -> list[str]:
     """What ``hack/kube/down`` promises to remove, if any of it is still there."""
     found = []
     if state_dir.exists():
@@ -104,8 +104,10 @@ def _leftovers(state_dir: Path) -> list[str]:
     found += [f"cgroup {d}" for d in Path("/sys/fs/cgroup").glob("*/sandman-kube") if d.is_dir()]
     if Path("/sys/class/net/sandmank8s0").exists():
         found.append("bridge sandmank8s0")
-    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != IP_FORWARD_BEFORE:
-        found.append("ip_forward changed")
+    # The value up saw, not the session's first: the local provider's tests switch
+    # ip_forward on and back while the cluster is up (host-wide, theirs to restore).
+    if ip_forward_before is not None and IP_FORWARD.read_text().strip() != ip_forward_before:
+        found.append(f"ip_forward not put back to {ip_forward_before}")
     for name in ("etcd", "kube-apiserver", "kubelet", "containerd", "kwok"):
         pids = subprocess.run(
             ["pgrep", "-f", f"{name} .*{state_dir}"], check=False, capture_output=True, text=True
@@ -126,8 +128,10 @@ def kube_cluster() -> Iterator[KubeCluster]:
         _run(HACK / "up", env=env)
         yield KubeCluster.from_env_file(state_dir / "env")
     finally:
+        recorded = state_dir / "run" / "ip_forward.before"  # what up saw; down restores it
+        before = recorded.read_text().strip() if recorded.exists() else None
         _run(HACK / "down", env=env)
-        leftovers = _leftovers(state_dir)
+        leftovers = _leftovers(state_dir, before)
         assert not leftovers, f"hack/kube/down left: {leftovers}"
 
 
