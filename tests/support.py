@@ -7,14 +7,18 @@ and fail with what they waited for.
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import anyio
 
-__all__ = ["eventually", "until", "wait_for"]
+from sandman.models import SandboxSpec
+from sandman.providers.base import Provider, SandboxInfo
+
+__all__ = ["Delegating", "eventually", "until", "wait_for"]
 
 T = TypeVar("T")
 
@@ -68,3 +72,40 @@ def until(
             detail = f": {why()}" if why is not None else ""
             raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
         time.sleep(interval)
+
+
+class Delegating:
+    """A provider that passes each call of the base `Provider` protocol to ``inner``, and
+    has nothing more (no `WatchesLost`): override what a test changes."""
+
+    name = "delegating"
+
+    def __init__(self, inner: Provider) -> None:
+        self.inner = inner
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        sandbox_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SandboxInfo:
+        return await self.inner.create(spec, sandbox_id=sandbox_id, labels=labels)
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self.inner.delete(sandbox_id)
+
+    def progress(self, sandbox_id: str) -> str | None:
+        return self.inner.progress(sandbox_id)
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
+        return await self.inner.list(labels=labels)
+
+    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
+        await self.inner.relabel(sandbox_id, labels)
+
+    async def inspect(self, sandbox_id: str) -> SandboxInfo:
+        return await self.inner.inspect(sandbox_id)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -5,7 +5,6 @@ garbage collector tracks, not in time."""
 from __future__ import annotations
 
 import asyncio
-import builtins
 import gc
 from collections import deque
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.providers.base import DaemonEndpoint, SandboxInfo
 from sandman.testing import FakeProvider
+from tests.support import Delegating
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -24,7 +24,7 @@ CYCLES = 10_000
 WARM_UP = 300
 
 
-class _OneDaemon:
+class _OneDaemon(Delegating):
     """The fake's sandboxes, all answered by one real daemon: the cycles cost the
     pool's and the client's own work, not 10,000 daemon starts."""
 
@@ -32,6 +32,7 @@ class _OneDaemon:
 
     def __init__(self, endpoint: DaemonEndpoint) -> None:
         self.fake = FakeProvider(daemon=False)
+        super().__init__(self.fake)
         self.endpoint = endpoint
 
     async def create(
@@ -43,21 +44,6 @@ class _OneDaemon:
     ) -> SandboxInfo:
         info = await self.fake.create(spec, sandbox_id=sandbox_id, labels=labels)
         return info.model_copy(update={"endpoint": self.endpoint})
-
-    async def delete(self, sandbox_id: str) -> None:
-        await self.fake.delete(sandbox_id)
-
-    def progress(self, sandbox_id: str) -> str | None:
-        return None
-
-    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
-        return await self.fake.list(labels=labels)
-
-    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
-        await self.fake.relabel(sandbox_id, labels)
-
-    async def inspect(self, sandbox_id: str) -> SandboxInfo:
-        return await self.fake.inspect(sandbox_id)
 
     async def aclose(self) -> None:
         await self.fake.aclose(forget=True)

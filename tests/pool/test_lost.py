@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import builtins
 import os
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 import pytest
 
 import sandman
-from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig, PoolEvent, Record
-from sandman.providers.base import SandboxInfo, WatchesLost
+from sandman.providers.base import WatchesLost
 from sandman.testing import FakeProvider
 from tests.pool.test_pool import SPEC
-from tests.support import eventually
+from tests.support import Delegating, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -28,41 +26,11 @@ async def fake() -> AsyncIterator[FakeProvider]:
     await provider.aclose()
 
 
-class Blind:
+class Blind(Delegating):
     """A provider that cannot tell of losses (no `WatchesLost`): the fake, seen through
     the base `Provider` protocol only, as gVisor sandboxes are."""
 
     name = "blind"
-
-    def __init__(self, inner: FakeProvider) -> None:
-        self.inner = inner
-
-    async def create(
-        self,
-        spec: SandboxSpec,
-        *,
-        sandbox_id: str | None = None,
-        labels: Mapping[str, str] | None = None,
-    ) -> SandboxInfo:
-        return await self.inner.create(spec, sandbox_id=sandbox_id, labels=labels)
-
-    async def delete(self, sandbox_id: str) -> None:
-        await self.inner.delete(sandbox_id)
-
-    def progress(self, sandbox_id: str) -> str | None:
-        return None
-
-    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
-        return await self.inner.list(labels=labels)
-
-    async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
-        await self.inner.relabel(sandbox_id, labels)
-
-    async def inspect(self, sandbox_id: str) -> SandboxInfo:
-        return await self.inner.inspect(sandbox_id)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_sandbox_that_dies_is_lost_deleted_and_its_holder_told_why(
