@@ -122,10 +122,6 @@ def test_the_oracle_solves_a_task_and_nothing_is_left(
     assert leftovers(busybox_provider) == []
 
 
-@pytest.mark.skip(
-    reason="flaky: the 3-trial harbor job hung past its 120 s limit in 2 of 6 full-suite runs "
-    "on a loaded machine (it takes ~3 s alone); quarantined until the hang is found"
-)
 def test_a_job_runs_its_trials_at_once_with_options(
     busybox_provider: LocalProvider, tmp_path: Path
 ) -> None:

@@ -337,6 +337,24 @@ def test_deletes_cut_short_at_the_end_of_asyncio_run_are_done_at_close() -> None
     asyncio.run(provider.aclose())
 
 
+@pytest.mark.timeout(30)
+async def test_a_close_just_after_its_deletes_are_cancelled_returns(fake: FakeProvider) -> None:
+    """asyncio.run's end cancels the pool's deletes; a close that runs before their done
+    callbacks (which take them off the pool's books) must not spin: on Python 3.12
+    ``gather`` of tasks already done completes without ever yielding to those callbacks."""
+    fake.faults.delete_latency = 0.5
+    pool = pool_of(fake)
+    await pool.start()
+    record = await pool.acquire(SPEC, session=pool.open_session())
+    pool.release(record.id)
+    [delete] = [t for t in asyncio.all_tasks() if t.get_name().startswith("sandman-delete")]
+    delete.cancel()
+    await asyncio.sleep(0)  # the delete ends; its done callbacks are queued, not yet run
+    assert delete.done()
+    await pool.aclose()
+    assert fake.live == 0
+
+
 async def test_closed_pool_refuses_and_releases_everything(fake: FakeProvider) -> None:
     pool = pool_of(fake)
     await pool.start()

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import anyio.to_thread
+
+from sandman import _flock
 
 __all__ = ["StoreLock", "try_lock_file"]
 
@@ -28,23 +29,11 @@ class StoreLock:
     async def hold(self) -> AsyncIterator[None]:
         """Hold the lock for the body of an ``async with``."""
         async with self._lock:
-            # Shielded: once the thread has the flock we must get the fd back to release it.
-            with anyio.CancelScope(shield=True):
-                fd = await anyio.to_thread.run_sync(_lock_file, self.path)
+            fd = await _flock.lock(self.path)
             try:
                 yield
             finally:
                 os.close(fd)
-
-
-def _lock_file(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def try_lock_file(path: Path) -> int | None:

@@ -35,6 +35,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from sandman import _flock
 from sandman.errors import ImageError, ImageNotFound
 from sandman.images.digests import hex_of
 from sandman.images.formats import ArchiveSource, LayoutSource, Plan, plan_archive, plan_layout
@@ -224,9 +225,7 @@ class ImageStore:
         Pulls hold ``pulls.lock`` shared, so start-up cleanup (which needs it
         exclusively) removes ``pulls.*`` entries only when no pull is running.
         """
-        # Shielded: once the thread has the flock we must get the fd back to release it.
-        with anyio.CancelScope(shield=True):
-            fd = await _run(_lock_shared, self._lock_path(PULLS_KEY))
+        fd = await _flock.lock(self._lock_path(PULLS_KEY), fcntl.LOCK_SH)
         try:
             path = self._dirs["tmp"] / f"{PULLS_KEY}.{secrets.token_hex(8)}"
             os.mkdir(path, 0o700)
@@ -472,14 +471,3 @@ class ImageStore:
                         entry.unlink(missing_ok=True)
             finally:
                 os.close(fd)
-
-
-def _lock_shared(path: Path) -> int:
-    """Take `path`'s flock shared (waiting while someone holds it exclusively); the fd."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

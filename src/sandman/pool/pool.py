@@ -220,19 +220,26 @@ class Pool:
             self._spawn(self._disown(), "sandman-pool-disown")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                while self._tasks:
-                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                await self._drain()
                 # A delete cut short (its task cancelled: asyncio.run cancels every
                 # task left when its main one returns, this close's caller among
                 # them) is done again: what is released here must be gone.
                 for record in list(self._records.values()):
                     if release or record.state not in ("ready", "leased"):
                         self._spawn(self._delete(record), f"sandman-delete-{record.id}")
-                while self._tasks:
-                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                await self._drain()
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+    async def _drain(self) -> None:
+        """Wait until the background tasks are done, those they start meanwhile too."""
+        # The pending ones only: a task stays in the set until its done callback
+        # runs, and on Python 3.12 gather() of tasks already done completes without
+        # yielding, so waiting on the whole set spun for ever (a hung interpreter
+        # exit after asyncio.run had cancelled the pool's deletes).
+        while pending := [task for task in self._tasks if not task.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _disown(self) -> None:
         """Left for the next pool of this name: no longer this process's, whose exit

@@ -54,7 +54,6 @@ import ipaddress
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +62,8 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 
-from sandman import errors
+from sandman import _flock, errors
+from sandman.providers.local import spawn
 
 __all__ = [
     "DEFAULT_EGRESS_DENY",
@@ -273,16 +273,17 @@ def _empty_state(subnet: str) -> dict[str, Any]:
     return {"version": _STATE_VERSION, "subnet": subnet, "attachments": {}, "uplinks": []}
 
 
-def _flock(path: Path, operation: int) -> int:
-    """Open ``path`` and lock it (blocking: run in a thread); returns the fd, close it to unlock."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+async def _lock(path: Path, operation: int) -> int:
+    """``path``'s flock (close the fd to unlock); a cancelled caller leaves it free
+    (`sandman._flock`), a failing state directory is a ProviderError naming the path."""
     try:
-        fcntl.flock(fd, operation)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return await _flock.lock(path, operation, mode=0o600, parent_mode=0o700)
+    except OSError as exc:
+        if isinstance(exc, errors.SandboxError):
+            raise
+        raise errors.ProviderError(
+            f"the network state failed at {exc.filename or path}: {exc.strerror or exc}"
+        ) from exc
 
 
 async def _on_disk(call: Callable[..., T], *args: Any) -> T:
@@ -301,7 +302,7 @@ async def _on_disk(call: Callable[..., T], *args: Any) -> T:
 @contextlib.asynccontextmanager
 async def _host_lock(*, shared: bool) -> AsyncIterator[None]:
     operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    fd = await _on_disk(_flock, HOST_STATE / "lock", operation)
+    fd = await _lock(HOST_STATE / "lock", operation)
     try:
         yield
     finally:
@@ -316,8 +317,8 @@ class _Store:
         self.path = directory / "alloc.json"
         self.subnet = subnet
 
-    def acquire(self) -> int:
-        return _flock(self.directory / "lock", fcntl.LOCK_EX)
+    async def acquire(self) -> int:
+        return await _lock(self.directory / "lock", fcntl.LOCK_EX)
 
     def load(self) -> dict[str, Any]:
         try:
@@ -339,31 +340,21 @@ class _Store:
 
 async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> tuple[int, str]:
     """Run a command with a deadline; returns (exit code, stdout), or raises ProviderError."""
+    # Not asyncio's subprocesses: one cancelled as asyncio.run ends (which cancels
+    # every task, asyncio's own pipe-connecting one too) never finishes, and the
+    # interpreter's exit hung on it.
     try:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+        done = await spawn.run(
+            argv, timeout=COMMAND_TIMEOUT, stdin=stdin.encode() if stdin is not None else None
         )
     except FileNotFoundError:
         raise errors.ConfigError(
             f"{argv[0]} not found: apt-get install -y iproute2 nftables"
         ) from None
-    try:
-        async with asyncio.timeout(COMMAND_TIMEOUT):
-            out, err = await process.communicate(stdin.encode() if stdin is not None else None)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        with anyio.CancelScope(shield=True):
-            await process.wait()
-        raise
-    code = process.returncode or 0
-    if check and code != 0:
-        message = err.decode(errors="replace").strip()
-        raise errors.ProviderError(f"{' '.join(argv)} failed ({code}): {message}")
-    return code, out.decode(errors="replace")
+    if check and done.returncode != 0:
+        message = done.stderr.decode(errors="replace").strip()
+        raise errors.ProviderError(f"{' '.join(argv)} failed ({done.returncode}): {message}")
+    return done.returncode, done.stdout.decode(errors="replace")
 
 
 async def _default_uplink() -> str | None:
@@ -454,7 +445,7 @@ class NetworkManager:
     async def _locked(self) -> AsyncIterator[dict[str, Any]]:
         """The state, under the in-process lock and the flock; saved when the block succeeds."""
         async with self._mutex:
-            fd = await _on_disk(self._store.acquire)
+            fd = await self._store.acquire()
             try:
                 state = await _on_disk(self._store.load)
                 before = json.dumps(state, sort_keys=True)

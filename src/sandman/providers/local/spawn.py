@@ -79,19 +79,28 @@ async def run(
     log: Path | None = None,
     timeout: float,
     pass_fds: Sequence[int] = (),
+    stdin: bytes | None = None,
 ) -> Completed:
     """Run ``argv``; stdout and stderr are captured, or both appended to ``log``.
 
-    ``pass_fds`` become the child's descriptors 3, 4, ... in that order (the
-    caller keeps and closes its own). The child is killed (SIGKILL) and
-    reaped if ``timeout`` passes or the caller is cancelled; TimeoutError is
-    raised in the first case.
+    ``stdin`` is what the child reads (else ``/dev/null``). ``pass_fds``
+    become the child's descriptors 3, 4, ... in that order (the caller keeps
+    and closes its own). The child is killed (SIGKILL) and reaped if
+    ``timeout`` passes or the caller is cancelled; TimeoutError is raised in
+    the first case.
     """
-    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = [
-        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-    ]
+    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = []
     readers: list[int] = []
     closers: list[int] = []
+    if stdin is None:
+        actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+    else:
+        # A memory file, not a pipe: written whole now, it never blocks either side.
+        memory = os.memfd_create("sandman-stdin", os.MFD_CLOEXEC)
+        closers.append(memory)
+        os.write(memory, stdin)
+        os.lseek(memory, 0, os.SEEK_SET)
+        actions.append((os.POSIX_SPAWN_DUP2, memory, 0))
     for target, fd in enumerate(pass_fds, start=3):
         # Copied above every target first, so that no dup2 overwrites a
         # descriptor another one still has to be copied from.
