@@ -40,6 +40,8 @@ __all__ = ["Watchdog", "sweep"]
 logger = logging.getLogger(__name__)
 
 _ENTRY = "import sys; from sandman.pool.watchdog import main; sys.exit(main())"
+_STRAY_GRACE = 60.0
+"""Seconds a directory of a create killed half-way is spared (``sandman gc``'s default)."""
 
 
 class Watchdog:
@@ -152,7 +154,12 @@ async def _sweep_local(config: LocalConfig, labels: Mapping[str, str]) -> int:
 
     provider = LocalProvider(config)
     try:
-        return await sweep(provider, labels)
+        swept = await sweep(provider, labels)
+        # What a delete of the dead pool's, killed with it, left under a trash name
+        # (another pool's creates in flight are younger than the grace).
+        with contextlib.suppress(errors.SandboxError, OSError):
+            await provider.remove_strays(older_than=_STRAY_GRACE)
+        return swept
     finally:
         await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
 

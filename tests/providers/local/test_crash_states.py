@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from sandman import errors
 from sandman.cli import build
 from sandman.models import SandboxSpec
-from sandman.pool import Pool, PoolConfig, owner
+from sandman.pool import Pool, PoolConfig, owner, watchdog
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.providers.local.leaks import leftovers
@@ -99,6 +99,53 @@ async def test_a_delete_killed_after_the_record_went(provider: LocalProvider, re
             with anyio.fail_after(20):
                 while await provider.list() or pool.list():
                     await anyio.sleep(0.02)
+    assert leftovers(provider) == []
+
+
+class Killed(BaseException):
+    """The delete's process dies here."""
+
+
+async def test_a_delete_killed_as_its_directory_goes_leaves_no_unlabelled_sandbox(
+    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed as the last step removes the sandbox's own directory, the delete must not
+    leave it under the sandbox's name without its record: `list` shows that unlabelled,
+    and no sweep by label (a dead pool's watchdog) removes it. What it leaves goes with
+    `remove_strays` at once (a client SIGKILLed mid-delete in a chaos run left one)."""
+    info = await provider.create(SPEC, labels={"sandman.io/pool": "p"})
+    rmdir = os.rmdir
+
+    def dying_rmdir(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if info.id in os.path.basename(os.fsdecode(path)):
+            raise Killed
+        rmdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rmdir", dying_rmdir)
+    with pytest.raises(Killed):
+        await provider.delete(info.id)
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    assert await provider.list() == []
+    [trash] = await provider.remove_strays(older_than=3600)  # at once: not a create's
+    assert info.id in trash
+    assert leftovers(provider) == []
+
+
+async def test_a_dead_pools_watchdog_removes_what_its_killed_deletes_left(
+    provider: LocalProvider,
+) -> None:
+    """The pool died mid-delete: its watchdog's sweep also takes the trash, at once, and
+    spares a young staging directory (another pool's create in flight)."""
+    sandboxes = provider.config.state_dir.resolve() / "sandboxes"
+    sandboxes.mkdir(parents=True, exist_ok=True)
+    trash = sandboxes / ".old-sb-000000000003.1a2b3c4d"
+    in_flight = sandboxes / ".new-sb-000000000004.5e6f7a8b"
+    trash.mkdir(mode=0o700)
+    (trash / "log").write_text("the rest of a sandbox\n")
+    in_flight.mkdir(mode=0o700)
+    await watchdog._sweep_local(provider.config, {"sandman.io/pool": "dead"})
+    assert not trash.exists() and in_flight.exists()
+    in_flight.rmdir()
     assert leftovers(provider) == []
 
 

@@ -62,6 +62,7 @@ _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 _SOCKET_NAME = "sandmand.sock"
 _META = "meta.json"
 _STAGING = ".new-"  # a sandbox's directory before its record is whole: never a valid id
+_TRASH = ".old-"  # a sandbox's directory on its way out, record and all: never a valid id
 _TCP_ENDPOINT = "endpoint.json"  # runsc: the daemon's address on the sandbox's network
 GVISOR_DAEMON_PORT = 8731
 GVISOR_PIDS_HEADROOM = 256
@@ -447,9 +448,10 @@ class LocalProvider:
         )
 
     async def remove_strays(self, *, older_than: float) -> builtins.list[str]:
-        """Remove what creates killed before their record was whole left (directories
-        `list` does not see), once older than ``older_than`` seconds: a create in flight
-        has one for a moment. Returns their names."""
+        """Remove the directories `list` does not see: what a create killed before its
+        record was whole left, once older than ``older_than`` seconds (a create in
+        flight has one for a moment), and what a delete killed after its record had
+        gone left (at once: nothing comes back for it). Returns their names."""
         return await anyio.to_thread.run_sync(self._remove_strays, older_than)
 
     def _remove_strays(self, older_than: float) -> builtins.list[str]:
@@ -457,10 +459,13 @@ class LocalProvider:
         deadline = time.time() - older_than
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self._sandboxes):
-                if not entry.name.startswith(_STAGING):
+                if not entry.name.startswith((_STAGING, _TRASH)):
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                    if (
+                        entry.name.startswith(_TRASH)
+                        or entry.stat(follow_symlinks=False).st_mtime < deadline
+                    ):
                         _remove_tree(Path(entry.path))
                         removed.append(entry.name)
         return removed
@@ -549,13 +554,15 @@ def _remove_cgroup_dirs(parent: str, sandbox_id: str, patience: float = 5.0) -> 
 
 
 def _remove_record_last(directory: Path) -> None:
-    """The sandbox's files, its record (``meta.json``) last, then the directory.
+    """The sandbox's files, then its record (``meta.json``) and directory at once.
 
-    Killed half-way, this leaves a sandbox `list` still finds by its labels, or
-    (between the record and the directory) an empty directory with no record,
-    which `gc` and the reconcile pass remove once it is older than their grace.
-    Another delete of the same sandbox at the same time is no error: what it
-    removed first is skipped, never a reason to stop and leave the rest.
+    Killed half-way, this leaves a sandbox `list` still finds by its labels (and
+    the next delete finishes), or a directory under a trash name that it never
+    lists and `remove_strays` removes at once. It never leaves a directory under
+    the sandbox's name without its record: `list` would show it unlabelled, so no
+    sweep by label would remove it (a client SIGKILLed mid-delete did). Another
+    delete of the same sandbox at the same time is no error: what it removed
+    first is skipped, never a reason to stop and leave the rest.
     """
     try:
         names = [entry.name for entry in os.scandir(directory)]
@@ -564,10 +571,12 @@ def _remove_record_last(directory: Path) -> None:
     for name in names:
         if name != _META:
             _remove_entry(directory / name)
-    with contextlib.suppress(FileNotFoundError):
-        (directory / _META).unlink()
-    with contextlib.suppress(FileNotFoundError):
-        directory.rmdir()
+    trash = directory.with_name(f"{_TRASH}{directory.name}.{secrets.token_hex(4)}")
+    try:
+        directory.rename(trash)
+    except FileNotFoundError:
+        return  # another delete got there first
+    _remove_tree(trash)
 
 
 def _remove_entry(path: Path) -> None:

@@ -123,9 +123,15 @@ class OCIRuntime:
 
     async def delete(self, sandbox_id: str) -> None:
         """Kill and remove the container, its cgroups and its state; fine if it is gone."""
-        code, message = await self._run("delete", "--force", sandbox_id)
-        if code != 0 and not _is_missing(message):
-            raise errors.ProviderError(f"{self.kind} delete {sandbox_id} failed: {message.strip()}")
+        for attempt in range(3):
+            if attempt:
+                # Another delete of it (a dead pool's watchdog, gc, a reconcile) may be
+                # half-way through its state ("error loading config.json"): again, later.
+                await asyncio.sleep(0.05 * attempt)
+            code, message = await self._run("delete", "--force", sandbox_id)
+            if code == 0 or _is_missing(message):
+                return
+        raise errors.ProviderError(f"{self.kind} delete {sandbox_id} failed: {message.strip()}")
 
     async def states(self) -> dict[str, str]:
         """Every container under our ``--root``: id to status (created, running, stopped)."""
