@@ -3,9 +3,14 @@ from the filesystem, and the host's disk is untouched (providers/local/disk.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -17,8 +22,9 @@ from sandman.models import SandboxSpec
 from sandman.providers.base import SandboxInfo
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
-from tests.providers.local.conftest import needs_root_and_crun
+from tests.providers.local.conftest import config_for, needs_root_and_crun
 from tests.providers.local.leaks import assert_nothing_left, leftovers, loop_devices
+from tests.support import eventually
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
 
@@ -169,6 +175,86 @@ async def test_a_layer_left_in_an_unmounted_filesystem_is_removed(
     await provider.delete(info.id)
     assert leftovers(provider) == []
     assert not provider.disk.mounted()
+
+
+@pytest.fixture
+def small_state_dir() -> Iterator[Path]:
+    """A state directory on its own 320 MiB filesystem, to fill up."""
+    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=320m,mode=0700", "tmpfs", str(path)], check=True
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until its filesystem has not a block left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for block in (b"\0" * 2**20, b"\0" * 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, block)
+    finally:
+        os.close(fd)
+
+
+def _read_only(provider: LocalProvider) -> bool:
+    return bool(os.statvfs(provider.disk.root).f_flag & os.ST_RDONLY)
+
+
+async def test_a_full_state_directory_fails_typed_and_everything_recovers_once_freed(
+    small_state_dir: Path, busybox_tar: Path
+) -> None:
+    """Found by the chaos suite (state-full): btrfs cannot write its sparse image into a
+    full state directory, aborts and turns read-only for good; no create nor delete
+    worked after, even once the space was back, and sandboxes leaked."""
+    provider = LocalProvider(config_for(small_state_dir))
+    await provider.images.import_archive(busybox_tar, name="busybox")
+    kept = await provider.create(SandboxSpec(image="busybox"))
+    dropped = await provider.create(SandboxSpec(image="busybox"))
+    filler = small_state_dir / "filler"
+    try:
+        async with await _ready(kept) as sb:
+            await anyio.to_thread.run_sync(_fill, filler)
+
+            async def aborted() -> bool:
+                # A sandbox writing (metadata, then a commit) while the host is full.
+                await sb.exec("for i in $(seq 200); do echo x > /root/f$i; done; sync")
+                return _read_only(provider)
+
+            await eventually(aborted, 60, what="the disk filesystem aborts", interval=0.1)
+        # Still full: a create fails, saying why; a delete completes, its layer discarded
+        # with the filesystem; nothing is left half-made.
+        with pytest.raises(sandman.ProviderError, match="No space left on device"):
+            await provider.create(SandboxSpec(image="busybox"))
+        await provider.delete(dropped.id)
+        assert [info.id for info in await provider.list()] == [kept.id]
+        with pytest.raises(
+            sandman.ProviderError, match=f"{small_state_dir / 'disk.img'}.*No space left on device"
+        ):
+            await anyio.to_thread.run_sync(provider.disk.create, "sb-direct", LIMIT)
+        assert provider.disk.names() == []
+        filler.unlink()
+        # Room again: creates work by themselves, while a sandbox of before still holds the
+        # old filesystem; deletes complete.
+        fresh = await provider.create(SandboxSpec(image="busybox"))
+        async with await _ready(fresh) as sb:
+            assert (await sb.exec("echo hi > /root/f && cat /root/f")).stdout == "hi\n"
+        assert provider.disk.usage(fresh.id) is not None
+        await provider.delete(kept.id)
+        await provider.delete(fresh.id)
+        assert await provider.list() == []
+    finally:
+        filler.unlink(missing_ok=True)
+        for info in await provider.list():
+            await provider.delete(info.id)
+        await provider.aclose()
+    await assert_nothing_left(provider)  # the aborted filesystem's loop device too
 
 
 @pytest.mark.parametrize("value", ["lots", "1k", 1000, "-5Gi"])

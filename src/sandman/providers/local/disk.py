@@ -33,6 +33,20 @@ mounted while sandboxes hold subvolumes; `DiskPool.release` (called by the
 provider's ``aclose``) unmounts it when none are left, and the loop device
 (autoclear) goes with it. Every step takes ``<state_dir>/disk.lock`` so
 that processes sharing a state directory agree on the mount.
+
+A full state directory: a write of btrfs into its sparse image fails there, btrfs
+aborts the transaction and turns read-only for good (it refuses a remount; reads in
+it fail with EIO, so the sandboxes with a layer in it are broken). Whichever process
+next takes the lock to create, remove or release finds it so and discards it whole:
+the mount detached, the image unlinked. Its live sandboxes' overlays hold it until
+they are deleted, which frees its space; their removes find nothing left to do. The
+next create makes a fresh filesystem, or, while the state directory is still full,
+fails with a ProviderError saying so. Why not preallocate the image instead, which
+would keep btrfs writable (measured on ext4: ``fallocate`` ~18 ms per GiB, mkfs then
+0.3 s): the image is as large as the state directory's filesystem (thin provisioning:
+limits add up past it), which cannot be reserved up front; a smaller image reserved
+would cap what all sandboxes together may write, and hold that much host disk while
+they write nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -55,8 +70,13 @@ from sandman import errors
 
 __all__ = ["DiskPool", "probe"]
 
+logger = logging.getLogger(__name__)
+
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MIN_IMAGE = 256 * 2**20  # mkfs.btrfs needs ~114 MiB; leave room for the layers
+# A fresh filesystem takes ~5 MiB of its sparse image, more with the first layers: with
+# less room it would abort again at once, and mkfs says only "Input/output error".
+_MIN_FREE = 64 * 2**20
 _MOUNT_OPTIONS = "loop,discard=async,noatime"
 _SUBVOL_ROOT_INO = 256  # the root directory of every btrfs subvolume has this inode number
 
@@ -79,6 +99,7 @@ _LIMIT_MAX_RFER = 1 << 0
 _INHERIT_SIZE = 72  # struct btrfs_qgroup_inherit with no qgroups
 _V2_NAME_OFFSET = 56  # offsetof(struct btrfs_ioctl_vol_args_v2, name)
 
+_MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -129,8 +150,8 @@ def _enable_quotas(fd: int) -> str:
     return mode.read_text().strip() if mode.exists() else "qgroup"
 
 
-def _umount(path: Path) -> None:
-    if _libc.umount2(os.fsencode(path), 0) != 0:
+def _umount(path: Path, *, detach: bool = False) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH if detach else 0) != 0:
         code = ctypes.get_errno()
         if code != errno.EINVAL:  # EINVAL: not a mount point (any more)
             raise OSError(code, os.strerror(code), str(path))
@@ -153,6 +174,13 @@ def _make_image(image: Path, size: int) -> None:
     partial = image.with_name(image.name + ".partial")
     with contextlib.suppress(FileNotFoundError):
         partial.unlink()
+    stats = os.statvfs(image.parent)
+    if stats.f_bavail * stats.f_frsize < _MIN_FREE:
+        raise errors.ProviderError(
+            f"cannot make the disk filesystem {image}: its filesystem is full "
+            f"({stats.f_bavail * stats.f_frsize // 2**20} MiB free): "
+            f"{os.strerror(errno.ENOSPC)}"
+        )
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -208,13 +236,34 @@ class DiskPool:
         except FileNotFoundError:
             return False
 
+    def _image_size(self) -> int:
+        stats = os.statvfs(self.root.parent)
+        return max(_MIN_IMAGE, stats.f_blocks * stats.f_frsize)
+
+    def aborted(self) -> bool:
+        """Whether the mounted filesystem turned read-only: btrfs does when it cannot
+        write its image (the state directory full), for good."""
+        return self.mounted() and bool(os.statvfs(self.root).f_flag & os.ST_RDONLY)
+
+    def _discard(self) -> None:
+        """Let go of an aborted filesystem, layers and all (see the module's docstring)."""
+        _umount(self.root, detach=True)  # live sandboxes' overlays hold it, not the host
+        self.image.unlink(missing_ok=True)
+        logger.warning(
+            "the disk filesystem at %s had turned read-only (its state directory full?): "
+            "discarded; sandboxes with a layer in it are broken (EIO) and hold it until deleted",
+            self.root,
+        )
+
     def _mount(self) -> None:
+        """Mount the filesystem, making it first if need be; one that aborted is replaced."""
         if self.mounted():
-            return
+            if not self.aborted():
+                return
+            self._discard()
         self.root.mkdir(mode=0o700, exist_ok=True)
         if not self.image.exists():
-            stats = os.statvfs(self.root.parent)
-            _make_image(self.image, max(_MIN_IMAGE, stats.f_blocks * stats.f_frsize))
+            _make_image(self.image, self._image_size())
         done = subprocess.run(
             ["mount", "-t", "btrfs", "-o", _MOUNT_OPTIONS, str(self.image), str(self.root)],
             capture_output=True,
@@ -248,13 +297,21 @@ class DiskPool:
             finally:
                 os.close(fd)
         layer = self.root / sandbox_id
-        (layer / "upper").mkdir()
-        (layer / "work").mkdir()
+        try:
+            (layer / "upper").mkdir()
+            (layer / "work").mkdir()
+        except OSError as exc:
+            # The filesystem aborted just now, most likely: no layer without its dirs.
+            with contextlib.suppress(OSError, errors.SandboxError):
+                self.remove(sandbox_id)
+            raise _failed(exc, layer) from exc
         return layer
 
     def remove(self, sandbox_id: str) -> None:
         """Destroy the sandbox's layer and, with it, its quota; fine if it is gone."""
         with self._locked():
+            if self.aborted():
+                self._discard()  # and the layer with it: nothing left to do
             was_mounted = self.mounted()
             if not was_mounted:
                 if not self.image.exists():
@@ -278,15 +335,23 @@ class DiskPool:
                 self._unmount_if_empty()
 
     def names(self) -> list[str]:
-        """The sandbox ids that hold a layer (none while unmounted)."""
-        if not self.mounted():
+        """The sandbox ids that hold a layer (none while unmounted, nor in an aborted
+        filesystem: they go with it)."""
+        if not self.mounted() or self.aborted():
             return []
-        return [e.name for e in os.scandir(self.root) if _ID.match(e.name)]
+        try:
+            return [e.name for e in os.scandir(self.root) if _ID.match(e.name)]
+        except OSError as exc:
+            if self.aborted():  # just now
+                return []
+            raise _failed(exc, self.root) from exc
 
     def release(self) -> None:
         """Unmount the filesystem if no sandbox holds a layer in it; its loop device goes too."""
         with self._locked():
-            if self.mounted():
+            if self.aborted():
+                self._discard()
+            elif self.mounted():
                 self._unmount_if_empty()
 
     def _unmount_if_empty(self) -> None:
@@ -296,7 +361,7 @@ class DiskPool:
 
     def usage(self, sandbox_id: str) -> tuple[int, int] | None:
         """(bytes used, limit) of a sandbox's layer from the kernel's qgroup; None if it has none."""
-        if not self.mounted():
+        if not self.mounted() or self.aborted():
             return None
         try:
             fd = os.open(self.root / sandbox_id, os.O_RDONLY | os.O_DIRECTORY)
