@@ -107,6 +107,18 @@ async def _exec_cp_round(
     assert ran.stdout == "out\n" and ran.stderr == "err\n"
     env = await _cli(*root, "exec", *options, "-e", "WHO=cli", sid, "--", "sh", "-c", "echo $WHO")
     assert env.exit_code == 0 and env.stdout == "cli\n", env.output
+    # nobody is 65534 in the host's /etc/passwd (the fake's daemons) and in busybox's.
+    for user in ("nobody", "65534"):
+        who = await _cli(*root, "exec", *options, "--user", user, sid, "--", "id", "-u")
+        assert who.exit_code == 0 and who.stdout == "65534\n", who.output
+    unknown = await _cli(*root, "exec", *options, "-u", "no-such-user", sid, "--", "true")
+    assert unknown.exit_code == 1 and "no-such-user" in unknown.output
+    interleaved = "echo out; echo err >&2; echo out2"
+    merged = await _cli(
+        *root, "exec", *options, "--merge-stderr", sid, "--", "sh", "-c", interleaved
+    )
+    assert merged.exit_code == 0, merged.output
+    assert merged.stdout == "out\nerr\nout2\n" and merged.stderr == ""
 
     upload = tmp_path / "up.txt"
     upload.write_text("uploaded")

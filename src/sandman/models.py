@@ -209,6 +209,12 @@ class ProcessInfo(_Value):
     stdin_open: bool = False
     tty: bool = False
     """Runs on a pseudo-terminal: its output (echo included) is all stdout."""
+    uid: int
+    """The uid it was started as: ``spawn(user=...)``'s, else the daemon's own."""
+    gid: int
+    """Its primary gid."""
+    user: str | None = None
+    """The uid's name in the sandbox's ``/etc/passwd``; None when it lists none."""
 
 
 class ProcessOutput(_Value):
@@ -238,6 +244,12 @@ class SessionInfo(_Value):
     pid: int
     shell: str
     alive: bool
+    uid: int
+    """The uid the shell runs as: ``create_session(user=...)``'s, else the daemon's own."""
+    gid: int
+    """Its primary gid."""
+    user: str | None = None
+    """The uid's name in the sandbox's ``/etc/passwd``; None when it lists none."""
 
 
 class SessionRunResult(_Value):

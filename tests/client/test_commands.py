@@ -62,6 +62,7 @@ async def test_the_adapters_command_surface(task: str, local_state: Path) -> Non
         with pytest.raises(sandman.UnknownUser, match="unable to find user ghost"):
             await sb.exec(["true"], user="ghost")
         shell = await sb.create_session(user="agent")
+        assert (shell.uid, shell.gid, shell.user) == (1000, 1000, "agent")
         assert (await sb.run_in_session(shell.id, "cd; pwd")).stdout == "/home/agent\n"
 
         # 2. merged output
@@ -101,6 +102,8 @@ async def test_a_daemon_that_is_not_root_runs_commands_as_itself_only(
     async with sandman.local(state_dir=local_state) as client, client.sandbox(task) as sb:
         assert (await sb.exec(["id", "-un"])).stdout == "agent\n"  # the image's user
         assert (await sb.exec(["id", "-un"], user="agent")).stdout == "agent\n"
+        spawned = await sb.spawn(["true"])  # the daemon's own user, by its name
+        assert (spawned.uid, spawned.gid, spawned.user) == (1000, 1000, "agent")
         with pytest.raises(sandman.PermissionDenied, match="cannot run commands as root"):
             await sb.exec(["true"], user="root")
 
@@ -113,6 +116,7 @@ def test_the_blocking_face_has_the_same_surface(task: str, local_state: Path) ->
         result = sb.exec(["cat"], stdin=b"\x00\xff", encoding="base64", user="agent")
         assert result.stdout_bytes == b"\x00\xff"
         spawned = sb.spawn("id -un; echo e >&2", user="agent", merge_stderr=True)
+        assert (spawned.uid, spawned.user) == (1000, "agent")
         sb.wait(spawned.id, timeout=10)
         assert sb.read_output(spawned.id).stdout == "agent\ne\n"
         shell = sb.create_session()

@@ -96,3 +96,34 @@ async def test_stream_spawn_and_session_run_as_the_user(sandbox: Pid1) -> None:
         session = await client.create_session(shell="/bin/sh", user="agent")
         result = await client.run_in_session(session.id, "cd; pwd; id -un", check=True)
         assert result.stdout == "/home/agent\nagent\n"
+
+
+def _who(info: sandman.ProcessInfo | sandman.SessionInfo) -> tuple[int, int, str | None]:
+    return info.uid, info.gid, info.user
+
+
+async def test_processes_and_sessions_say_whom_they_run_as(sandbox: Pid1) -> None:
+    async with sandbox.client() as client:
+        for user, who in (
+            (None, (0, 0, "root")),  # the daemon's own
+            ("agent", (1000, 1000, "agent")),
+            (1000, (1000, 1000, "agent")),  # a uid gets its passwd name
+            ("agent:nogroup", (1000, 65534, "agent")),
+            (4242, (4242, 0, None)),  # a uid passwd does not list: no name
+        ):
+            proc = await client.spawn(["sleep", "30"], user=user)
+            assert _who(proc) == who, user
+            assert _who(await client.poll(proc.id)) == who
+            await client.kill(proc.id)
+            session = await client.create_session(shell="/bin/sh", user=user)
+            assert _who(session) == who, user
+            assert _who(await client.get_session(session.id)) == who
+            uid = await client.run_in_session(session.id, "id -u", check=True)
+            assert uid.stdout == f"{who[0]}\n"
+            await client.close_session(session.id)
+        # Listed, and for a program that could not start: whom it would have run as.
+        missing = await client.spawn(["/no/such/program"], user="agent")
+        assert missing.exit_code == 127 and _who(missing) == (1000, 1000, "agent")
+        assert [_who(p) for p in await client.list_processes()] == [(1000, 1000, "agent")]
+        await client.create_session(shell="/bin/sh", user="nobody")
+        assert [_who(s) for s in await client.list_sessions()] == [(65534, 65534, "nobody")]

@@ -174,6 +174,12 @@ def test_execute_is_subprocess_run(deployment: SandmanDeployment) -> None:
         runtime.execute(Command(command="echo $V; pwd", shell=True, env={"V": "v"}, cwd="/tmp"))
     )
     assert there.stdout == "v\n/tmp\n"
+    # env replaces the environment, as subprocess.run(env=) does in SWE-ReX's own runtime
+    only = run(runtime.execute(Command(command=["env"], env={"V": "v w", "PATH": "/bin"})))
+    assert sorted(only.stdout.splitlines()) == ["PATH=/bin", "V=v w"]
+    bare = Command(command="echo ${HOME-unset} ${V-unset}; ls -d /", shell=True, env={})
+    assert run(runtime.execute(bare)).stdout == "unset unset\n/\n"  # found without PATH too
+    assert run(runtime.execute(Command(command="echo $HOME", shell=True))).stdout == "/root\n"
     with pytest.raises(NonZeroExitCodeError, match="exit code 1"):
         run(runtime.execute(Command(command="false", shell=True, check=True)))
     with pytest.raises(CommandTimeoutError):

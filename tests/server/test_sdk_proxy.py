@@ -180,6 +180,8 @@ async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) ->
             assert copied.stdout_bytes == payload
             # 4. a session timeout that interrupts
             shell = await sb.create_session(shell="/bin/bash", user="nobody")
+            assert (shell.uid, shell.user) == (65534, "nobody")
+            assert (await sb.get_session(shell.id)).user == "nobody"
             await sb.run_in_session(shell.id, "X=kept", check=True)
             late = await sb.run_in_session(
                 shell.id, "sleep 1000", timeout=0.3, on_timeout="interrupt", merge_stderr=True

@@ -24,6 +24,7 @@ type Process struct {
 	Pid     int // 0 when it could not be launched
 	Started time.Time
 	TTY     bool // on a pseudo-terminal: stdout is the terminal, stderr stays empty
+	Who     Who  // the user it was started as
 
 	seq      int
 	child    *reaper.Child
@@ -55,6 +56,7 @@ type ProcessInfo struct {
 	EndedAt   *time.Time
 	StdinOpen bool
 	TTY       bool
+	Who       Who
 }
 
 // Info snapshots p.
@@ -62,7 +64,7 @@ func (p *Process) Info() ProcessInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	info := ProcessInfo{ID: p.ID, Pid: p.Pid, Argv: p.Argv, Cmd: p.Cmd,
-		Running: p.running, StartedAt: p.Started, StdinOpen: p.stdin != nil, TTY: p.TTY}
+		Running: p.running, StartedAt: p.Started, StdinOpen: p.stdin != nil, TTY: p.TTY, Who: p.Who}
 	if !p.running {
 		e, t := p.exit, p.ended
 		info.Exit, info.EndedAt = &e, &t
@@ -309,12 +311,14 @@ func (m *Manager) Start(c *Command, o ProcessOptions) (*Process, error) {
 			p.errb.write([]byte(le.Msg))
 		}
 		p.exit, p.ended = Exit{Code: le.Code}, time.Now()
+		p.Who = m.r.WhoWouldRun(c)
 		close(p.finished)
 	case err != nil:
 		return nil, err
 	default:
 		p.child, p.Pid, p.Started = st.child, st.child.Pid, st.child.Started()
 		p.stdout, p.stderr, p.stdin = st.stdout, st.stderr, st.stdin
+		p.Who = m.r.whoOf(st.id)
 		p.running = true
 		done := make(chan struct{}, 2)
 		go p.pump(st.stdout, &p.out, done)

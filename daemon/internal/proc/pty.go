@@ -161,5 +161,5 @@ func (r *Runner) startTTY(c *Command, size WinSize) (*started, error) {
 		return nil, forkFailed(l, err)
 	}
 	r.adjustOOM(child.Pid)
-	return &started{child: child, stdout: master, stdin: in}, nil
+	return &started{child: child, stdout: master, stdin: in, id: l.id}, nil
 }

@@ -29,6 +29,7 @@ type Session struct {
 	ID    string
 	Shell string
 	Pid   int
+	Who   Who // the user the shell runs as
 
 	seq        int
 	stdinRedir string // "</dev/null", or "<&-" in a rootfs without /dev/null
@@ -320,7 +321,7 @@ func (m *SessionManager) Start(shell, dir string, env map[string]string, user st
 		return nil, err
 	}
 	s := &Session{
-		Shell: shell, Pid: st.child.Pid, child: st.child, stdinRedir: "</dev/null",
+		Shell: shell, Pid: st.child.Pid, Who: m.r.whoOf(st.id), child: st.child, stdinRedir: "</dev/null",
 		stdin: st.stdin, stdout: st.stdout, stderr: st.stderr,
 		pumpDone: make(chan struct{}, 2), progress: make(chan struct{}, 1),
 		ready: make(chan struct{}),

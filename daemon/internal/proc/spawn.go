@@ -76,7 +76,8 @@ type started struct {
 	child  *reaper.Child
 	stdout *os.File
 	stderr *os.File
-	stdin  *os.File // write end; nil unless a stdin pipe was asked for
+	stdin  *os.File  // write end; nil unless a stdin pipe was asked for
+	id     *identity // nil: the daemon's own user
 }
 
 // checkDir turns a bad cwd into a 4xx before anything is forked.
@@ -191,7 +192,7 @@ func (r *Runner) start(c *Command, stdinPipe bool) (*started, error) {
 		return nil, forkFailed(l, err)
 	}
 	r.adjustOOM(child.Pid)
-	return &started{child: child, stdout: outR, stderr: errR, stdin: inW}, nil
+	return &started{child: child, stdout: outR, stderr: errR, stdin: inW, id: l.id}, nil
 }
 
 // forkFailed reports a failed exec as the exit code a shell would give, and

@@ -24,7 +24,45 @@ type identity struct {
 	uid, gid uint32
 	groups   []uint32 // supplementary groups, the primary one included
 	home     string
+	name     string // from passwd; empty for a uid it does not list
 	spec     string // as the request spelled it, for messages
+}
+
+// Who is the user a process or session was started as: uid, gid and the
+// name passwd gives the uid ("" when it lists none).
+type Who struct {
+	UID, GID uint32
+	Name     string
+}
+
+// whoOf is who a launch runs as: the resolved user, else the daemon itself.
+func (r *Runner) whoOf(id *identity) Who {
+	if id != nil {
+		return Who{UID: id.uid, GID: id.gid, Name: id.name}
+	}
+	uid := uint32(os.Getuid())
+	w := Who{UID: uid, GID: uint32(os.Getgid())}
+	// Best effort: a passwd that cannot be read leaves the name unknown.
+	if passwd, err := readUserDB(filepath.Join(r.Etc, "passwd")); err == nil {
+		if e := findEntry(passwd, 2, strconv.FormatUint(uint64(uid), 10)); e != nil {
+			w.Name = e[0]
+		}
+	}
+	return w
+}
+
+// WhoWouldRun is who c would run as, for a command that could not be
+// launched (its user resolved, its program not found): the daemon itself if
+// the user cannot be resolved either.
+func (r *Runner) WhoWouldRun(c *Command) Who {
+	if c.User == "" {
+		return r.whoOf(nil)
+	}
+	id, err := lookupUser(r.Etc, c.User)
+	if err != nil {
+		return r.whoOf(nil)
+	}
+	return r.whoOf(id)
 }
 
 // errUnknownUser is the code of a user or group the sandbox does not know.
@@ -61,6 +99,7 @@ func lookupUser(etc, spec string) (*identity, error) {
 		id.uid = uid
 	}
 	if entry != nil {
+		id.name = entry[0]
 		if gid, ok := parseID(entry[3]); ok {
 			id.gid = gid
 		}

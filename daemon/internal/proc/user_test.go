@@ -52,14 +52,14 @@ func TestLookupUser(t *testing.T) {
 		spec string
 		want identity
 	}{
-		{"agent", identity{uid: 4321, gid: 4322, groups: []uint32{4322, 4500}, home: "/home/agent"}},
-		{"4321", identity{uid: 4321, gid: 4322, groups: []uint32{4322, 4500}, home: "/home/agent"}},
-		{"root", identity{uid: 0, gid: 0, groups: []uint32{0}, home: "/root"}},
+		{"agent", identity{uid: 4321, gid: 4322, groups: []uint32{4322, 4500}, home: "/home/agent", name: "agent"}},
+		{"4321", identity{uid: 4321, gid: 4322, groups: []uint32{4322, 4500}, home: "/home/agent", name: "agent"}},
+		{"root", identity{uid: 0, gid: 0, groups: []uint32{0}, home: "/root", name: "root"}},
 		{"5555", identity{uid: 5555, gid: 0, groups: []uint32{0}, home: "/"}},
 		{"5555:77", identity{uid: 5555, gid: 77, groups: []uint32{77}, home: "/"}},
-		{"agent:4600", identity{uid: 4321, gid: 4600, groups: []uint32{4600}, home: "/home/agent"}},
-		{"agent:extra", identity{uid: 4321, gid: 4500, groups: []uint32{4500}, home: "/home/agent"}},
-		{"nohome", identity{uid: 4400, gid: 4400, groups: []uint32{4400}, home: "/"}},
+		{"agent:4600", identity{uid: 4321, gid: 4600, groups: []uint32{4600}, home: "/home/agent", name: "agent"}},
+		{"agent:extra", identity{uid: 4321, gid: 4500, groups: []uint32{4500}, home: "/home/agent", name: "agent"}},
+		{"nohome", identity{uid: 4400, gid: 4400, groups: []uint32{4400}, home: "/", name: "nohome"}},
 	}
 	for _, c := range cases {
 		got, err := lookupUser(etc, c.spec)

@@ -58,12 +58,24 @@ type processInfo struct {
 	EndedAt   *float64 `json:"ended_at"`
 	StdinOpen bool     `json:"stdin_open"`
 	TTY       bool     `json:"tty"`
+	UID       uint32   `json:"uid"`
+	GID       uint32   `json:"gid"`
+	User      *string  `json:"user"`
+}
+
+// userName is a passwd name for JSON: null when passwd lists none.
+func userName(w proc.Who) *string {
+	if w.Name == "" {
+		return nil
+	}
+	return &w.Name
 }
 
 func infoOf(p *proc.Process) processInfo {
 	i := p.Info()
 	out := processInfo{ID: i.ID, Pid: i.Pid, Argv: i.Argv, Cmd: i.Cmd, Running: i.Running,
-		StartedAt: unixSeconds(i.StartedAt), StdinOpen: i.StdinOpen, TTY: i.TTY}
+		StartedAt: unixSeconds(i.StartedAt), StdinOpen: i.StdinOpen, TTY: i.TTY,
+		UID: i.Who.UID, GID: i.Who.GID, User: userName(i.Who)}
 	if i.Exit != nil {
 		code := i.Exit.Code
 		out.ExitCode, out.Signal = &code, signalPtr(*i.Exit)

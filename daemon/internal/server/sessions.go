@@ -117,14 +117,17 @@ func parseSessionRun(data []byte) (runArgs, error) {
 }
 
 type sessionInfo struct {
-	ID    string `json:"id"`
-	Pid   int    `json:"pid"`
-	Shell string `json:"shell"`
-	Alive bool   `json:"alive"`
+	ID    string  `json:"id"`
+	Pid   int     `json:"pid"`
+	Shell string  `json:"shell"`
+	Alive bool    `json:"alive"`
+	UID   uint32  `json:"uid"`
+	GID   uint32  `json:"gid"`
+	User  *string `json:"user"`
 }
 
 func sessionInfoOf(s *proc.Session) sessionInfo {
-	return sessionInfo{s.ID, s.Pid, s.Shell, s.Alive()}
+	return sessionInfo{s.ID, s.Pid, s.Shell, s.Alive(), s.Who.UID, s.Who.GID, userName(s.Who)}
 }
 
 func (s *Server) sessionCreate(w http.ResponseWriter, r *http.Request, _ string) error {

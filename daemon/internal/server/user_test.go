@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -90,5 +91,97 @@ func TestUnknownUserAndBadUser(t *testing.T) {
 	for _, user := range []any{"", "a:b:c", ":x", "99999999999", 5} {
 		ts.want(ts.do("POST", "/v1/exec", map[string]any{"argv": []string{"true"}, "user": user}), 400, "invalid_request")
 		ts.want(ts.do("POST", "/v1/sessions", map[string]any{"user": user}), 400, "invalid_request")
+	}
+}
+
+// whoIn is "uid gid user" of an info object (user "null" when unknown).
+func whoIn(info map[string]any) string {
+	user := "null"
+	if name, ok := info["user"].(string); ok {
+		user = name
+	}
+	return fmt.Sprintf("%v %v %s", info["uid"], info["gid"], user)
+}
+
+func TestInfoSaysWhichUser(t *testing.T) {
+	ts := userServer(t)
+	for _, c := range []struct {
+		req  map[string]any
+		want string
+	}{
+		{map[string]any{"cmd": "sleep 30", "user": "agent"}, "4321 4322 agent"},
+		{map[string]any{"cmd": "sleep 30", "user": "4321"}, "4321 4322 agent"},
+		{map[string]any{"cmd": "sleep 30", "user": "agent:extra"}, "4321 4500 agent"},
+		{map[string]any{"cmd": "sleep 30", "user": "777:778"}, "777 778 null"},
+		{map[string]any{"cmd": "sleep 30"}, "0 0 root"},
+		{map[string]any{"cmd": "sleep 30", "user": "agent", "tty": true}, "4321 4322 agent"},
+		// Never launched: the user it would have run as.
+		{map[string]any{"argv": []string{"/no/such/program"}, "user": "agent"}, "4321 4322 agent"},
+	} {
+		p := ts.want(ts.do("POST", "/v1/processes", c.req), 201)
+		if got := whoIn(p.json); got != c.want {
+			t.Errorf("%v: started %s, want %s", c.req, got, c.want)
+		}
+		if got := whoIn(ts.want(ts.do("GET", "/v1/processes/"+p.str("id"), nil), 200).json); got != c.want {
+			t.Errorf("%v: get %s, want %s", c.req, got, c.want)
+		}
+		ts.want(ts.do("DELETE", "/v1/processes/"+p.str("id"), nil), 204)
+	}
+	listed := ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "sleep 30", "user": "agent"}), 201)
+	for _, p := range ts.want(ts.do("GET", "/v1/processes", nil), 200).json["processes"].([]any) {
+		if got := whoIn(p.(map[string]any)); got != "4321 4322 agent" {
+			t.Errorf("list: %s", got)
+		}
+	}
+	ts.want(ts.do("DELETE", "/v1/processes/"+listed.str("id"), nil), 204)
+
+	for _, c := range []struct {
+		req  map[string]any
+		want string
+	}{
+		{map[string]any{"user": "agent:extra"}, "4321 4500 agent"},
+		{map[string]any{"user": "777"}, "777 0 null"},
+		{map[string]any{}, "0 0 root"},
+	} {
+		s := ts.want(ts.do("POST", "/v1/sessions", c.req), 201)
+		if got := whoIn(s.json); got != c.want {
+			t.Errorf("session %v: started %s, want %s", c.req, got, c.want)
+		}
+		if got := whoIn(ts.want(ts.do("GET", "/v1/sessions/"+s.str("id"), nil), 200).json); got != c.want {
+			t.Errorf("session %v: get %s, want %s", c.req, got, c.want)
+		}
+		// The reported uid is the shell's.
+		if r := run(ts, s.str("id"), "id -u"); r.str("stdout") != strings.Fields(c.want)[0]+"\n" {
+			t.Errorf("session %v: id -u %s", c.req, r.body)
+		}
+		ts.want(ts.do("DELETE", "/v1/sessions/"+s.str("id"), nil), 204)
+	}
+	for _, s := range ts.want(ts.do("GET", "/v1/sessions", nil), 200).json["sessions"].([]any) {
+		t.Errorf("session left: %v", s)
+	}
+}
+
+// A daemon that is not root reports itself, by the name its passwd gives.
+func TestInfoSaysTheDaemonsOwnUser(t *testing.T) {
+	ts := newTestServer(t)
+	etc := t.TempDir()
+	uid, gid := os.Getuid(), os.Getgid()
+	os.WriteFile(filepath.Join(etc, "passwd"), []byte(fmt.Sprintf("me:x:%d:%d::/home/me:/bin/sh\n", uid, gid)), 0o644)
+	ts.srv.runner.Etc = etc
+	want := fmt.Sprintf("%d %d me", uid, gid)
+	p := ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "true"}), 201)
+	s := ts.want(ts.do("POST", "/v1/sessions", map[string]any{}), 201)
+	if got := whoIn(p.json); got != want {
+		t.Errorf("process: %s, want %s", got, want)
+	}
+	if got := whoIn(s.json); got != want {
+		t.Errorf("session: %s, want %s", got, want)
+	}
+	ts.want(ts.do("DELETE", "/v1/sessions/"+s.str("id"), nil), 204)
+	// Without a passwd entry the name is unknown.
+	os.WriteFile(filepath.Join(etc, "passwd"), []byte(""), 0o644)
+	p = ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "true"}), 201)
+	if got, want := whoIn(p.json), fmt.Sprintf("%d %d null", uid, gid); got != want {
+		t.Errorf("process without passwd entry: %s, want %s", got, want)
 	}
 }

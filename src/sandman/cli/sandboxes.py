@@ -77,6 +77,17 @@ def run(
 @click.option("--cwd", help="Working directory in the sandbox.")
 @click.option("-e", "--env", multiple=True, metavar="KEY=VALUE", help="An environment variable.")
 @click.option("--timeout", type=float, default=None, help="Seconds the command may run.")
+@click.option(
+    "-u",
+    "--user",
+    metavar="USER[:GROUP]",
+    help="Run as this user: a name or uid (optionally :group), from the sandbox's /etc/passwd.",
+)
+@click.option(
+    "--merge-stderr",
+    is_flag=True,
+    help="One stream for both outputs, interleaved as written, on stdout.",
+)
 @client_options
 @via_proxy_option
 @click.pass_context
@@ -87,6 +98,8 @@ def exec_command(
     cwd: str | None,
     env: tuple[str, ...],
     timeout: float | None,
+    user: str | None,
+    merge_stderr: bool,
     url: str | None,
     api_key: str | None,
     via_proxy: bool,
@@ -98,7 +111,14 @@ def exec_command(
         daemon = await daemon_client(ctx, sandbox_id, url, api_key, via_proxy=via_proxy)
         async with (
             daemon,
-            daemon.exec_stream(list(command), cwd=cwd, env=variables, timeout=timeout) as events,
+            daemon.exec_stream(
+                list(command),
+                cwd=cwd,
+                env=variables,
+                timeout=timeout,
+                user=user,
+                merge_stderr=merge_stderr,
+            ) as events,
         ):
             async for event in events:
                 if event.event == "exit":

@@ -348,8 +348,9 @@ class SandmanRuntime(AbstractRuntime):
 
     async def execute(self, command: Command) -> CommandResponse:
         """Run a command as ``subprocess.run`` would (``shell=True``: ``/bin/sh -c``), in a
-        fresh process. ``env`` adds to the sandbox's environment rather than replacing it."""
-        argv: str | list[str]
+        fresh process. ``env``, as in SWE-ReX's own runtime, replaces the environment (run
+        through the image's ``env -i``); None inherits the sandbox's."""
+        argv: list[str]
         if command.shell:
             first, *rest = (
                 [command.command] if isinstance(command.command, str) else command.command
@@ -357,8 +358,13 @@ class SandmanRuntime(AbstractRuntime):
             argv = ["/bin/sh", "-c", first, *rest]
         else:
             argv = [command.command] if isinstance(command.command, str) else list(command.command)
+        if command.env is not None:
+            if any("=" in key or not key for key in command.env):
+                raise ValueError("illegal environment variable name")  # as subprocess says
+            # The daemon adds a request's env to the sandbox's; subprocess.run(env=) replaces it.
+            argv = ["env", "-i", *(f"{key}={value}" for key, value in command.env.items()), *argv]
         result = await self._call(
-            self._sandbox.exec, argv, cwd=command.cwd, env=command.env, timeout=command.timeout,
+            self._sandbox.exec, argv, cwd=command.cwd, timeout=command.timeout,
             merge_stderr=command.merge_output_streams, max_output=self._max_output,
         )  # fmt: skip
         if result.timed_out:
