@@ -909,6 +909,8 @@ class Pool:
         # Listed after the sandboxes: an owner's record is made before its first sandbox,
         # so every sandbox listed whose owner lives has its record listed here.
         backend = await self._backend_owners()
+        if adopt and backend is not None:
+            backend = await self._judge_predecessors(infos, backend)
         wall = time.time()
         liveness = owners.Liveness(backend)
         for info in infos:
@@ -951,19 +953,53 @@ class Pool:
             else:
                 reason = "orphan" if session else "orphan, never handed over"
                 self._orphan(info, expires=expires, reason=reason)
-        if backend is not None:
+        if backend is not None and self.config.reap_dead_owners is not False:
             await self._reap_dead_owners(backend)
 
     async def _backend_owners(self) -> BackendOwners | None:
-        """The provider's owner records judged now, if it keeps them and dead owners are
-        reaped; None (nothing reaped by them this time) when they cannot be read."""
-        if self._keeper is None or self.config.reap_dead_owners is False:
+        """The provider's owner records judged now, if it keeps them; None (nothing judged
+        dead or alive by them this time) when they cannot be read."""
+        if self._keeper is None:
             return None
         try:
             return await self._keeper.owners()
         except errors.SandboxError as exc:
             self._emit("owners.failed", None, error=repr(exc))
             return None
+
+    async def _judge_predecessors(
+        self, infos: Iterable[SandboxInfo], backend: BackendOwners
+    ) -> BackendOwners:
+        """Before adopting: wait until each other owner of this pool's sandboxes is judged,
+        dead (a previous life of this pool, killed: adopt) or renewing (another live
+        process: leave alone). A record of a process killed a moment ago still reads
+        alive; judging it dead takes its duration and grace (`BackendOwners.longest`)."""
+        assert self._keeper is not None
+        first = dict(backend.versions)
+        pending = {
+            owner
+            for info in infos
+            if info.labels.get(LABEL_POOL) == self.config.name
+            and (owner := info.labels.get(owners.LABEL_OWNER)) is not None
+            and owner != self.owner
+            and backend.knows(owner)
+            and backend(owner) != "dead"
+        }
+        if pending:
+            self._emit("reconcile.judging_owners", None, owners=sorted(pending))
+        deadline = time.monotonic() + 2 * backend.longest + 1.0
+        while pending and time.monotonic() < deadline:
+            await asyncio.sleep(min(1.0, backend.longest / 4 or 1.0))
+            judged = await self._backend_owners()
+            if judged is None:
+                continue
+            backend = judged
+            pending = {
+                o
+                for o in pending
+                if backend(o) != "dead" and backend.versions.get(o) == first.get(o)
+            }
+        return backend
 
     async def _reap_dead_owners(self, backend: BackendOwners) -> None:
         """Delete the sandboxes of every owner the provider's records say is dead (whatever

@@ -180,6 +180,10 @@ class BackendOwners:
     undecided_for: float = 0.0
     """Seconds until every record judged ``unknown`` now that could turn ``dead`` is
     judged, if it stays as it is and is looked at again then (0: none is pending)."""
+    longest: float = 0.0
+    """The longest time a record may take to be judged dead once its owner stops renewing
+    it (the longest duration plus grace among them): waiting twice that, looking again
+    and again, tells a dead owner from a live one."""
 
     def knows(self, owner: str) -> bool:
         """Whether ``owner`` is of this backend's form."""

@@ -97,7 +97,7 @@ class OwnerJudge:
         statuses: dict[str, OwnerStatus] = {}
         versions: dict[str, str] = {}
         seen: dict[str, _Seen] = {}
-        pending = 0.0
+        pending = longest = 0.0
         for lease in leases:
             metadata = lease.get("metadata") or {}
             name = str(metadata.get("name", ""))
@@ -117,11 +117,17 @@ class OwnerJudge:
             seen[name] = previous
             versions[PREFIX + name] = version
             status = statuses[PREFIX + name] = self._status(spec, previous, wall=wall, now=now)
-            if status == "unknown" and isinstance(duration, int):
-                pending = max(pending, previous.since + gap - now)
+            if isinstance(duration, int):
+                longest = max(longest, gap)
+                if status == "unknown":
+                    pending = max(pending, previous.since + gap - now)
         self._seen = seen
         return BackendOwners(
-            statuses=statuses, prefix=PREFIX, versions=versions, undecided_for=pending
+            statuses=statuses,
+            prefix=PREFIX,
+            versions=versions,
+            undecided_for=pending,
+            longest=longest,
         )
 
     def _status(
@@ -179,16 +185,19 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.api.patch_lease(
-                    self.name, {"spec": {"renewTime": micro_time(time.time())}}
-                )
+                # A renewal that hangs (an API server stalled) is a failed one: try again
+                # soon, not after the client's own request timeout.
+                async with asyncio.timeout(max(1.0, self.duration / 3)):
+                    await self.api.patch_lease(
+                        self.name, {"spec": {"renewTime": micro_time(time.time())}}
+                    )
             except errors.SandboxNotFound:
                 # Deleted by someone who took this process for dead (it stood still past
                 # its Lease): claim it again, so what is left of its pods stays its own.
                 logger.warning("lease %s was deleted: created again", self.name)
                 with contextlib.suppress(errors.SandboxError):
                     await self.api.create_lease(self._body(time.time()))
-            except errors.SandboxError as exc:
+            except (errors.SandboxError, TimeoutError) as exc:
                 # The API server away for a moment: try again soon, well within the Lease.
                 self.failures += 1
                 logger.info("renewing lease %s failed: %s", self.name, exc)
