@@ -109,8 +109,11 @@ class KubeIteration(Iteration):
         worker = WorkerProcess(self.kube_config(name, seed, **overrides), self.logs)
         self.workers.append(worker)
         await worker.start()
-        if await worker.wait_for("ready", 60) is None:
+        ready = await worker.wait_for("ready", 60)
+        if ready is None:
             self.notes.append(f"worker {name} never became ready")
+        elif not str(ready.get("owner", "")).startswith("k."):
+            self.notes.append(f"worker {name} has no Lease owner ({ready.get('owner')!r})")
         return worker
 
     async def sample(self) -> None:
@@ -174,7 +177,7 @@ class KubeIteration(Iteration):
         if victim.process is not None:
             await victim.process.wait()
         if not owner.startswith("k."):
-            self.notes.append(f"kill-client: the victim named no Lease owner ({owner!r})")
+            self.notes.append(f"kill-client: the victim has no Lease owner ({owner!r})")
             return
         if reaper == "gc":
             await self.wait_expired(owner[2:])
