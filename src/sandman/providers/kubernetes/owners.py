@@ -14,9 +14,8 @@ unchanged (the same resourceVersion) for its duration plus a grace, on this
 process's monotonic clock, through observations none of which failed: a holder
 whose clock is behind ours, or that could not renew while the API server was
 away (we could not observe either, or we stood still ourselves: our count starts
-again), keeps its pods.
-Until then it is ``unknown``. A missing Lease is ``dead``: it is created before
-its owner's first pod and deleted only after its last.
+again), keeps its pods. Until then it is ``unknown``. A missing Lease is ``dead``:
+it is created before its owner's first pod and deleted only after its last.
 """
 
 from __future__ import annotations
@@ -36,15 +35,15 @@ from typing import Any
 from sandman import errors
 from sandman.providers.base import BackendOwners, OwnerStatus
 from sandman.providers.kubernetes.api import Conflict, KubeAPI
+from sandman.providers.kubernetes.pods import MANAGED_BY
 
-__all__ = ["PREFIX", "LeaseKeeper", "OwnerJudge", "lease_name", "micro_time"]
+__all__ = ["PREFIX", "LeaseKeeper", "OwnerJudge", "forget", "lease_name", "micro_time"]
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "k."
 """Owner values of this form name a Lease (``k.<lease name>``); the local form is ``p.``."""
 LABEL_OWNER = "sandman.io/owner"  # sandman.pool.owner.LABEL_OWNER: the pool is a layer above
-_MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 
 
 def lease_name(owner: str) -> str | None:
@@ -164,7 +163,7 @@ class LeaseKeeper:
             "kind": "Lease",
             "metadata": {
                 "name": self.name,
-                "labels": {_MANAGED_BY[0]: _MANAGED_BY[1], LABEL_OWNER: self.owner},
+                "labels": {MANAGED_BY[0]: MANAGED_BY[1], LABEL_OWNER: self.owner},
             },
             "spec": {
                 "holderIdentity": self.holder,
