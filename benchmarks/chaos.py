@@ -16,12 +16,19 @@ line per scenario, and last:
     .venv/bin/python benchmarks/chaos.py --seed 1 --start 7 --iterations 1   # replay one
 
 Needs root, crun, btrfs-progs, iproute2 and nftables (the local provider's needs).
+
+With ``--provider kubernetes`` the runs go to the harness cluster started by
+``hack/kube/up`` (its state directory: ``$SANDMAN_KUBE_DIR``, default
+``/var/lib/sandman-kube``): pods deleted or evicted behind the pools' backs, a
+pool's process SIGKILLed (its pods reaped through its Lease), the API server cut
+off for a while (``tests/chaos/kube.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -30,7 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.chaos.engine import FAULTS, Outcome, plan_for, run_iteration
+from tests.chaos import kube
+from tests.chaos.engine import FAULTS, Outcome, Plan, plan_for, run_iteration
+from tests.kube.conftest import DEFAULT_DIR, KubeCluster
 
 from sandman.images.busybox import busybox_rootfs_tar
 
@@ -41,23 +50,35 @@ async def main() -> int:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--start", type=int, default=0, help="First iteration (to replay one).")
     parser.add_argument("--provider", choices=["local", "kubernetes"], default="local")
-    parser.add_argument("--scenario", choices=sorted(FAULTS), help="Only this scenario.")
+    parser.add_argument(
+        "--scenario", choices=[*sorted(FAULTS), "kubernetes"], help="Only this scenario."
+    )
     parser.add_argument("--fault", help="Only this fault.")
     parser.add_argument(
         "--work", type=Path, default=None, help="Where failing iterations' logs are kept."
     )
     args = parser.parse_args()
+    cluster = None
     if args.provider == "kubernetes":
-        print("the kubernetes provider has no chaos scenarios yet", file=sys.stderr)
-        return 2
+        env = Path(os.environ.get("SANDMAN_KUBE_DIR", DEFAULT_DIR)) / "env"
+        if not env.is_file():
+            print(f"no cluster: {env} is missing; start one with hack/kube/up", file=sys.stderr)
+            return 2
+        cluster = KubeCluster.from_env_file(env)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"sandman-chaos-{args.seed}-"))
     work.mkdir(parents=True, exist_ok=True)
-    busybox = busybox_rootfs_tar(work / "busybox.tar")
+    busybox = busybox_rootfs_tar(work / "busybox.tar") if cluster is None else None
     outcomes: list[Outcome] = []
     print(f"chaos: seed={args.seed} iterations={args.iterations} logs in {work}", flush=True)
     for iteration in range(args.start, args.start + args.iterations):
-        plan = plan_for(args.seed, iteration, scenario=args.scenario, fault=args.fault)
-        outcome = await run_iteration(plan, busybox, work)
+        plan: Plan
+        if cluster is not None:
+            plan = kube.plan_for(args.seed, iteration, fault=args.fault)
+            outcome = await kube.run_iteration(plan, cluster, work)
+        else:
+            assert busybox is not None
+            plan = plan_for(args.seed, iteration, scenario=args.scenario, fault=args.fault)
+            outcome = await run_iteration(plan, busybox, work)
         outcomes.append(outcome)
         status = "FAIL" if outcome.failed else "ok"
         did = " ".join(f"{k}={v}" for k, v in sorted(outcome.activity.items()))

@@ -132,6 +132,12 @@ class KubernetesConfig(BaseModel):
     capabilities minus NET_RAW and MKNOD (as local sandboxes do). ``restricted``: every
     capability dropped and ``runAsNonRoot``: for images whose USER is a numeric non-root
     uid, or specs with a non-root ``user``; a spec with ``user="0"`` is refused."""
+    owner_lease: int = Field(default=15, ge=3)
+    """Seconds of the ``leaseDurationSeconds`` of each pool process's Lease (the owner its
+    pods name, ``sandman.io/owner=k.<lease>``); renewed every third of it."""
+    owner_grace: float = Field(default=10.0, ge=0)
+    """Seconds an expired Lease must further be seen unchanged (on the observer's own
+    clock) before its owner counts as dead and its pods may be reaped."""
     prefer_nodes_with_image: bool = False
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs

@@ -12,11 +12,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests.chaos.worker import WorkerConfig
+
+if TYPE_CHECKING:
+    from tests.chaos.kube_worker import KubeWorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,10 +69,14 @@ def signal_pid(pid: int, sig: signal.Signals) -> bool:
 
 
 class WorkerProcess:
-    """One `tests.chaos.worker` process and the events it has reported so far."""
+    """One `tests.chaos.worker` (or ``kube_worker``) process and the events it has
+    reported so far."""
 
-    def __init__(self, config: WorkerConfig, log_dir: Path) -> None:
+    def __init__(self, config: WorkerConfig | KubeWorkerConfig, log_dir: Path) -> None:
         self.config = config
+        self.module = (
+            "tests.chaos.worker" if isinstance(config, WorkerConfig) else "tests.chaos.kube_worker"
+        )
         self.name = config.name
         self.log = log_dir / f"{config.name}.log"
         self.journal = log_dir / f"{config.name}.events.jsonl"
@@ -82,7 +89,7 @@ class WorkerProcess:
     async def start(self) -> None:
         with self.log.open("ab") as log:
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tests.chaos.worker", self.config.model_dump_json(),
+                sys.executable, "-m", self.module, self.config.model_dump_json(),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 cwd=REPO, env=child_env(), start_new_session=True,
             )  # fmt: skip

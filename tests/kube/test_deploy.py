@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
 DEPLOY = REPO / "deploy"
 SERVICE_ACCOUNT = "sandman"
 POD_VERBS = ("create", "delete", "get", "list", "patch", "watch")
+LEASE_VERBS = ("create", "delete", "get", "list", "patch")
 GONE_TIMEOUT = 120.0
 SERVICE_READY_TIMEOUT = 180.0
 RBAC_SETTLE_TIMEOUT = 30.0
@@ -159,8 +160,12 @@ def test_deploy_applies_with_least_privilege(
     wait_granted(kube_cluster, account, "create", "pods", namespace)
     for verb in POD_VERBS:
         assert can_i(kube_cluster, namespace, verb, "pods", namespace), verb
+    # Its owner record: one Lease per pool process.
+    for verb in LEASE_VERBS:
+        assert can_i(kube_cluster, namespace, verb, "leases.coordination.k8s.io", namespace), verb
     denied = [
         ("update", "pods"), ("deletecollection", "pods"),
+        ("watch", "leases.coordination.k8s.io"), ("deletecollection", "leases.coordination.k8s.io"),
         ("create", "pods/exec"), ("get", "pods/exec"), ("get", "pods/log"),
         ("create", "pods/eviction"), ("create", "pods/portforward"),
         ("get", "secrets"), ("list", "secrets"), ("get", "configmaps"),
@@ -172,6 +177,7 @@ def test_deploy_applies_with_least_privilege(
     for other in ("default", kube_cluster.namespace, "kube-system"):
         for verb in POD_VERBS:
             assert not can_i(kube_cluster, namespace, verb, "pods", other), (verb, other)
+        assert not can_i(kube_cluster, namespace, "create", "leases.coordination.k8s.io", other)
 
     # The API server accepted both NetworkPolicies as written.
     policies = {

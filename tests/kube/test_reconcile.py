@@ -48,7 +48,9 @@ kwok = KubernetesOptions(
 spec = SandboxSpec(image="sandman.local/busybox:1.35", kubernetes=kwok)
 
 async def main():
-    config = KubernetesConfig(kubeconfig=Path(kubeconfig), namespace=namespace, readiness="pod")
+    config = KubernetesConfig(
+        kubeconfig=Path(kubeconfig), namespace=namespace, readiness="pod", owner_lease=3
+    )
     async with Pool(KubernetesProvider(config), PoolConfig(name=pool_name)) as pool:
         session = pool.open_session(lease=3600)
         async def one():
@@ -99,9 +101,12 @@ async def test_a_pool_killed_mid_burst_leaves_nothing_after_a_restart(
         # Killed mid-burst: more pods exist than the dead pool ever handed out.
         assert len(left_by_the_dead) > len(ready)
 
+        # The dead pool's Lease (3 s) must be judged dead before its pods are adopted:
+        # a short grace keeps that wait short.
         config = KubernetesConfig(
-            kubeconfig=kube_cluster.kubeconfig, namespace=kube_cluster.namespace, readiness="pod"
-        )
+            kubeconfig=kube_cluster.kubeconfig, namespace=kube_cluster.namespace,
+            readiness="pod", owner_grace=1.0,
+        )  # fmt: skip
         provider = KubernetesProvider(config)
         pool_config = PoolConfig(
             name=pool_name, lease=LEASE, adopt_orphans=True, reconcile_interval=1.0

@@ -1,7 +1,8 @@
 """Sandbox commands: ``run``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
 
 ``exec``, ``cp``, ``ls`` and ``rm`` act on the local provider's sandboxes, or,
-with ``--url`` (``SANDMAN_URL``), on the tenant's sandboxes at a service.
+with ``--url`` (``SANDMAN_URL``), on the tenant's sandboxes at a service; ``gc``
+on the local provider's, or with ``--kubernetes`` on a namespace's pods.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from sandman.cli._common import (
 from sandman.daemon import DaemonClient
 from sandman.pool import owner as owners
 from sandman.pool.records import LABEL_EXPIRES
-from sandman.providers.base import SandboxInfo
+from sandman.providers.base import BackendOwners, KeepsOwners, Provider, SandboxInfo
 from sandman.providers.local import LocalProvider
+from sandman.settings import KubernetesConfig
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -304,8 +306,8 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
     "--all",
     "everything",
     is_flag=True,
-    help="Delete every sandbox of this state directory, those of live pools included "
-    "(they lose them in the middle of their work).",
+    help="Delete every sandbox of this state directory (or namespace), those of live pools "
+    "included (they lose them in the middle of their work).",
 )
 @click.option(
     "--grace",
@@ -315,21 +317,55 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
     help="Seconds a sandbox that does not run, or a directory a crash left, is spared "
     "first: a create in flight is one for a moment.",
 )
+@click.option(
+    "--kubernetes",
+    "on_kubernetes",
+    is_flag=True,
+    help="Reap the pods of a namespace instead: owners are pool processes' Leases there.",
+)
+@click.option(
+    "--kubeconfig",
+    envvar="KUBECONFIG",
+    type=click.Path(path_type=Path),
+    help="With --kubernetes. Default: $KUBECONFIG, else the pod's service account.",
+)
+@click.option("--context", help="With --kubernetes: the kubeconfig context.")
+@click.option("--namespace", help="With --kubernetes: the sandboxes' (default: the context's).")
 @click.pass_context
-def gc(ctx: click.Context, everything: bool, grace: float) -> None:
+def gc(
+    ctx: click.Context,
+    everything: bool,
+    grace: float,
+    on_kubernetes: bool,
+    kubeconfig: Path | None,
+    context: str | None,
+    namespace: str | None,
+) -> None:
     """Reap what no live pool holds: sandboxes whose owner process is dead (whatever
     their pool), past their hard lifetime, not running (for GRACE), and what creates
     or deletes killed half-way left. A sandbox whose owner is alive is never touched
-    (but with --all). Prints each one reaped and why."""
+    (but with --all). Prints each one reaped and why.
+
+    On Kubernetes (--kubernetes) an owner is a pool process's Lease: dead once it has
+    expired and is then seen unchanged for its duration plus the provider's
+    ``owner_grace`` (so this may wait that long), or once it is missing. A dead
+    owner's Lease goes with its last pod."""
 
     async def go() -> tuple[list[tuple[str, str]], list[str]]:
-        provider = LocalProvider(local_config(ctx))
+        provider: Provider
+        if on_kubernetes:
+            provider = _kubernetes_provider(kubeconfig, context, namespace)
+        else:
+            provider = LocalProvider(local_config(ctx))
         reaped: list[tuple[str, str]] = []
         failed: list[str] = []
         try:
-            liveness = owners.Liveness()
+            infos = await provider.list()
+            # After the sandboxes: an owner's record is made before its first sandbox.
+            backend = await _judge_owners(provider, infos) if not everything else None
+            liveness = owners.Liveness(backend)
             now = time.time()
-            for info in await provider.list():
+            for info in infos:
                 reason = "--all" if everything else reap_reason(info, now, grace, liveness)
                 if reason is None:
                     continue
@@ -339,8 +375,12 @@ def gc(ctx: click.Context, everything: bool, grace: float) -> None:
                     failed.append(f"could not reap {info.id} ({reason}): {exc}")
                     continue
                 reaped.append((info.id, reason))
-            strays = await provider.remove_strays(older_than=grace)
-            reaped += [(name, "a create killed before its record was whole") for name in strays]
+            if isinstance(provider, LocalProvider):
+                strays = await provider.remove_strays(older_than=grace)
+                reaped += [(n, "a create killed before its record was whole") for n in strays]
+            if backend is not None and isinstance(provider, KeepsOwners):
+                for dead in backend.dead:
+                    await provider.forget_owner(dead, backend.versions.get(dead))
         finally:
             await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
         return reaped, failed
@@ -355,6 +395,43 @@ def gc(ctx: click.Context, everything: bool, grace: float) -> None:
     click.echo(f"reaped {len(reaped)} sandbox(es)" + (f" ({summary})" if summary else ""))
     if failed:
         sys.exit(1)
+
+
+def _kubernetes_provider(
+    kubeconfig: Path | None, context: str | None, namespace: str | None
+) -> Provider:
+    from pydantic import ValidationError
+
+    from sandman.providers.kubernetes import KubernetesProvider  # its HTTP stack, on demand
+
+    try:
+        config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)
+    except ValidationError as exc:
+        raise errors.ConfigError(
+            f"bad --namespace {namespace!r}: {exc.errors()[0]['msg']}"
+        ) from None
+    return KubernetesProvider(config)
+
+
+async def _judge_owners(provider: Provider, infos: list[SandboxInfo]) -> BackendOwners | None:
+    """The provider's owner records, judged; if one that some sandbox names looks expired,
+    it is watched until it is judged (its duration plus the grace, at most)."""
+    if not isinstance(provider, KeepsOwners):
+        return None
+    named = {info.labels.get(owners.LABEL_OWNER, "") for info in infos}
+    backend = await provider.owners()
+    deadline = time.monotonic() + _JUDGE_LIMIT
+    # A Lease seen once cannot be judged dead: it must be seen unchanged for a while.
+    while backend.undecided_for > 0 and time.monotonic() < deadline:
+        if not any(backend(o) == "unknown" for o in named if o in backend.statuses):
+            break
+        await asyncio.sleep(min(1.0, backend.undecided_for + 0.05))
+        backend = await provider.owners()
+    return backend
+
+
+_JUDGE_LIMIT = 600.0
+"""Seconds `gc` watches Leases at most (a Lease of hours would keep it that long)."""
 
 
 def reap_reason(

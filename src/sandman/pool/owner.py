@@ -15,6 +15,10 @@ of ``[A-Za-z0-9-_.]``, alphanumeric at both ends)::
 pid namespace, or a value this version does not read. Only ``dead`` is a
 reason to reap a sandbox; ``unknown`` leaves it to the other rules (expiry, a
 sandbox that does not run).
+
+A provider that keeps owner records on its backend (`KeepsOwners`: Kubernetes, one
+Lease per pool process) names owners its own way (``k.<lease name>``), and only it can
+judge them: `Liveness` asks it (`BackendOwners`) for those values.
 """
 
 from __future__ import annotations
@@ -22,13 +26,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+
+from sandman.providers.base import BackendOwners, OwnerStatus
 
 __all__ = ["LABEL_OWNER", "Liveness", "OwnerStatus", "current", "describe", "of_process", "status"]
 
 LABEL_OWNER = "sandman.io/owner"
-
-OwnerStatus = Literal["alive", "dead", "unknown"]
 
 _PROC = Path("/proc")
 # pid namespace inodes are 32-bit, pids at most 2**22, start times (ticks) 64-bit: <= 54 chars.
@@ -94,18 +97,26 @@ def status(owner: str) -> OwnerStatus:
 
 
 def describe(owner: str) -> str:
-    """A few words for logs: ``process 1234`` or the raw value."""
+    """A few words for logs: ``process 1234``, ``lease sandman-owner-...`` or the raw value."""
     match = _VALUE.match(owner)
-    return f"process {match.group(3)}" if match else repr(owner)
+    if match:
+        return f"process {match.group(3)}"
+    if owner.startswith("k.") and len(owner) > 2:
+        return f"lease {owner[2:]}"
+    return repr(owner)
 
 
 class Liveness:
-    """`status` with each owner asked once: a pass over many sandboxes of few pools."""
+    """`status` with each owner asked once: a pass over many sandboxes of few pools.
+    Owners of ``backend`` 's form are judged by it (one moment's judgement)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: BackendOwners | None = None) -> None:
         self._known: dict[str, OwnerStatus] = {}
+        self._backend = backend
 
     def __call__(self, owner: str) -> OwnerStatus:
+        if self._backend is not None and self._backend.knows(owner):
+            return self._backend(owner)
         if owner not in self._known:
             self._known[owner] = status(owner)
         return self._known[owner]

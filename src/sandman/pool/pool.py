@@ -45,7 +45,15 @@ from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
-from sandman.providers.base import Lost, LostReports, Provider, SandboxInfo, WatchesLost
+from sandman.providers.base import (
+    BackendOwners,
+    KeepsOwners,
+    Lost,
+    LostReports,
+    Provider,
+    SandboxInfo,
+    WatchesLost,
+)
 
 __all__ = ["Pool", "PoolConfig"]
 
@@ -88,8 +96,11 @@ class PoolConfig:
     reap_dead_owners: bool | None = None
     """Reconcile also deletes sandboxes of any pool whose owner (``sandman.io/owner``, see
     `sandman.pool.owner`) is a dead process, and records of nothing that run nothing
-    (older than ``stray_grace``). None: on the local provider only, where listing every
-    sandbox is cheap and owners are processes of this host."""
+    (older than ``stray_grace``). None: on the local provider, where listing every
+    sandbox is cheap and owners are processes of this host; and on a provider that keeps
+    owner records itself (`KeepsOwners`: Kubernetes' Leases), for the sandboxes of the
+    owners its records say are dead only (one list of records, then one of sandboxes per
+    dead owner). False: neither."""
     stray_grace: float = 60.0
     """How old a record of nothing must be before it is reaped: a create in flight is one
     for a moment."""
@@ -148,6 +159,8 @@ class Pool:
         # Lost and deleted, kept (a bounded few) until their holders are told.
         self._lost: OrderedDict[str, Record] = OrderedDict()
         self._watcher = provider if isinstance(provider, WatchesLost) else None
+        self._keeper = provider if isinstance(provider, KeepsOwners) else None
+        self._owner_open = False
         self._sessions: dict[str, _Session] = {}
         # Keyed by the spec's JSON: specs hold dicts, so they are not hashable.
         self._waiting: dict[str, deque[_Request]] = {}
@@ -161,7 +174,8 @@ class Pool:
         self._started = False
         self._closed = False
         self.owner = owners.current()
-        """This pool's process, as every sandbox it creates or adopts names it."""
+        """This pool's process, as every sandbox it creates or adopts names it: on a provider
+        that keeps owner records (`KeepsOwners`), its record there, once started."""
 
     def __repr__(self) -> str:
         return f"Pool({self.config.name!r}, provider={self.provider.name!r}, sandboxes={len(self._records)})"
@@ -180,6 +194,12 @@ class Pool:
         if self._started:
             return
         self._started = True
+        if self._keeper is not None:
+            # Before the first create: a sandbox must never name an owner not on record.
+            owner = await self._keeper.open_owner()
+            self._owner_open = True
+            if owner is not None:
+                self.owner = owner
         # Asked for first, so that no loss among the sandboxes adopted is missed.
         losses = self._watcher.lost() if self._watcher is not None else None
         try:
@@ -187,6 +207,7 @@ class Pool:
         except BaseException:
             if losses is not None:
                 await losses.aclose()
+            await self._close_owner()
             raise
         self._loops = [
             asyncio.create_task(self._schedule(), name="sandman-pool-scheduler"),
@@ -231,6 +252,21 @@ class Pool:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+        await self._close_owner()
+
+    async def _close_owner(self) -> None:
+        """Remove this process's owner record: what it released is gone, what it left is
+        disowned (a delete that failed is reaped once the record is gone, as a dead
+        owner's)."""
+        if self._keeper is None or not self._owner_open:
+            return
+        self._owner_open = False
+        try:
+            async with asyncio.timeout(30):
+                await self._keeper.close_owner()
+        except (errors.SandboxError, TimeoutError) as exc:
+            # It expires by itself: this process then reads as dead, as it soon is.
+            self._emit("owner.close_failed", None, error=repr(exc))
 
     async def _drain(self) -> None:
         """Wait until the background tasks are done, those they start meanwhile too."""
@@ -870,8 +906,13 @@ class Pool:
         held = [r for r in self._records.values() if r.state in ("ready", "leased")]
         infos = await self.provider.list(labels=None if everyone else mine)
         self._notice_lost(held, infos)
+        # Listed after the sandboxes: an owner's record is made before its first sandbox,
+        # so every sandbox listed whose owner lives has its record listed here.
+        backend = await self._backend_owners()
+        if adopt and backend is not None:
+            backend = await self._judge_predecessors(infos, backend)
         wall = time.time()
-        liveness = owners.Liveness()
+        liveness = owners.Liveness(backend)
         for info in infos:
             if info.id in self._records:
                 continue
@@ -912,6 +953,70 @@ class Pool:
             else:
                 reason = "orphan" if session else "orphan, never handed over"
                 self._orphan(info, expires=expires, reason=reason)
+        if backend is not None and self.config.reap_dead_owners is not False:
+            await self._reap_dead_owners(backend)
+
+    async def _backend_owners(self) -> BackendOwners | None:
+        """The provider's owner records judged now, if it keeps them; None (nothing judged
+        dead or alive by them this time) when they cannot be read."""
+        if self._keeper is None:
+            return None
+        try:
+            return await self._keeper.owners()
+        except errors.SandboxError as exc:
+            self._emit("owners.failed", None, error=repr(exc))
+            return None
+
+    async def _judge_predecessors(
+        self, infos: Iterable[SandboxInfo], backend: BackendOwners
+    ) -> BackendOwners:
+        """Before adopting: wait until each other owner of this pool's sandboxes is judged,
+        dead (a previous life of this pool, killed: adopt) or renewing (another live
+        process: leave alone). A record of a process killed a moment ago still reads
+        alive; judging it dead takes its duration and grace (`BackendOwners.longest`)."""
+        assert self._keeper is not None
+        first = dict(backend.versions)
+        pending = {
+            owner
+            for info in infos
+            if info.labels.get(LABEL_POOL) == self.config.name
+            and (owner := info.labels.get(owners.LABEL_OWNER)) is not None
+            and owner != self.owner
+            and backend.knows(owner)
+            and backend(owner) != "dead"
+        }
+        if pending:
+            self._emit("reconcile.judging_owners", None, owners=sorted(pending))
+        deadline = time.monotonic() + 2 * backend.longest + 1.0
+        while pending and time.monotonic() < deadline:
+            await asyncio.sleep(min(1.0, backend.longest / 4 or 1.0))
+            judged = await self._backend_owners()
+            if judged is None:
+                continue
+            backend = judged
+            pending = {
+                o
+                for o in pending
+                if backend(o) != "dead" and backend.versions.get(o) == first.get(o)
+            }
+        return backend
+
+    async def _reap_dead_owners(self, backend: BackendOwners) -> None:
+        """Delete the sandboxes of every owner the provider's records say is dead (whatever
+        their pool); once none is left, remove that owner's record."""
+        assert self._keeper is not None
+        for dead in backend.dead:
+            if dead == self.owner:
+                continue
+            try:
+                theirs = await self.provider.list(labels={owners.LABEL_OWNER: dead})
+                for info in theirs:
+                    if info.id not in self._records:
+                        self._orphan(info, reason=f"owner {owners.describe(dead)} is dead")
+                if not theirs:
+                    await self._keeper.forget_owner(dead, backend.versions.get(dead))
+            except errors.SandboxError as exc:  # the next reconcile tries again
+                self._emit("owners.reap_failed", None, owner=dead, error=repr(exc))
 
     def _record_of(self, info: SandboxInfo, expires: float = 0.0) -> Record:
         record = Record(

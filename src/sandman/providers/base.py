@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -11,14 +12,21 @@ from sandman.daemon import DaemonClient
 from sandman.models import SandboxSpec
 
 __all__ = [
+    "BackendOwners",
     "DaemonEndpoint",
+    "KeepsOwners",
     "Lost",
     "LostReports",
+    "OwnerStatus",
     "Provider",
     "SandboxInfo",
     "SandboxState",
     "WatchesLost",
 ]
+
+OwnerStatus = Literal["alive", "dead", "unknown"]
+"""Whether the process that owns a sandbox (``sandman.io/owner``) still lives; only
+``dead`` is a reason to reap its sandboxes."""
 
 SandboxState = Literal["creating", "running", "stopped", "unknown"]
 """What the backend says of a sandbox. ``creating``: recorded, not started
@@ -153,4 +161,69 @@ class WatchesLost(Protocol):
         """Each watched sandbox that died by itself, once, as soon as the backend says;
         never one removed through `delete`. Every reader sees every report made after
         it was asked for (not only after it first waits); close it with ``aclose``."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendOwners:
+    """The owners a backend keeps records of (`KeepsOwners`), as judged at one moment.
+
+    Call it with an owner value: its status. A value of this backend's form
+    (``prefix``) that has no record is ``dead`` (a record is made before its owner's
+    first sandbox and removed only after its last); one of another form is ``unknown``.
+    """
+
+    statuses: Mapping[str, OwnerStatus]
+    prefix: str
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """The version of each record as judged (deleting it is conditional on it)."""
+    undecided_for: float = 0.0
+    """Seconds until every record judged ``unknown`` now that could turn ``dead`` is
+    judged, if it stays as it is and is looked at again then (0: none is pending)."""
+    longest: float = 0.0
+    """The longest time a record may take to be judged dead once its owner stops renewing
+    it (the longest duration plus grace among them): waiting twice that, looking again
+    and again, tells a dead owner from a live one."""
+
+    def knows(self, owner: str) -> bool:
+        """Whether ``owner`` is of this backend's form."""
+        return owner.startswith(self.prefix)
+
+    def __call__(self, owner: str) -> OwnerStatus:
+        if owner in self.statuses:
+            return self.statuses[owner]
+        return "dead" if self.knows(owner) else "unknown"
+
+    @property
+    def dead(self) -> list[str]:
+        """The owners whose records say they are dead (not those without a record)."""
+        return sorted(o for o, status in self.statuses.items() if status == "dead")
+
+
+@runtime_checkable
+class KeepsOwners(Protocol):
+    """An optional capability of a provider: it records each pool process as an owner on
+    the backend itself (Kubernetes: a Lease), so that any process that can reach the
+    backend can tell when that owner died. Without it, owners are processes of this
+    host (`sandman.pool.owner`).
+    """
+
+    async def open_owner(self) -> str | None:
+        """Record this process as an owner and keep the record fresh until `close_owner`;
+        its value for the ``sandman.io/owner`` label (None: the backend refuses, and
+        sandboxes carry the local form). Called again, the same value."""
+        ...
+
+    async def close_owner(self) -> None:
+        """Stop keeping the record fresh and remove it (a clean close)."""
+        ...
+
+    async def owners(self) -> BackendOwners:
+        """Every owner the backend records, judged now. Judging may take repeated calls
+        (a record looks dead only once it has been seen unchanged for a while)."""
+        ...
+
+    async def forget_owner(self, owner: str, version: str | None = None) -> bool:
+        """Remove a dead owner's record once none of its sandboxes is left (and the record
+        is still at ``version``); whether it is gone."""
         ...

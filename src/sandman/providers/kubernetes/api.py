@@ -32,7 +32,7 @@ import aiohttp
 from sandman import errors
 from sandman.providers.kubernetes.credentials import Credentials
 
-__all__ = ["BadRequest", "Forbidden", "KubeAPI", "WatchExpired", "raise_for_status"]
+__all__ = ["BadRequest", "Conflict", "Forbidden", "KubeAPI", "WatchExpired", "raise_for_status"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class BadRequest(errors.ConfigError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Conflict(errors.ConfigError):
+    """409: the object exists already, or changed since the version a request named."""
 
 
 class WatchExpired(Exception):
@@ -89,13 +93,15 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
         error = Forbidden if status == 403 else errors.ConfigError
         raise error(
             f"{message} (check the identity's Role: pods create/get/list/patch/"
-            "watch/delete in the namespace)"
+            "watch/delete and leases create/get/list/patch/delete in the namespace)"
         )
     if status == 404:
         raise errors.SandboxNotFound(message)
     if status == 400:
         raise BadRequest(message, reason)
-    if status in (409, 422):
+    if status == 409:
+        raise Conflict(message)
+    if status == 422:
         raise errors.ConfigError(message)
     raise errors.ProviderError(message)
 
@@ -121,6 +127,10 @@ class KubeAPI:
         self.namespace = credentials.namespace
         self._credentials = credentials
         self._pods = f"{credentials.server}/api/v1/namespaces/{credentials.namespace}/pods"
+        self._leases = (
+            f"{credentials.server}/apis/coordination.k8s.io/v1/namespaces/"
+            f"{credentials.namespace}/leases"
+        )
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 10.0))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -181,18 +191,52 @@ class KubeAPI:
         """The pod; SandboxNotFound when there is none."""
         return await self.request("GET", f"{self._pods}/{name}", f"get pod {name}")
 
-    async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
-        """Merge ``labels`` into the pod's (JSON merge patch: None removes a label)."""
-        what = f"relabel pod {name}"
-        body = json.dumps({"metadata": {"labels": dict(labels)}}).encode()
+    async def create_lease(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a Lease (`owners.LeaseKeeper`); Conflict if it exists."""
+        what = f"create lease {body['metadata']['name']}"
+        return await self.request("POST", self._leases, what, body=body)
+
+    async def patch_lease(self, name: str, patch: dict[str, Any]) -> None:
+        """Merge ``patch`` into the Lease (one PATCH: its renewal); SandboxNotFound if gone."""
+        await self._merge_patch(f"{self._leases}/{name}", patch, f"renew lease {name}")
+
+    async def list_leases(self, selector: str) -> list[dict[str, Any]]:
+        """Every Lease of the namespace matching the selector, read consistently (from etcd
+        or a cache known to be current: a stale copy would look older than it is)."""
+        params: dict[str, str | int] = {"labelSelector": selector, "limit": _PAGE}
+        items: list[dict[str, Any]] = []
+        while True:
+            body = await self.request("GET", self._leases, "list leases", params=params)
+            items.extend(body.get("items") or [])
+            token = (body.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            params["continue"] = token
+
+    async def delete_lease(self, name: str, *, resource_version: str | None = None) -> None:
+        """Delete the Lease (a missing one is fine); with ``resource_version``, only if it
+        is still at that version (else Conflict: its holder renewed it meanwhile)."""
+        options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if resource_version:
+            options["preconditions"] = {"resourceVersion": resource_version}
+        await self.request(
+            "DELETE", f"{self._leases}/{name}", f"delete lease {name}", body=options,
+            missing_ok=True,
+        )  # fmt: skip
+
+    async def _merge_patch(self, url: str, patch: dict[str, Any], what: str) -> None:
+        body = json.dumps(patch).encode()
         headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
         with _transport_errors(what):
-            async with self._http().request(
-                "PATCH", f"{self._pods}/{name}", data=body, headers=headers
-            ) as response:
+            async with self._http().request("PATCH", url, data=body, headers=headers) as response:
                 data = await response.read()
                 status, response_headers = response.status, response.headers
         raise_for_status(status, response_headers, data, what)
+
+    async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
+        """Merge ``labels`` into the pod's (JSON merge patch: None removes a label)."""
+        patch = {"metadata": {"labels": dict(labels)}}
+        await self._merge_patch(f"{self._pods}/{name}", patch, f"relabel pod {name}")
 
     async def delete_pod(self, name: str) -> None:
         """Delete at once (grace 0); a missing pod is fine."""

@@ -15,6 +15,9 @@ with a ConfigError that says to use the init container.
 
 The same watch tells of a running sandbox's loss at once (`watch_lost`, `lost`):
 its pod evicted, preempted, OOM-killed, exited or deleted by someone else.
+
+The pool process is the owner of its pods through a Lease (`KeepsOwners`, see
+`sandman.providers.kubernetes.owners`): one per provider, renewed in the background.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import builtins
 import logging
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,9 +34,9 @@ import anyio
 
 from sandman import errors
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, LostReports, SandboxInfo
-from sandman.providers.kubernetes import pods
-from sandman.providers.kubernetes.api import KubeAPI
+from sandman.providers.base import BackendOwners, DaemonEndpoint, LostReports, SandboxInfo
+from sandman.providers.kubernetes import owners, pods
+from sandman.providers.kubernetes.api import Forbidden, KubeAPI
 from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.providers.kubernetes.steering import NodeImages
 from sandman.providers.kubernetes.watch import PodWatch
@@ -70,6 +74,9 @@ class KubernetesProvider:
         self._losses = LossFeed(start=self.watch.ensure_started)
         self._progress: dict[str, str] = {}  # sandbox id -> what its start waits on
         self.node_images = NodeImages(self.api) if self.config.prefer_nodes_with_image else None
+        self.lease: owners.LeaseKeeper | None = None
+        self._owner_refused = False
+        self._judge = owners.OwnerJudge(self.config.owner_grace)
 
     def __repr__(self) -> str:
         return (
@@ -212,8 +219,54 @@ class KubernetesProvider:
         daemon = self.config.readiness == "daemon"
         return pods.pod_info(pod, provider=self.name, port=self.config.daemon_port, daemon=daemon)
 
+    async def open_owner(self) -> str | None:
+        """This process's Lease (created on the first call, renewed until `close_owner`);
+        None when the identity may not create Leases (logged once: its pods then name
+        the local form of owner, which no other host can judge)."""
+        if self.lease is not None:
+            return self.lease.owner
+        if self._owner_refused:
+            return None
+        keeper = owners.LeaseKeeper(self.api, duration=self.config.owner_lease)
+        try:
+            owner = await keeper.open()
+        except Forbidden as exc:
+            self._owner_refused = True
+            logger.warning(
+                "cannot create a Lease as this pool process's owner record (%s): its pods are "
+                "reaped only by their lifetime if it dies; grant leases create/get/list/patch/"
+                "delete (deploy/rbac.yaml)", exc,
+            )  # fmt: skip
+            return None
+        self.lease = keeper
+        return owner
+
+    async def close_owner(self) -> None:
+        """Stop renewing this process's Lease and delete it."""
+        keeper, self.lease = self.lease, None
+        if keeper is not None:
+            await keeper.close()
+
+    async def owners(self) -> BackendOwners:
+        """Every Sandman Lease of the namespace, judged (`owners.OwnerJudge`): one list."""
+        try:
+            leases = await self.api.list_leases(self._selector)
+        except BaseException:
+            self._judge.interrupted()
+            raise
+        return self._judge.observe(leases, wall=time.time(), now=time.monotonic())
+
+    async def forget_owner(self, owner: str, version: str | None = None) -> bool:
+        """Delete a dead owner's Lease once no pod names it (a consistent list), and only
+        at ``version`` (else its holder renewed it: it lives)."""
+        return await owners.forget(self.api, owner, version, self._selector)
+
     async def aclose(self) -> None:
-        """Stop the watch and close the connections; pods are left as they are."""
+        """Stop the watch and close the connections; pods are left as they are (and this
+        process's Lease, unless `close_owner` deleted it, expires)."""
+        if self.lease is not None:
+            await self.lease.close(delete=False)
+            self.lease = None
         self._losses.close()
         await self.watch.aclose()
         if self.node_images is not None:
