@@ -55,6 +55,7 @@ _MAX_ERROR = 64 * 1024  # an error answer's body
 _MAX_LINE = 1024  # a chunk-size or trailer line
 _PROBE_EVERY = 1.0  # seconds between looks at a local connection that is not read
 _TCP_CLOSE = 7  # tcp_info's state of a connection reset
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux only: elsewhere, no looking
 
 # Phases of an upstream connection.
 _HEAD = 0  # waiting for the answer's head
@@ -530,7 +531,7 @@ class _Local(asyncio.Protocol):
             return
         if self._upstream_full:
             transport.pause_reading()
-            if self._probe is None:
+            if self._probe is None and _TCP_INFO is not None:
                 self._probe = asyncio.get_running_loop().call_later(_PROBE_EVERY, self._look)
         else:
             transport.resume_reading()
@@ -547,8 +548,9 @@ class _Local(asyncio.Protocol):
         if transport is None or transport.is_closing() or not self._upstream_full:
             return
         sock = transport.get_extra_info("socket")
+        assert _TCP_INFO is not None
         try:
-            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            state = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0]
         except OSError:
             state = _TCP_CLOSE
         if state == _TCP_CLOSE:
