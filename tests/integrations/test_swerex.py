@@ -210,6 +210,22 @@ def test_an_interactive_program_as_swe_agent_drives_it(deployment: SandmanDeploy
     assert "read -r" not in left  # closing the session ended its program
 
 
+def test_what_an_interactive_program_prints_is_bounded(local_provider: LocalProvider) -> None:
+    deployment = SandmanDeploymentConfig(image="busybox", max_output=1 << 20).get_deployment()
+    run(deployment.start())
+    try:
+        runtime = deployment.runtime
+        run(runtime.create_session(CreateBashSessionRequest()))
+        # 3 MB before the prompt: the tail (where the prompt is) is kept, 1 MiB of it.
+        flood = "head -c 3000000 /dev/zero | tr '\\0' a; printf 'ready> '"
+        output, matched = interactive(runtime, flood, ["ready> "])
+        assert matched == "ready> " and output.startswith("[... output before the last")
+        assert output.endswith("a" * 1000) and len(output) < (1 << 20) + 100
+    finally:
+        run(deployment.stop())
+    assert_gone(local_provider)
+
+
 def test_execute_is_subprocess_run(deployment: SandmanDeployment) -> None:
     runtime = deployment.runtime
     done = run(runtime.execute(Command(command=["sh", "-c", "echo o; echo e >&2; exit 3"])))

@@ -195,6 +195,7 @@ class _Program:
     id: str
     offset: int = 0  # of its output read so far
     pending: str = ""  # read, not yet consumed by an expect
+    dropped: bool = False  # pending lost its head (a bounded buffer)
     ended: bool = False
 
 
@@ -393,22 +394,35 @@ class SandmanRuntime(AbstractRuntime):
             if found:
                 start, end, pattern = min(found)
                 before, program.pending = program.pending[:start], program.pending[end:]
-                return _ANSI.sub("", before).replace("\r\n", "\n"), pattern
+                return self._seen(program, before), pattern
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise CommandTimeoutError(
                     f"timeout after {action.timeout} seconds while running command "
                     f"{action.command!r}"
                 )
+            wait = min(5.0, left) if left is not None else 5.0
             out = await self._call(
-                self._sandbox.read_output, program.id, stdout_offset=program.offset,
-                wait=min(5.0, left) if left is not None else 5.0,
-            )  # fmt: skip
+                self._sandbox.read_output, program.id, stdout_offset=program.offset, wait=wait
+            )
             program.offset = out.stdout_next_offset
             program.pending += out.stdout
+            if len(program.pending) > self._max_output:
+                # The sandbox decides how much it prints: keep the tail, where a prompt is.
+                program.pending = program.pending[-self._max_output :]
+                program.dropped = True
             if not out.running and not out.stdout:
                 before, program.pending, program.ended = program.pending, "", True
-                return _ANSI.sub("", before).replace("\r\n", "\n"), ""
+                return self._seen(program, before), ""
+
+    def _seen(self, program: _Program, before: str) -> str:
+        """Output as SWE-ReX gives it (escape sequences gone, CRLF as LF), with a note
+        of what the bounded buffer dropped."""
+        text = _ANSI.sub("", before).replace("\r\n", "\n")
+        if program.dropped:
+            program.dropped = False
+            text = f"[... output before the last {self._max_output} characters dropped ...]\n{text}"
+        return text
 
     async def _check_syntax(self, session: _Session, command: str) -> None:
         check = await self._call(
