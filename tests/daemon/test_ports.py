@@ -100,6 +100,8 @@ async def test_a_port_nothing_listens_on_closes_the_connection_and_says_why(
             await client.expose(0)
         with pytest.raises(sandman.ConfigError, match="port must be in 1..65535"):
             await client.expose(65536)
+        with pytest.raises(sandman.ConfigError, match="half_close_timeout must be > 0"):
+            await client.expose(closed_port, half_close_timeout=0)
         with pytest.raises(sandman.ConfigError, match="cannot listen on 127.0.0.1"):
             await client.expose(closed_port, local_port=exposed.port)
 

@@ -118,9 +118,6 @@ def test_a_session_as_swe_agent_uses_it(deployment: SandmanDeployment) -> None:
     assert run(runtime.run_in_session(BashInterruptAction())).exit_code == 0
     assert bash(runtime, "echo $X; pwd") == ("2\n/tmp/sub\n", 0)
 
-    with pytest.raises(NotImplementedError):
-        run(runtime.run_in_session(BashAction(command="gdb", is_interactive_command=True)))
-
     run(runtime.close_session(CloseBashSessionRequest()))
     with pytest.raises(SessionDoesNotExistError):
         bash(runtime, "true")
@@ -158,6 +155,75 @@ def test_a_slow_startup_file_times_out_but_leaves_the_session(
     with pytest.raises(SessionExistsError):  # registered all the same, as SWE-ReX does
         run(runtime.create_session(slow))
     assert bash(runtime, "echo ok") == ("ok\n", 0)
+
+
+# A REPL: a prompt, each line answered with the session's state, "quit" to leave.
+REPL = (
+    "printf 'ready> '; while read -r l; do [ \"$l\" = quit ] && exit; "
+    "echo \"[$l $X $(basename $PWD)]\"; printf 'ready> '; done"
+)
+
+
+def interactive(
+    runtime: SandmanRuntime, command: str, expect: list[str], *, quit: bool = False
+) -> tuple[str, str]:
+    action = BashAction(
+        command=command,
+        is_interactive_command=not quit,
+        is_interactive_quit=quit,
+        expect=expect,
+        timeout=10,
+    )
+    obs = run(runtime.run_in_session(action))
+    assert obs.exit_code == 0
+    return obs.output, obs.expect_string
+
+
+def test_an_interactive_program_as_swe_agent_drives_it(deployment: SandmanDeployment) -> None:
+    runtime = deployment.runtime
+    run(runtime.create_session(CreateBashSessionRequest()))
+    assert bash(runtime, "mkdir -p /tmp/repl && cd /tmp/repl && export X=1") == ("", 0)
+    # Started in the session's directory with its exports; read up to the prompt.
+    assert interactive(runtime, REPL, ["ready> "]) == ("", "ready> ")
+    # Typed in: the answer without the echo of what was typed; patterns are regexes.
+    assert interactive(runtime, "hello", ["ready> "]) == ("[hello 1 repl]", "ready> ")
+    assert interactive(runtime, "again", [r"r\w+y> "]) == ("[again 1 repl]", r"r\w+y> ")
+    with pytest.raises(CommandTimeoutError):
+        run(
+            runtime.run_in_session(
+                BashAction(
+                    command="slow", is_interactive_command=True, expect=["never"], timeout=0.5
+                )
+            )
+        )
+    # The plain session goes on meanwhile.
+    assert bash(runtime, "echo $X") == ("1\n", 0)
+    # Quitting ends it (its end is the match, as the shell's prompt is in SWE-ReX).
+    output, matched = interactive(runtime, "quit", ["never"], quit=True)
+    assert "quit" in output and matched == ""
+    # Ctrl-C goes to a program that runs, then the shell has it again.
+    assert interactive(runtime, REPL, ["ready> "]) == ("", "ready> ")
+    assert run(runtime.run_in_session(BashInterruptAction(timeout=5))).exit_code == 0
+    assert interactive(runtime, REPL, ["ready> "]) == ("", "ready> ")  # a new one
+    run(runtime.close_session(CloseBashSessionRequest()))
+    left = run(runtime.execute(Command(command="ps", shell=True))).stdout
+    assert "read -r" not in left  # closing the session ended its program
+
+
+def test_what_an_interactive_program_prints_is_bounded(local_provider: LocalProvider) -> None:
+    deployment = SandmanDeploymentConfig(image="busybox", max_output=1 << 20).get_deployment()
+    run(deployment.start())
+    try:
+        runtime = deployment.runtime
+        run(runtime.create_session(CreateBashSessionRequest()))
+        # 3 MB before the prompt: the tail (where the prompt is) is kept, 1 MiB of it.
+        flood = "head -c 3000000 /dev/zero | tr '\\0' a; printf 'ready> '"
+        output, matched = interactive(runtime, flood, ["ready> "])
+        assert matched == "ready> " and output.startswith("[... output before the last")
+        assert output.endswith("a" * 1000) and len(output) < (1 << 20) + 100
+    finally:
+        run(deployment.stop())
+    assert_gone(local_provider)
 
 
 def test_execute_is_subprocess_run(deployment: SandmanDeployment) -> None:

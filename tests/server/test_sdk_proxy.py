@@ -284,3 +284,28 @@ async def _write_all(writer: asyncio.StreamWriter, data: bytes) -> None:
     for i in range(0, len(data), 1024 * 1024):
         writer.write(data[i : i + 1024 * 1024])
         await writer.drain()
+
+
+def _unix_sockets() -> int:
+    """This process's unix-domain sockets (the service's connections to daemons among them)."""
+    unix = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        count += target.startswith("socket:[") and target[8:-1] in unix
+    return count
+
+
+async def test_the_service_lets_go_of_a_released_sandboxs_daemon() -> None:
+    with serve() as served:
+        async with sandman.connect(served.url, api_key=KEY_A, via_proxy=True) as client:
+            before = _unix_sockets()
+            for _ in range(3):
+                async with client.sandbox("task", timeout=20) as sb:
+                    await sb.exec(["true"])
+                    assert _unix_sockets() > before  # kept for the next call
+                # Released: nobody will call its daemon again.
+                await eventually(lambda: _unix_sockets() == before, what="the connection closed")

@@ -852,7 +852,12 @@ class DaemonClient:
     # -- ports ----------------------------------------------------------------
 
     async def expose(
-        self, port: int, *, local_host: str = "127.0.0.1", local_port: int = 0
+        self,
+        port: int,
+        *,
+        local_host: str = "127.0.0.1",
+        local_port: int = 0,
+        half_close_timeout: float | None = 30.0,
     ) -> ExposedPort:
         """Reach the TCP server on ``port`` inside the sandbox at a local address.
 
@@ -868,9 +873,17 @@ class DaemonClient:
         use it as a context manager; it is closed with the sandbox. Whoever
         can connect to the local address reaches the port: keep the loopback
         default unless that is meant.
+
+        The sandbox is not trusted with this side's resources: a connection
+        whose local side has ended (closed, or half-closed to wait for the
+        answer: TCP does not tell them apart) is closed once the port has sent
+        nothing for ``half_close_timeout`` seconds (None: never), so a port
+        that accepts and stalls cannot keep every connection ever made to it.
         """
         if isinstance(port, bool) or not 1 <= port <= 65535:
             raise errors.ConfigError(f"port must be in 1..65535, got {port!r}")
+        if half_close_timeout is not None and not half_close_timeout > 0:
+            raise errors.ConfigError(f"half_close_timeout must be > 0, got {half_close_timeout!r}")
         if self._closed:
             raise errors.DaemonUnavailable(f"the client of {self._address} is closed")
         if self._dialer is None:
@@ -878,7 +891,13 @@ class DaemonClient:
                 "expose needs the daemon's address: a client made with transport= has none"
             )
         try:
-            exposed = await ExposedPort.start(self._dialer, port, host=local_host, port=local_port)
+            exposed = await ExposedPort.start(
+                self._dialer,
+                port,
+                host=local_host,
+                port=local_port,
+                half_close_timeout=half_close_timeout,
+            )
         except OSError as exc:
             raise errors.ConfigError(f"cannot listen on {local_host}:{local_port}: {exc}") from exc
         self._exposed = [p for p in self._exposed if not p.closed]

@@ -24,6 +24,11 @@ The daemon is not trusted: its answer's head and an error body are read with
 a size cap and within a deadline, a chunk-size line is capped, and each
 direction stops reading its source while its destination cannot take more
 (asyncio's write-buffer water marks), so nothing buffers without bound. The
+port is not trusted either: a connection the local side has left (closed,
+or half-closed and waiting for an answer) is kept for the port only while
+the port goes on sending, ``half_close_timeout`` at most without a byte;
+otherwise a port that neither reads nor answers would hold every
+connection ever made to it, and their descriptors, until the end. The
 listener, the connections and their handshakes all end with `aclose`.
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ssl import SSLContext
@@ -47,6 +53,9 @@ logger = logging.getLogger(__name__)
 _MAX_HEAD = 64 * 1024  # the answer's status line and headers
 _MAX_ERROR = 64 * 1024  # an error answer's body
 _MAX_LINE = 1024  # a chunk-size or trailer line
+_PROBE_EVERY = 1.0  # seconds between looks at a local connection that is not read
+_TCP_CLOSE = 7  # tcp_info's state of a connection reset
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux only: elsewhere, no looking
 
 # Phases of an upstream connection.
 _HEAD = 0  # waiting for the answer's head
@@ -187,6 +196,8 @@ class Upstream(asyncio.Protocol):
         self._chunk = _SIZE
         self._remaining = 0
         self._sent_eof = False
+        self._loop = loop
+        self._abort_later: asyncio.TimerHandle | None = None
         self.ready: asyncio.Future[None] = loop.create_future()
         self._closed: asyncio.Future[None] = loop.create_future()
 
@@ -237,6 +248,8 @@ class Upstream(asyncio.Protocol):
             self.ready.set_exception(ConnectionLost("connection closed before the daemon answered"))
         elif self._phase == _OPEN:
             self._peer.upstream_lost()
+        if self._abort_later is not None:
+            self._abort_later.cancel()
         if not self._closed.done():
             self._closed.set_result(None)
 
@@ -373,10 +386,14 @@ class Upstream(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
 
-    def close(self) -> None:
-        """Close once what is buffered for the daemon is sent."""
-        if self._transport is not None:
-            self._transport.close()
+    def close(self, grace: float | None = None) -> None:
+        """Close once what is buffered for the daemon is sent; with ``grace``,
+        abort if that takes longer (a port that stopped reading never takes it)."""
+        if self._transport is None or self._closed.done():
+            return
+        self._transport.close()
+        if grace is not None and self._abort_later is None:
+            self._abort_later = self._loop.call_later(grace, self.abort)
 
     def abort(self) -> None:
         """Close now, dropping what is buffered."""
@@ -401,6 +418,8 @@ class _Local(asyncio.Protocol):
         self._local_full = False  # this connection takes no more for now
         self._got_eof = False  # the local side ended its direction
         self._sent_eof = False  # the port ended its direction
+        self._idle: asyncio.TimerHandle | None = None  # half-closed: the port's time to answer
+        self._probe: asyncio.TimerHandle | None = None  # while not read: is it still there?
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # -- asyncio.Protocol (the local connection) ----------------------------------
@@ -434,6 +453,7 @@ class _Local(asyncio.Protocol):
         self._update_reading()
         if self._got_eof:
             upstream.send_eof()
+            self._wait_for_port()
 
     def data_received(self, data: bytes) -> None:
         if self._upstream is not None:
@@ -443,15 +463,21 @@ class _Local(asyncio.Protocol):
         self._got_eof = True
         if self._upstream is not None:
             self._upstream.send_eof()
+            self._wait_for_port()
         self._end_if_both()
         return True  # the port's answer may still come
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._exposed._locals.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        if self._probe is not None:
+            self._probe.cancel()
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
         if self._upstream is not None:
-            self._upstream.close()  # after what the local side sent last
+            # After what the local side sent last, if the port takes it in time.
+            self._upstream.close(self._exposed.half_close_timeout)
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -470,9 +496,14 @@ class _Local(asyncio.Protocol):
     def deliver(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+        if self._idle is not None:
+            self._wait_for_port()  # it answers: its time starts again
 
     def deliver_eof(self) -> None:
         self._sent_eof = True
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write_eof()
         self._end_if_both()
@@ -500,15 +531,57 @@ class _Local(asyncio.Protocol):
             return
         if self._upstream_full:
             transport.pause_reading()
+            if self._probe is None and _TCP_INFO is not None:
+                self._probe = asyncio.get_running_loop().call_later(_PROBE_EVERY, self._look)
         else:
             transport.resume_reading()
+            if self._probe is not None:
+                self._probe.cancel()
+                self._probe = None
+
+    def _look(self) -> None:
+        """A connection not read is not watched: a reset of its local side
+        would go unnoticed for as long as the port takes nothing, keeping it
+        and its connection to the daemon. So look at its state now and then."""
+        self._probe = None
+        transport = self._transport
+        if transport is None or transport.is_closing() or not self._upstream_full:
+            return
+        sock = transport.get_extra_info("socket")
+        assert _TCP_INFO is not None
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0]
+        except OSError:
+            state = _TCP_CLOSE
+        if state == _TCP_CLOSE:
+            self.abort()
+            return
+        self._probe = asyncio.get_running_loop().call_later(_PROBE_EVERY, self._look)
+
+    def _wait_for_port(self) -> None:
+        """(Re)arm the half-closed connection's deadline: the local side has
+        ended its direction (maybe closed: TCP cannot tell), the port has not."""
+        timeout = self._exposed.half_close_timeout
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if timeout is not None and not self._sent_eof:
+            self._idle = asyncio.get_running_loop().call_later(timeout, self._port_silent)
+
+    def _port_silent(self) -> None:
+        self._idle = None
+        timeout = self._exposed.half_close_timeout
+        self._exposed._failed(
+            TimeoutError(f"the port sent nothing for {timeout} s after the local side ended")
+        )
+        self.abort()
 
     def _end_if_both(self) -> None:
         if self._got_eof and self._sent_eof:
             if self._transport is not None:
                 self._transport.close()
             if self._upstream is not None:
-                self._upstream.close()
+                self._upstream.close(self._exposed.half_close_timeout)
 
     def abort(self) -> None:
         if self._opening is not None and not self._opening.done():
@@ -528,10 +601,15 @@ class ExposedPort:
     it is closed with the sandbox (or daemon client) it came from.
     """
 
-    def __init__(self, dialer: Dialer, remote_port: int) -> None:
+    def __init__(
+        self, dialer: Dialer, remote_port: int, *, half_close_timeout: float | None = 30.0
+    ) -> None:
         self._dialer = dialer
         self.remote_port = remote_port
         """The port inside the sandbox."""
+        self.half_close_timeout = half_close_timeout
+        """Seconds a connection the local side has ended stays open while the port sends
+        nothing (None: for as long as the port keeps it)."""
         self.host = ""
         """The local address it listens on."""
         self.port = 0
@@ -545,10 +623,16 @@ class ExposedPort:
 
     @classmethod
     async def start(
-        cls, dialer: Dialer, remote_port: int, *, host: str = "127.0.0.1", port: int = 0
+        cls,
+        dialer: Dialer,
+        remote_port: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        half_close_timeout: float | None = 30.0,
     ) -> Self:
         """Listen on ``host:port`` (0: an ephemeral port) for ``remote_port`` of the daemon's sandbox."""
-        exposed = cls(dialer, remote_port)
+        exposed = cls(dialer, remote_port, half_close_timeout=half_close_timeout)
         loop = exposed._loop = asyncio.get_running_loop()
         exposed._server = await loop.create_server(lambda: _Local(exposed), host, port)
         sockname = exposed._server.sockets[0].getsockname()

@@ -27,7 +27,9 @@ import asyncio
 import contextlib
 import io
 import logging
+import re
 import shlex
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,11 +189,27 @@ class SandmanDeployment(AbstractDeployment):
 
 
 @dataclass
+class _Program:
+    """An interactive program of a session: a process on a terminal of its own."""
+
+    id: str
+    offset: int = 0  # of its output read so far
+    pending: str = ""  # read, not yet consumed by an expect
+    dropped: bool = False  # pending lost its head (a bounded buffer)
+    ended: bool = False
+
+
+@dataclass
 class _Session:
     id: str
     shell: str
     request: CreateBashSessionRequest
     alive: bool = True
+    program: _Program | None = None
+
+
+# What SWE-ReX strips from a terminal's output (its _strip_control_chars).
+_ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
 
 
 class SandmanRuntime(AbstractRuntime):
@@ -287,19 +305,33 @@ class SandmanRuntime(AbstractRuntime):
         run), then run with stderr merged; on timeout it is interrupted and
         ``CommandTimeoutError`` raised, the session keeping its state. The exit
         code is None with ``check="ignore"``, and ``NonZeroExitCodeError`` is
-        raised for a non-zero one with ``check="raise"``. Interactive programs
-        (``is_interactive_command``/``is_interactive_quit``) are not supported.
+        raised for a non-zero one with ``check="raise"``.
+
+        An interactive program (``is_interactive_command``: gdb, a REPL) runs
+        on a terminal of its own, started in the session's directory with its
+        exported variables; its output is read up to the first of ``expect``
+        (regular expressions, as pexpect takes them) or its end, and the next
+        interactive commands are typed into it, ``is_interactive_quit`` the
+        last. Unlike SWE-ReX's own runtime, plain commands meanwhile still go
+        to the session's shell.
         """
         if isinstance(action, BashInterruptAction):
+            session = self._session(action.session)
+            program = session.program
+            if program is not None:  # Ctrl-C goes to the program; ended, the shell has it
+                await self._call(self._sandbox.write_stdin, program.id, "\x03")
+                info = await self._call(self._sandbox.wait, program.id, timeout=action.timeout)
+                if not info.running:
+                    session.program = None
+                    with contextlib.suppress(SandmanRuntimeError):
+                        await self._call(self._sandbox.kill, program.id)
+                return BashObservation(output="", exit_code=0)
             # A run returns only once its command is done or interrupted: the shell is
             # at its prompt, or it has ended and is started again.
             await self._revive(action.session)
             return BashObservation(output="", exit_code=0)
         if action.is_interactive_command or action.is_interactive_quit:
-            raise NotImplementedError(
-                "SandmanRuntime does not drive interactive programs (is_interactive_command, "
-                "is_interactive_quit) yet"
-            )
+            return await self._interactive(await self._revive(action.session), action)
         session = await self._revive(action.session)
         await self._check_syntax(session, action.command)
         result = await self._call(
@@ -324,6 +356,74 @@ class SandmanRuntime(AbstractRuntime):
             raise NonZeroExitCodeError(f"{action.error_msg}: {msg}" if action.error_msg else msg)
         return BashObservation(output=output, exit_code=result.exit_code)
 
+    async def _interactive(self, session: _Session, action: BashAction) -> BashObservation:
+        program = session.program
+        if program is None:
+            # Started as the session's shell would start it: its directory, its exports.
+            where = await self._call(
+                self._sandbox.run_in_session, session.id, "pwd; export -p", timeout=30
+            )
+            cwd, _, exports = where.stdout.partition("\n")
+            script = f"cd -- {shlex.quote(cwd)}\n{exports}\n{action.command}"
+            info = await self._call(
+                self._sandbox.spawn, [session.shell, "-c", script], tty=True, rows=24, cols=200
+            )
+            program = session.program = _Program(info.id)
+        else:
+            await self._call(self._sandbox.write_stdin, program.id, action.command + "\n")
+        output, matched = await self._expect(program, action)
+        if program.ended:  # back to the shell
+            session.program = None
+            with contextlib.suppress(SandmanRuntimeError):
+                await self._call(self._sandbox.kill, program.id)
+        if not action.is_interactive_quit:
+            output = output.lstrip().removeprefix(action.command).strip()  # the echo, as SWE-ReX
+        return BashObservation(output=output, exit_code=0, expect_string=matched)
+
+    async def _expect(self, program: _Program, action: BashAction) -> tuple[str, str]:
+        """The program's output up to the first match of ``action.expect`` (and that
+        pattern), or up to its end (and ""); CommandTimeoutError after ``action.timeout``."""
+        patterns = [re.compile(p) for p in action.expect]
+        deadline = None if action.timeout is None else time.monotonic() + action.timeout
+        while True:
+            found = [
+                (m.start(), m.end(), p.pattern)
+                for p in patterns
+                if (m := p.search(program.pending))
+            ]
+            if found:
+                start, end, pattern = min(found)
+                before, program.pending = program.pending[:start], program.pending[end:]
+                return self._seen(program, before), pattern
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CommandTimeoutError(
+                    f"timeout after {action.timeout} seconds while running command "
+                    f"{action.command!r}"
+                )
+            wait = min(5.0, left) if left is not None else 5.0
+            out = await self._call(
+                self._sandbox.read_output, program.id, stdout_offset=program.offset, wait=wait
+            )
+            program.offset = out.stdout_next_offset
+            program.pending += out.stdout
+            if len(program.pending) > self._max_output:
+                # The sandbox decides how much it prints: keep the tail, where a prompt is.
+                program.pending = program.pending[-self._max_output :]
+                program.dropped = True
+            if not out.running and not out.stdout:
+                before, program.pending, program.ended = program.pending, "", True
+                return self._seen(program, before), ""
+
+    def _seen(self, program: _Program, before: str) -> str:
+        """Output as SWE-ReX gives it (escape sequences gone, CRLF as LF), with a note
+        of what the bounded buffer dropped."""
+        text = _ANSI.sub("", before).replace("\r\n", "\n")
+        if program.dropped:
+            program.dropped = False
+            text = f"[... output before the last {self._max_output} characters dropped ...]\n{text}"
+        return text
+
     async def _check_syntax(self, session: _Session, command: str) -> None:
         check = await self._call(
             self._sandbox.exec, [session.shell, "-n"], stdin=command + "\n", timeout=30
@@ -341,6 +441,8 @@ class SandmanRuntime(AbstractRuntime):
         session = self._session(request.session)
         del self._sessions[request.session]
         with contextlib.suppress(SandmanRuntimeError):  # already ended
+            if session.program is not None:
+                await self._call(self._sandbox.kill, session.program.id)
             await self._call(self._sandbox.close_session, session.id)
         return CloseBashSessionResponse()
 

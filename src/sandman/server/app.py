@@ -62,6 +62,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     forwarder = proxy.Forwarder(
         max_body=settings.max_proxy_body_bytes, connect_timeout=settings.proxy_connect_timeout
     )
+    pool.add_hook(forwarder.hook)
     sampler = Sampler(pool, queue_depths=service.queue_depths, admins=settings.admin_tenants)
     pool.add_hook(sampler.hook)
 

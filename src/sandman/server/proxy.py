@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from sandman import errors
 from sandman._transport import ConnectionLost, UntrustedPeer, check_peer
 from sandman.daemon.tunnel import Dialer, Refused
-from sandman.pool import Record
+from sandman.pool import PoolEvent, Record
 from sandman.providers.base import DaemonEndpoint
 from sandman.server.duplex import DuplexResponse
 from sandman.server.errors import ApiError, from_exception
@@ -67,8 +67,13 @@ class _Upstream:
     """A kept-alive client of one daemon socket (or of every TCP daemon), shared by requests."""
 
     client: httpx.AsyncClient
+    sandbox: str | None = None  # whose daemon socket; None: every TCP daemon's
     users: int = 0
     evicted: bool = False
+
+
+# Events after which nobody will reach a sandbox's daemon again.
+_GONE = frozenset({"sandbox.released", "sandbox.lost", "delete.complete"})
 
 
 class Forwarder:
@@ -77,7 +82,8 @@ class Forwarder:
     A fresh httpx client per request would build an SSL context and open a
     connection each time (tens of ms); these are reused. Unix-socket clients
     are kept for the ``max_sockets`` most recently used sandboxes; one that
-    falls out is closed once its last request is done.
+    falls out, or whose sandbox is released or lost (`hook`), is closed once
+    its last request is done.
     """
 
     def __init__(self, *, max_body: int, connect_timeout: float, max_sockets: int = 256) -> None:
@@ -86,6 +92,7 @@ class Forwarder:
         self._timeout = httpx.Timeout(None, connect=connect_timeout)
         self._max_sockets = max_sockets
         self._sockets: OrderedDict[tuple[str, int | None], _Upstream] = OrderedDict()
+        self._keys: dict[str, tuple[str, int | None]] = {}  # sandbox id -> its key in _sockets
         self._tcp: _Upstream | None = None
 
     def _new(self, uds: str | None, peer_pid: int | None = None) -> _Upstream:
@@ -103,7 +110,7 @@ class Forwarder:
             )
         return _Upstream(httpx.AsyncClient(transport=transport, timeout=self._timeout))
 
-    def _acquire(self, endpoint: DaemonEndpoint) -> _Upstream:
+    def _acquire(self, sandbox_id: str, endpoint: DaemonEndpoint) -> _Upstream:
         if endpoint.uds is None:
             if self._tcp is None:
                 self._tcp = self._new(None)
@@ -113,15 +120,39 @@ class Forwarder:
             found = self._sockets.get(key)
             if found is None:
                 found = self._sockets[key] = self._new(endpoint.uds, endpoint.pid)
+                found.sandbox = sandbox_id
+                self._keys[sandbox_id] = key
                 while len(self._sockets) > self._max_sockets:
                     _, old = self._sockets.popitem(last=False)
-                    old.evicted = True
-                    if old.users == 0:
-                        self._close_later(old)
+                    self._evict(old)
             self._sockets.move_to_end(key)
             upstream = found
         upstream.users += 1
         return upstream
+
+    def _evict(self, upstream: _Upstream) -> None:
+        upstream.evicted = True
+        if upstream.sandbox is not None:
+            self._keys.pop(upstream.sandbox, None)
+        if upstream.users == 0:
+            self._close_later(upstream)
+
+    def forget(self, sandbox_id: str) -> None:
+        """Close the connections kept to a sandbox's daemon (after its requests in flight).
+
+        Nobody reuses them once it is released, and httpcore expires an idle
+        connection only when its pool is used again: without this each
+        released sandbox would keep a descriptor here (up to ``max_sockets``).
+        """
+        key = self._keys.get(sandbox_id)
+        upstream = self._sockets.pop(key, None) if key is not None else None
+        if upstream is not None:
+            self._evict(upstream)
+
+    def hook(self, event: PoolEvent) -> None:
+        """A pool event hook: `forget` a sandbox released, lost or deleted."""
+        if event.name in _GONE and event.sandbox_id is not None:
+            self.forget(event.sandbox_id)
 
     async def _release(self, upstream: _Upstream) -> None:
         upstream.users -= 1
@@ -137,6 +168,7 @@ class Forwarder:
         """Close every kept connection (at the service's shutdown)."""
         upstreams = [*self._sockets.values(), *([self._tcp] if self._tcp else [])]
         self._sockets.clear()
+        self._keys.clear()
         self._tcp = None
         for upstream in upstreams:
             await upstream.client.aclose()
@@ -158,7 +190,7 @@ class Forwarder:
         url = f"{base}/{path.lstrip('/')}"
         if request.url.query:
             url = f"{url}?{request.url.query}"
-        upstream = self._acquire(endpoint)
+        upstream = self._acquire(record.id, endpoint)
         client = upstream.client
         body_read = asyncio.Event()
         if not has_body:
