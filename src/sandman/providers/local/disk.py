@@ -247,8 +247,10 @@ class DiskPool:
 
     def _discard(self) -> None:
         """Let go of an aborted filesystem, layers and all (see the module's docstring)."""
-        _umount(self.root, detach=True)  # live sandboxes' overlays hold it, not the host
+        # The image first: if it cannot go (a read-only state directory), the filesystem
+        # stays mounted for the next try, rather than its stale image being mounted anew.
         self.image.unlink(missing_ok=True)
+        _umount(self.root, detach=True)  # live sandboxes' overlays hold it, not the host
         logger.warning(
             "the disk filesystem at %s had turned read-only (its state directory full?): "
             "discarded; sandboxes with a layer in it are broken (EIO) and hold it until deleted",
