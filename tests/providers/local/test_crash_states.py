@@ -9,6 +9,7 @@ pool's reconcile pass at it, and checks that nothing at all is left.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import time
@@ -55,26 +56,37 @@ def dead_owner() -> str:
 
 
 async def test_a_create_killed_before_its_record_was_whole(provider: LocalProvider) -> None:
-    """Killed between the staging directory and its rename: `list` never sees it;
-    gc removes it once past the grace, and never a create still in flight."""
+    """Killed between the staging directory and its rename: `list` never sees it. gc
+    removes one with its record written at once if its maker's lock is gone (the create
+    died), else once past the grace; never a create still in flight (the lock held)."""
     sandboxes = provider.config.state_dir.resolve() / "sandboxes"
     sandboxes.mkdir(parents=True, exist_ok=True)
     empty = sandboxes / ".new-sb-000000000001.1a2b3c4d"
-    recorded = sandboxes / ".new-sb-000000000002.5e6f7a8b"
-    empty.mkdir(mode=0o700)
-    recorded.mkdir(mode=0o700)
-    (recorded / "meta.json").write_text('{"id": "sb-000000000002", "labels": {}}')
-    assert await provider.list() == []
-    # Young: as a create in flight would be.
-    assert await gc(provider) == ["reaped 0 sandbox(es)"]
-    assert empty.exists() and recorded.exists()
-    age(empty, 120)
-    age(recorded, 120)
-    out = await gc(provider)
-    assert sorted(out[:-1]) == [
-        f"reaped {path.name}: a create killed before its record was whole"
-        for path in (empty, recorded)
-    ]
+    in_flight = sandboxes / ".new-sb-000000000002.5e6f7a8b"
+    died = sandboxes / ".new-sb-000000000003.9c0d1e2f"
+    for path in (empty, in_flight, died):
+        path.mkdir(mode=0o700)
+    for path in (in_flight, died):
+        (path / "meta.json").write_text(f'{{"id": "{path.name[5:20]}", "labels": {{}}}}')
+    lock = os.open(in_flight, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as `_make_record` holds it
+        assert await provider.list() == []
+        # Young: the empty one may be a create in flight, the locked one is.
+        assert (await gc(provider))[:-1] == [
+            f"reaped {died.name}: a create killed before its record was whole"
+        ]
+        assert empty.exists() and in_flight.exists() and not died.exists()
+        age(empty, 120)
+        assert (await gc(provider))[0] == (
+            f"reaped {empty.name}: a create killed before its record was whole"
+        )
+        assert in_flight.exists()
+    finally:
+        os.close(lock)  # its maker dies
+    assert (await gc(provider))[0] == (
+        f"reaped {in_flight.name}: a create killed before its record was whole"
+    )
     assert leftovers(provider) == []
 
 
@@ -134,8 +146,9 @@ async def test_a_delete_killed_as_its_directory_goes_leaves_no_unlabelled_sandbo
 async def test_a_dead_pools_watchdog_removes_what_its_killed_deletes_left(
     provider: LocalProvider,
 ) -> None:
-    """The pool died mid-delete: its watchdog's sweep also takes the trash, at once, and
-    spares a young staging directory (another pool's create in flight)."""
+    """The pool died mid-delete or mid-create: its watchdog's sweep also takes the trash
+    and the staging directories whose maker is gone, at once, and spares a young empty
+    one (maybe another pool's create in flight)."""
     sandboxes = provider.config.state_dir.resolve() / "sandboxes"
     sandboxes.mkdir(parents=True, exist_ok=True)
     trash = sandboxes / ".old-sb-000000000003.1a2b3c4d"
@@ -143,8 +156,11 @@ async def test_a_dead_pools_watchdog_removes_what_its_killed_deletes_left(
     trash.mkdir(mode=0o700)
     (trash / "log").write_text("the rest of a sandbox\n")
     in_flight.mkdir(mode=0o700)
+    died = sandboxes / ".new-sb-000000000005.9c0d1e2f"  # the dead pool's create, record written
+    died.mkdir(mode=0o700)
+    (died / "meta.json").write_text('{"id": "sb-000000000005", "labels": {}}')
     await watchdog._sweep_local(provider.config, {"sandman.io/pool": "dead"})
-    assert not trash.exists() and in_flight.exists()
+    assert not trash.exists() and not died.exists() and in_flight.exists()
     in_flight.rmdir()
     assert leftovers(provider) == []
 

@@ -23,6 +23,7 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -449,9 +450,10 @@ class LocalProvider:
 
     async def remove_strays(self, *, older_than: float) -> builtins.list[str]:
         """Remove the directories `list` does not see: what a create killed before its
-        record was whole left, once older than ``older_than`` seconds (a create in
-        flight has one for a moment), and what a delete killed after its record had
-        gone left (at once: nothing comes back for it). Returns their names."""
+        record was whole left (at once if its record was written, else once older than
+        ``older_than`` seconds: a create in flight has one for a moment), and what a
+        delete killed after its record had gone left (at once: nothing comes back for
+        it). Returns their names."""
         return await anyio.to_thread.run_sync(self._remove_strays, older_than)
 
     def _remove_strays(self, older_than: float) -> builtins.list[str]:
@@ -465,6 +467,7 @@ class LocalProvider:
                     if (
                         entry.name.startswith(_TRASH)
                         or entry.stat(follow_symlinks=False).st_mtime < deadline
+                        or _abandoned(Path(entry.path))
                     ):
                         _remove_tree(Path(entry.path))
                         removed.append(entry.name)
@@ -503,14 +506,23 @@ def _relabel(meta_path: Path, labels: dict[str, str | None]) -> None:
 
 def _make_record(directory: Path, meta: str) -> None:
     """The sandbox's directory with its ``meta.json``, whole or not at all: made under a
-    staging name `list` does not see (`remove_strays` finds it if we die first), then renamed."""
+    staging name `list` does not see (`remove_strays` finds it if we die first), then renamed.
+
+    The staging directory is flocked while it is made: one with its record written
+    and no lock held is a create that died, which `remove_strays` takes at once,
+    not after its grace (a dead pool's watchdog sweeps right after the death)."""
     staging = directory.with_name(f"{_STAGING}{directory.name}.{secrets.token_hex(4)}")
     try:
         staging.mkdir(mode=0o700)
         try:
-            _write(staging / _META, meta)
-            # Onto nothing, or onto an empty directory a crashed delete left.
-            staging.rename(directory)
+            fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # at once: only a sweeper's look may hold it
+                _write(staging / _META, meta)
+                # Onto nothing, or onto an empty directory a crashed delete left.
+                staging.rename(directory)
+            finally:
+                os.close(fd)
         except BaseException:
             _remove_tree(staging)
             raise
@@ -518,6 +530,24 @@ def _make_record(directory: Path, meta: str) -> None:
         if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
             raise errors.ConfigError(f"sandbox {directory.name} already exists") from None
         raise _state_error(directory.name, directory, exc) from exc
+
+
+def _abandoned(staging: Path) -> bool:
+    """Whether a staging directory's create died: its record written, its lock free
+    (`_make_record` holds it until the rename; a dead process holds nothing)."""
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a create in flight
+        # Gone (renamed into place) since we opened it: no record under this name.
+        return (staging / _META).exists()
+    finally:
+        os.close(fd)
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> None:
