@@ -11,6 +11,7 @@ import builtins
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -18,9 +19,18 @@ import anyio
 from sandman.models import SandboxSpec
 from sandman.providers.base import Provider, SandboxInfo
 
-__all__ = ["Delegating", "eventually", "until", "wait_for"]
+__all__ = ["Delegating", "alive", "eventually", "until", "wait_for"]
 
 T = TypeVar("T")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (what waits for a death polls)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone; or reaped between the open and the read (ESRCH)
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 async def eventually(

@@ -19,20 +19,11 @@ import sandman.testing
 from sandman.models import SandboxSpec
 from sandman.providers.base import Provider, SandboxInfo
 from sandman.testing import FakeProvider, Faults
-from tests.support import eventually
+from tests.support import alive, eventually
 
 pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(image="task")
-
-
-def _alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _processes_under(directory: Path) -> list[int]:
@@ -46,7 +37,7 @@ def _processes_under(directory: Path) -> list[int]:
             cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if (str(directory).encode() in cmdline or cwd.startswith(str(directory))) and _alive(
+        if (str(directory).encode() in cmdline or cwd.startswith(str(directory))) and alive(
             int(entry.name)
         ):
             found.append(int(entry.name))
@@ -82,7 +73,7 @@ async def test_end_to_end_with_a_real_daemon(state_dir: Path) -> None:
         assert info.endpoint is not None and info.endpoint.uds is not None
         assert len(os.fsencode(info.endpoint.uds)) < 100
         pid = provider.daemon_pid(info.id)
-        assert pid is not None and _alive(pid)
+        assert pid is not None and alive(pid)
         async with info.endpoint.client() as client:
             await client.wait_ready(timeout=10)
             result = await client.exec(["echo", "hi"])
@@ -90,9 +81,9 @@ async def test_end_to_end_with_a_real_daemon(state_dir: Path) -> None:
             assert (await client.exec("echo $GREETING")).stdout == "hello\n"
             # A background process in a process group of its own dies with the sandbox too.
             background = await client.spawn(["sleep", "1000"])
-        assert _alive(background.pid)
+        assert alive(background.pid)
         await provider.delete(info.id)
-        assert not _alive(pid) and not _alive(background.pid)
+        assert not alive(pid) and not alive(background.pid)
         assert not Path(info.endpoint.uds).exists()
         assert list(state_dir.iterdir()) == []
         with pytest.raises(sandman.SandboxNotFound):
@@ -298,7 +289,7 @@ async def test_delete_is_idempotent(state_dir: Path) -> None:
         pid = provider.daemon_pid(info.id)
         assert pid is not None
         await asyncio.gather(*(provider.delete(info.id) for _ in range(3)))
-        assert not _alive(pid)
+        assert not alive(pid)
         await provider.delete(info.id)
         await provider.delete("never-existed")
         assert (provider.live, provider.deleted_total) == (0, 1)
@@ -360,7 +351,7 @@ async def test_lose_now(state_dir: Path) -> None:
             assert lost.state == "stopped" and lost.endpoint is None
             with pytest.raises(sandman.DaemonUnavailable):
                 await client.health()
-        await eventually(lambda: not _alive(pid))
+        await eventually(lambda: not alive(pid))
         assert provider.live == 1 and [i.id for i in await provider.list()] == [info.id]
         with pytest.raises(sandman.SandboxNotFound):
             provider.lose("nope")
@@ -384,7 +375,7 @@ async def test_lose_after(state_dir: Path) -> None:
             await eventually(stopped, what="the fake to lose the sandbox")
             with pytest.raises(sandman.DaemonUnavailable):
                 await client.health()
-        await eventually(lambda: not _alive(pid))
+        await eventually(lambda: not alive(pid))
         await provider.delete(info.id)
         assert provider.live == 0
 

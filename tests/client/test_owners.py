@@ -22,6 +22,7 @@ from sandman.cli import build
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import needs_root_and_crun
+from tests.support import alive
 
 pytestmark = [needs_root_and_crun, pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -80,7 +81,7 @@ def holders(local_state: Path) -> Iterator[list[Holder]]:
                 holder.process.stdout.close()
         # Their watchdogs sweep: done before the state directory is checked and removed.
         deadline = time.monotonic() + 60
-        while not all(gone(h.watchdog) for h in started if h.watchdog):
+        while any(alive(h.watchdog) for h in started if h.watchdog):
             assert time.monotonic() < deadline, "a watchdog did not finish its sweep"
             time.sleep(0.05)
 
@@ -105,14 +106,6 @@ def hold(holders: list[Holder], state: Path, pool: str) -> Holder:
     return holder
 
 
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
-
-
 async def ids(provider: LocalProvider, pool: str | None = None) -> set[str]:
     return {i.id for i in await provider.list() if pool is None or i.labels.get(POOL) == pool}
 
@@ -129,7 +122,7 @@ async def test_a_pool_killed_with_its_watchdog_is_reaped_and_no_other(
     os.kill(watchdog, signal.SIGKILL)
     dead.kill()
     with anyio.fail_after(10):
-        while not gone(watchdog):
+        while alive(watchdog):
             await anyio.sleep(0.02)
     left = await ids(imported, dead_name)
     assert dead.held <= left
@@ -165,7 +158,7 @@ async def test_a_successor_of_the_same_name_keeps_its_sandboxes_from_the_old_wat
     watchdog = old.watchdog
     old.kill()  # not its watchdog, which sweeps
     with anyio.fail_after(30):
-        while not gone(watchdog):
+        while alive(watchdog):
             await anyio.sleep(0.05)
     assert await ids(imported, name) == new.held
     assert new.process.poll() is None

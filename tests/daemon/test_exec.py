@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -11,26 +10,14 @@ import pytest
 
 import sandman
 from sandman.daemon import DaemonClient
+from tests.support import alive
 
 pytestmark = pytest.mark.anyio
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0): look at its state (it may be reaped meanwhile).
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 async def _wait_gone(pid: int, timeout: float = 10.0) -> None:
     with anyio.fail_after(timeout):
-        while _alive(pid):
+        while alive(pid):
             await anyio.sleep(0.01)
 
 

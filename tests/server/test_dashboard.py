@@ -27,7 +27,7 @@ from sandman.server.dashboard import BUCKETS, NO_TENANT, OTHER_TENANTS, Sampler
 from sandman.server.schemas import DashboardOut
 from sandman.testing import FakeProvider
 from tests.server.conftest import AUTH_A, AUTH_B, KEY_A, KEY_B, serve_in_thread, settings
-from tests.support import eventually
+from tests.support import alive, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -407,14 +407,6 @@ def _descendants(root: int) -> dict[int, str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 async def _number(page: Any, selector: str, expected: str, timeout: float = 30.0) -> None:
     """Wait until the page shows ``expected`` at ``selector`` (it polls every second)."""
     from playwright.async_api import expect
@@ -505,9 +497,9 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
             await eventually(lambda: not served.run(served.pool.list), timeout=30)
         finally:
             deadline = time.monotonic() + 10
-            while any(_alive(pid) for pid in browsers) and time.monotonic() < deadline:
+            while any(alive(pid) for pid in browsers) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            left = {pid: cmd for pid, cmd in browsers.items() if _alive(pid)}
+            left = {pid: cmd for pid, cmd in browsers.items() if alive(pid)}
             for pid in left:  # ours: started by this test's Playwright
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ from sandman.providers.base import DaemonEndpoint
 from tests.daemon.tcp import count_then_answer, echo, http_hello
 from tests.daemon.tcp import serve as serve_tcp
 from tests.server.conftest import KEY_A, KEY_B, serve
-from tests.support import eventually
+from tests.support import alive, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -146,15 +146,6 @@ async def test_another_tenants_key_cannot_use_the_route() -> None:
         await eventually(lambda: served.provider.live == 0)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (ProcessLookupError, FileNotFoundError):
-        return False  # gone, or reaped between the two looks
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a command as another user needs root")
 async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) -> None:
     """Issue 16, gaps 1-5 through the route: the fake's daemons run on this host, as root."""
@@ -201,7 +192,7 @@ async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) ->
                 tg.cancel_scope.cancel()
             child = int(pidfile.read_text())
             with anyio.fail_after(10):
-                while _alive(child):
+                while alive(child):
                     await anyio.sleep(0.01)
         await eventually(lambda: served.provider.live == 0)
 
