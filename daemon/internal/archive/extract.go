@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -369,20 +370,28 @@ func (x *extractor) escapes(rel, target string) bool {
 
 // rebase splits a symlink body into components to walk from the link's
 // directory, or for an absolute body from the root; false if an absolute
-// body is not under the destination.
+// body does not name the destination literally. Only "" and "." are
+// dropped on the way: folding ".." as filepath.Clean does would read
+// "<dst>/x/up/.." as "<dst>/x", where the kernel follows x/up first and, if
+// it is a link to "..", ends beside the destination.
 func (x *extractor) rebase(body string) ([]string, bool) {
 	if !strings.HasPrefix(body, "/") {
 		return strings.Split(body, "/"), true
 	}
-	clean := filepath.Clean(body)
-	if clean == x.absRoot {
-		return nil, true
+	var parts []string
+	for _, p := range strings.Split(body, "/") {
+		if p != "" && p != "." {
+			parts = append(parts, p)
+		}
 	}
-	rest, ok := strings.CutPrefix(clean, strings.TrimSuffix(x.absRoot, "/")+"/")
-	if !ok {
+	var root []string
+	if trimmed := strings.Trim(x.absRoot, "/"); trimmed != "" {
+		root = strings.Split(trimmed, "/")
+	}
+	if len(parts) < len(root) || !slices.Equal(parts[:len(root)], root) {
 		return nil, false
 	}
-	return strings.Split(rest, "/"), true
+	return parts[len(root):], true
 }
 
 func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {

@@ -66,6 +66,7 @@ func FuzzExtract(f *testing.F) {
 		{0, 0, "dlib/\nflib/real data\nllib/cur real\nld lib\nle d/cur\nlabs /lib/real\nldangling nowhere/../lib\nhhard lib/real"},
 		{0, 0, "lx /../sibling"},
 		{0, 0, "dx/\nlx/top /\nla x/top/x/top/.."},
+		{0, 0, "dx/\nlx/up ..\nl0 /x/up/.."},
 		{0, 0, "pfifo\nf./ data\nd./"},
 		{1, 0, "fz data"},
 		{0, 700, "fa data\nfb data"},
