@@ -73,7 +73,7 @@ KWOK = KubernetesOptions(
     tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
 )
 SPEC = SandboxSpec(image="sandman.local/busybox:1.35", cpu=0.1, memory="64Mi", kubernetes=KWOK)
-RUN_LABEL = "sandman.io/bench"
+RUN_LABEL = "bench.sandman.io/run"  # sandman.io/ is reserved for Sandman
 
 
 def log(*words: object) -> None:
