@@ -12,7 +12,9 @@ Every failure leaves this module as a Sandman error (`raise_for_status`):
 - 429 (API Priority and Fairness, max-inflight) and 5xx -> ThrottledError with
   the server's Retry-After: the pool's pacer backs off and retries;
 - 403 for an exceeded (or not yet counted) ResourceQuota -> CapacityError
-  (retryable); other 403s and 401 -> ConfigError (our identity lacks a permission);
+  (retryable); other 403s -> ConfigError (our identity lacks a permission); 401 ->
+  ConfigError once a fresh token was refused too (`Credentials.refresh`: an exec
+  plugin run again, a token file re-read; one retry);
 - 404 -> SandboxNotFound; 400 (BadRequest), 409 and 422 -> ConfigError (a bad
   name, spec or selector);
 - no answer at all (connect, read timeouts) -> ThrottledError: the API server
@@ -89,9 +91,13 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
     # "status unknown": a quota the controller has not counted yet (just made, or lagging).
     if status == 403 and ("exceeded quota" in message or "status unknown for quota" in message):
         raise errors.CapacityError(message)
-    if status in (401, 403):
-        error = Forbidden if status == 403 else errors.ConfigError
-        raise error(
+    if status == 401:
+        raise errors.ConfigError(
+            f"{message} (the API server does not accept our credentials: an expired "
+            "or revoked token, or a client certificate it does not trust)"
+        )
+    if status == 403:
+        raise Forbidden(
             f"{message} (check the identity's Role: pods create/get/list/patch/"
             "watch/delete and leases create/get/list/patch/delete in the namespace)"
         )
@@ -149,9 +155,27 @@ class KubeAPI:
             )
         return self._session
 
-    def _headers(self) -> dict[str, str]:
-        token = self._credentials.bearer()
-        return {"Authorization": f"Bearer {token}"} if token else {}
+    @contextlib.asynccontextmanager
+    async def _respond(
+        self, method: str, url: str, *, headers: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The response to one request; after a 401, to the same request once more
+        with a fresh token (an exec plugin's expired early, a token file rotated)."""
+        credentials = self._credentials
+        for attempt in (0, 1):
+            token = await credentials.authorization()
+            auth = {"Authorization": f"Bearer {token}"} if token else {}
+            async with self._http().request(
+                method, url, headers={**auth, **(headers or {})}, proxy=credentials.proxy,
+                server_hostname=credentials.tls_server_name, **kwargs,
+            ) as response:  # fmt: skip
+                if response.status == 401 and attempt == 0:
+                    await response.read()
+                    if await credentials.refresh(token):
+                        logger.info("%s %s: 401: once more with a new token", method, url)
+                        continue
+                yield response
+                return
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -171,9 +195,7 @@ class KubeAPI:
     ) -> dict[str, Any]:
         """One API call; its JSON answer, or the Sandman error for its failure."""
         with _transport_errors(what):
-            async with self._http().request(
-                method, url, params=params, json=body, headers=self._headers()
-            ) as response:
+            async with self._respond(method, url, params=params, json=body) as response:
                 data = await response.read()
                 status, headers = response.status, response.headers
         if missing_ok and status == 404:
@@ -226,9 +248,9 @@ class KubeAPI:
 
     async def _merge_patch(self, url: str, patch: dict[str, Any], what: str) -> None:
         body = json.dumps(patch).encode()
-        headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
+        headers = {"Content-Type": "application/merge-patch+json"}
         with _transport_errors(what):
-            async with self._http().request("PATCH", url, data=body, headers=headers) as response:
+            async with self._respond("PATCH", url, data=body, headers=headers) as response:
                 data = await response.read()
                 status, response_headers = response.status, response.headers
         raise_for_status(status, response_headers, data, what)
@@ -310,9 +332,7 @@ class KubeAPI:
         }  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=timeout_seconds + 30)
         with _transport_errors("watch pods"):
-            async with self._http().get(
-                self._pods, params=params, timeout=timeout, headers=self._headers()
-            ) as response:
+            async with self._respond("GET", self._pods, params=params, timeout=timeout) as response:
                 if response.status == 410:
                     raise WatchExpired(resource_version)
                 if response.status >= 300:
