@@ -197,6 +197,22 @@ def test_relative_paths_are_resolved_against_the_file_naming_them(tmp_path: Path
     assert credentials.ssl_context.get_ca_certs()[0]["subject"] == ((("commonName", "test"),),)
 
 
+def test_without_settings_the_default_kubeconfig_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(credentials_module, "SERVICE_ACCOUNT", tmp_path / "not-in-a-pod")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(errors.ConfigError, match="no Kubernetes credentials"):
+        load_credentials(KubernetesConfig())
+    kubeconfig(
+        tmp_path / ".kube" / "config",
+        clusters={"c": {"server": "https://home:6443"}},
+        contexts={"x": {"cluster": "c"}},
+        current="x",
+    )
+    assert load_credentials(KubernetesConfig()).server == "https://home:6443"
+
+
 def test_proxy_and_tls_server_name_are_read_and_socks_refused(tmp_path: Path) -> None:
     cluster = {"server": "https://c:6443", "proxy-url": "http://proxy:3128",
                "tls-server-name": "kubernetes.default", "insecure-skip-tls-verify": True}  # fmt: skip

@@ -268,7 +268,8 @@ class Credentials:
 
 
 def load_credentials(config: KubernetesConfig) -> Credentials:
-    """Credentials from the config: kubeconfig(s), else server + files, else in-cluster."""
+    """Credentials from the config: kubeconfig(s), else server + files, else in-cluster,
+    else ``~/.kube/config``."""
     if config.kubeconfig is not None:
         return _from_kubeconfig(config)
     if config.server is not None:
@@ -292,9 +293,12 @@ def load_credentials(config: KubernetesConfig) -> Credentials:
             ssl_context=ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt")),
             token_file=SERVICE_ACCOUNT / "token",
         )
+    default = Path.home() / ".kube" / "config"
+    if default.is_file():  # where kubectl looks last (and `aws eks update-kubeconfig` writes)
+        return _from_kubeconfig(config.model_copy(update={"kubeconfig": default}))
     raise errors.ConfigError(
         "no Kubernetes credentials: set kubeconfig, or server (+ token_file, ca_file), "
-        "or run in a pod with a service account"
+        "or run in a pod with a service account, or write ~/.kube/config"
     )
 
 
