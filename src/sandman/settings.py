@@ -73,7 +73,8 @@ class KubernetesConfig(BaseModel):
 
     Credentials come from ``kubeconfig`` (its ``context``, else the current
     one); without it, from ``server`` + ``token_file`` + ``ca_file``; without
-    those, from the pod's own service account (in-cluster).
+    those, from the pod's own service account (in-cluster); else from
+    ``~/.kube/config``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
