@@ -470,6 +470,16 @@ async def test_requests_go_through_the_proxy_url(tmp_path: Path) -> None:
             await api.aclose()
 
 
-def test_exec_plugin_repr_hides_the_token() -> None:
-    plugin = ExecPlugin(command="p", user="u", api_version=V1, _token="secret")
-    assert "secret" not in repr(plugin)
+def test_reprs_hide_tokens() -> None:
+    plugin = ExecPlugin(
+        command="p",
+        user="u",
+        api_version=V1,
+        env={"AWS_SECRET_ACCESS_KEY": "secret-1"},
+        _token="secret-2",
+    )
+    credentials = Credentials(
+        server="https://k", namespace="ns", ssl_context=ssl.create_default_context(),
+        token="secret-3", exec_plugin=plugin,
+    )  # fmt: skip
+    assert "secret" not in repr(credentials)

@@ -80,7 +80,7 @@ class ExecPlugin:
     """The kubeconfig user it belongs to (for messages)."""
     api_version: str
     args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold secrets
     interactive_mode: str = "IfAvailable"
     install_hint: str | None = None
     cluster: dict[str, Any] | None = None
@@ -228,7 +228,7 @@ class Credentials:
     server: str
     namespace: str
     ssl_context: ssl.SSLContext
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     token_file: Path | None = None
     exec_plugin: ExecPlugin | None = None
     proxy: str | None = None
