@@ -19,11 +19,13 @@ Kubeconfigs are read as kubectl reads them:
 Why not ``kubernetes_asyncio``'s loader: importing it imports its whole
 generated client (768 model modules: +0.34 CPU-s and +38 MB RSS over aiohttp
 and PyYAML, +48 MB installed, plus six and python-dateutil), and it differs from
-kubectl where it matters here: ``current-context`` from the *last* file, exec
-tokens treated as expired 5 minutes early (a short-lived token runs the plugin
-on every load), no ``interactiveMode`` or ``provideClusterInfo``, no refresh on
-401, ``tokenFile`` read once, ``datetime.utcnow()`` (deprecated). The protocol
-is small; the hot path stays on our aiohttp client (`api`).
+kubectl where it matters here: ``current-context`` from the *last* file; exec
+tokens renewed only by a separate ``refresh_token`` task polling every 60 s
+(a token living less than that expires in use) and counted expired 5 minutes
+early; no ``interactiveMode`` (``spec.interactive`` is whether stdout is a
+terminal, and the plugin inherits stdin) or ``provideClusterInfo``; no refresh
+on a 401; ``tokenFile`` read once; ``datetime.utcnow()`` (deprecated). The
+protocol is small; the hot path stays on our aiohttp client (`api`).
 
 Refused with a clear error: ``auth-provider`` (removed from kubectl for gcp and
 azure; use the exec plugin, e.g. kubelogin, for oidc), exec plugins that answer
