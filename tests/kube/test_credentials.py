@@ -102,11 +102,12 @@ async def test_the_provider_keeps_working_across_token_expiries(
                     return runs(script) >= first + 3
 
                 await wait_for("three more plugin runs", 12 * LIFETIME, renewed_thrice)
-                # ...and a burst of requests shares one token: at most one run among them.
-                before = runs(script)
+                # ...and a burst of requests shares one token: one run among them at
+                # most, unless the burst outlives a token (a run at most once a second).
+                before, burst = runs(script), time.monotonic()
                 await asyncio.gather(*(provider.api.list_pods(f"{POOL}={pool_name}")
                                        for _ in range(30)))  # fmt: skip
-                assert runs(script) - before <= 1
+                assert runs(script) - before <= 1 + (time.monotonic() - burst)
             finally:
                 await provider.aclose()
             assert (await sb.exec("echo again")).stdout == "again\n"
@@ -118,10 +119,10 @@ async def test_the_provider_keeps_working_across_token_expiries(
 
         await wait_for(f"pod {sandbox_id} deleted", 60, gone)
     elapsed = time.monotonic() - started
-    # Refreshed as tokens expired (two providers, each with its own cache), not per
-    # request: a token lives 2 to 3 s and is renewed a fifth of it early.
+    # Refreshed as tokens expired, not per request: two providers, each with its own
+    # cache holding a token at least a second (it lives 2 to 3 s, renewed a fifth early).
     assert runs(script) >= 3
-    assert runs(script) <= 2 * (elapsed / 1.5 + 2), (runs(script), elapsed)
+    assert runs(script) <= 2 * (elapsed + 1), (runs(script), elapsed)
 
 
 async def test_a_401_runs_the_plugin_once_more_and_retries_once(
