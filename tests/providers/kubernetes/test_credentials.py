@@ -315,7 +315,7 @@ async def test_an_exec_token_without_expiry_lasts_until_refused(tmp_path: Path) 
         ("echo not json", "wrote no JSON ExecCredential"),
         (f"echo '{credential(V1BETA1, 'tok')}'", "answered with apiVersion .*v1beta1"),
         ("echo '{\"apiVersion\": \"" + V1 + "\", \"kind\": \"ExecCredential\", \"status\": {}}'",
-         "answered with no status.token"),
+         "answered with neither status.token nor status.clientCertificateData"),
     ],
 )  # fmt: skip
 async def test_a_failing_exec_plugin_is_a_clear_config_error(
@@ -476,10 +476,95 @@ def test_reprs_hide_tokens() -> None:
         user="u",
         api_version=V1,
         env={"AWS_SECRET_ACCESS_KEY": "secret-1"},
-        _token="secret-2",
+        token="secret-2",
     )
     credentials = Credentials(
         server="https://k", namespace="ns", ssl_context=ssl.create_default_context(),
         token="secret-3", exec_plugin=plugin,
     )  # fmt: skip
     assert "secret" not in repr(credentials)
+
+
+def _openssl(*args: str | Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+def _issue(directory: Path, name: str, san: str | None = None) -> tuple[Path, Path]:
+    """A P-256 key and certificate for CN ``name``, signed by ``directory``'s ca."""
+    key, csr, crt = (directory / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-subj", f"/CN={name}", "-keyout", key, "-out", csr)  # fmt: skip
+    extensions = directory / f"{name}.ext"
+    extensions.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
+    _openssl("x509", "-req", "-in", csr, "-CA", directory / "ca.crt", "-CAkey",
+             directory / "ca.key", "-CAcreateserial", "-days", "1", "-out", crt,
+             "-extfile", extensions)  # fmt: skip
+    return crt, key
+
+
+async def test_an_exec_plugins_client_certificate_is_used_and_renewed_on_new_connections(
+    tmp_path: Path,
+) -> None:
+    # Teleport's tsh answers with a client certificate. The server refuses the first one
+    # (CN=old): the plugin runs again, and the retry presents the new one, which takes a
+    # new connection (a TLS connection presents its certificate once, at the handshake).
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl to make certificates")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-days", "1", "-subj", "/CN=test-ca", "-keyout", tmp_path / "ca.key",
+             "-out", tmp_path / "ca.crt")  # fmt: skip
+    server_crt, server_key = _issue(tmp_path, "server", san="IP:127.0.0.1")
+    for name in ("old", "new"):
+        _issue(tmp_path, name)
+    script = tmp_path / "plugin"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, pathlib, sys\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        "runs = d / 'plugin.runs'\n"
+        "n = len(runs.read_text().splitlines()) if runs.exists() else 0\n"
+        "runs.write_text('run\\n' * (n + 1))\n"
+        "name = 'old' if n == 0 else 'new'\n"
+        f"print(json.dumps({{'apiVersion': {V1!r}, 'kind': 'ExecCredential', 'status': {{\n"
+        "    'clientCertificateData': (d / f'{name}.crt').read_text(),\n"
+        "    'clientKeyData': (d / f'{name}.key').read_text()}}))\n"
+    )
+    script.chmod(0o755)
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        peer = request.transport.get_extra_info("peercert") if request.transport else None
+        subject = dict(item[0] for item in (peer or {}).get("subject", ()))
+        seen.append(subject.get("commonName", "?"))
+        if subject.get("commonName") != "new":
+            return web.json_response({"kind": "Status", "message": "Unauthorized"}, status=401)
+        return web.json_response({"kind": "PodList", "items": [], "metadata": {}})
+
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tmp_path / "ca.crt"))
+    tls.load_cert_chain(server_crt, server_key)
+    tls.verify_mode = ssl.CERT_REQUIRED
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/ns/pods", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+        path = kubeconfig(
+            tmp_path / "config",
+            clusters={"c": {"server": f"https://127.0.0.1:{runner.addresses[0][1]}",
+                            "certificate-authority": "ca.crt"}},
+            users={"u": {"exec": {"apiVersion": V1, "command": "./plugin"}}},
+            contexts={"x": {"cluster": "c", "user": "u", "namespace": "ns"}},
+            current="x",
+        )  # fmt: skip
+        api = KubeAPI(load_credentials(KubernetesConfig(kubeconfig=path)), timeout=5)
+        try:
+            assert await api.list_pods("a=b") == ([], "")
+            assert seen == ["old", "new"]
+            assert runs(script) == 2
+            assert await api.list_pods("a=b") == ([], "")  # cached, on the new connection
+            assert seen == ["old", "new", "new"] and runs(script) == 2
+        finally:
+            await api.aclose()
+    finally:
+        await runner.cleanup()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _PAGE = 500
 _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far more
+_RETIRED_FOR = 900.0  # a session left for a new client certificate closes after (> a watch)
 
 
 class Forbidden(errors.ConfigError):
@@ -140,8 +142,18 @@ class KubeAPI:
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 10.0))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._tls_generation = credentials.tls_generation
+        # Sessions whose connections present an exec plugin's old client certificate,
+        # and since when: closed once their requests (a watch: minutes) are surely done.
+        self._retired: list[tuple[float, aiohttp.ClientSession]] = []
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._tls_generation != self._credentials.tls_generation:
+            # A new client certificate: new connections (the TLS handshake presents it).
+            self._tls_generation = self._credentials.tls_generation
+            if self._session is not None:
+                self._retired.append((time.monotonic(), self._session))
+                self._session = None
         # Made on first use: an aiohttp session belongs to the loop it was made in.
         if self._session is None:
             connector = aiohttp.TCPConnector(
@@ -164,6 +176,9 @@ class KubeAPI:
         credentials = self._credentials
         for attempt in (0, 1):
             token = await credentials.authorization()
+            generation = credentials.generation
+            if self._retired and time.monotonic() - self._retired[0][0] > _RETIRED_FOR:
+                await self._retired.pop(0)[1].close()
             auth = {"Authorization": f"Bearer {token}"} if token else {}
             async with self._http().request(
                 method, url, headers={**auth, **(headers or {})}, proxy=credentials.proxy,
@@ -171,7 +186,7 @@ class KubeAPI:
             ) as response:  # fmt: skip
                 if response.status == 401 and attempt == 0:
                     await response.read()
-                    if await credentials.refresh(token):
+                    if await credentials.refresh(token, generation):
                         logger.info("%s %s: 401: once more with a new token", method, url)
                         continue
                 yield response
@@ -179,6 +194,9 @@ class KubeAPI:
 
     async def aclose(self) -> None:
         """Close the connections."""
+        for _, old in self._retired:
+            await old.close()
+        self._retired.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

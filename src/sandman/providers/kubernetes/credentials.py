@@ -13,8 +13,9 @@ Kubeconfigs are read as kubectl reads them:
   after a 401: rotating OIDC and service-account tokens), client certificates;
 - exec credential plugins (``client.authentication.k8s.io/v1`` and ``v1beta1``
   ``ExecCredential``: ``aws eks get-token``, ``gke-gcloud-auth-plugin``,
-  ``kubelogin``): run once, their token cached until shortly before its
-  ``expirationTimestamp``, and run again once when the API server answers 401.
+  ``kubelogin``): run once, their token (or client certificate) cached until
+  shortly before its ``expirationTimestamp``, and run again once when the API
+  server answers 401.
 
 Why not ``kubernetes_asyncio``'s loader: importing it imports its whole
 generated client (768 model modules: +0.34 CPU-s and +38 MB RSS over aiohttp
@@ -27,9 +28,11 @@ terminal, and the plugin inherits stdin) or ``provideClusterInfo``; no refresh
 on a 401; ``tokenFile`` read once; ``datetime.utcnow()`` (deprecated). The
 protocol is small; the hot path stays on our aiohttp client (`api`).
 
+An exec plugin may answer with a client certificate (Teleport's ``tsh``): it is
+loaded into the TLS context, and the API client opens new connections with it.
+
 Refused with a clear error: ``auth-provider`` (removed from kubectl for gcp and
-azure; use the exec plugin, e.g. kubelogin, for oidc), exec plugins that answer
-with client certificates, ``socks5`` proxies.
+azure; use the exec plugin, e.g. kubelogin, for oidc), ``socks5`` proxies.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ _clock = time.monotonic  # when exec tokens are fresh until (a test moves it on)
 
 @dataclass
 class ExecPlugin:
-    """An exec credential plugin and its cached token.
+    """An exec credential plugin and its cached answer: a token, or a client
+    certificate and key (PEM), or both.
 
-    `token` runs the plugin when there is no token or it expires within
+    `current` runs the plugin when it has not run or its answer expires within
     ``min(30 s, a fifth of its lifetime)``; concurrent callers share one run.
     `refresh` runs it again after a 401, unless another caller already did.
     """
@@ -89,7 +93,11 @@ class ExecPlugin:
     """``spec.cluster`` of its input, when the kubeconfig says ``provideClusterInfo``."""
     runs: int = 0
     """How often it was run (the cache's effect, for tests and logs)."""
-    _token: str | None = field(default=None, repr=False)
+    generation: int = 0
+    """How many answers it gave; the current one is this one."""
+    token: str | None = field(default=None, repr=False)
+    certificate: tuple[bytes, bytes] | None = field(default=None, repr=False)
+    """The client certificate chain and key of its answer, PEM."""
     _fresh_until: float = field(default=0.0, repr=False)  # time.monotonic()
     _locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
@@ -103,21 +111,20 @@ class ExecPlugin:
             lock = self._locks[loop] = asyncio.Lock()
         return lock
 
-    async def token(self) -> str:
-        """The current token, from the cache while it is fresh."""
-        if self._token is not None and _clock() < self._fresh_until:
-            return self._token
+    async def current(self) -> int:
+        """Make the answer current (from the cache while it is fresh); its generation."""
+        if self.generation and _clock() < self._fresh_until:
+            return self.generation
         async with self._lock():
-            if self._token is None or _clock() >= self._fresh_until:
+            if not self.generation or _clock() >= self._fresh_until:
                 await self._run()
-            assert self._token is not None
-            return self._token
+            return self.generation
 
-    async def refresh(self, stale: str | None) -> None:
-        """The API server refused ``stale``: run the plugin again (once for all the
-        requests that were refused with it)."""
+    async def refresh(self, refused: int) -> None:
+        """The API server refused the answer of generation ``refused``: run the plugin
+        again (once for all the requests that were refused with it)."""
         async with self._lock():
-            if self._token is None or self._token == stale:
+            if self.generation == refused:
                 await self._run()
 
     def interactive(self) -> bool:
@@ -197,16 +204,23 @@ class ExecPlugin:
                 f"the kubeconfig asks for {self.api_version!r}"
             )
         status = answer.get("status")
-        token = status.get("token") if isinstance(status, dict) else None
-        if not token or not isinstance(token, str):
-            if isinstance(status, dict) and status.get("clientCertificateData"):
-                raise errors.ConfigError(
-                    f"{what} answered with a client certificate; only exec plugins "
-                    "that answer with a token are supported"
-                )
-            raise errors.ConfigError(f"{what} answered with no status.token")
-        assert isinstance(status, dict)
-        self._token = token
+        if not isinstance(status, dict):
+            raise errors.ConfigError(f"{what} answered with no status")
+        token = status.get("token")
+        cert, key = status.get("clientCertificateData"), status.get("clientKeyData")
+        texts = all(value is None or isinstance(value, str) for value in (token, cert, key))
+        if not texts or bool(cert) != bool(key):
+            raise errors.ConfigError(
+                f"{what} answered with a malformed status (strings; clientCertificateData "
+                "and clientKeyData go together)"
+            )
+        if not token and not cert:
+            raise errors.ConfigError(
+                f"{what} answered with neither status.token nor status.clientCertificateData"
+            )
+        self.token = token or None
+        self.certificate = (cert.encode(), key.encode()) if cert and key else None
+        self.generation += 1
         expires = status.get("expirationTimestamp")
         if not expires:
             self._fresh_until = float("inf")  # until the API server refuses it
@@ -237,6 +251,12 @@ class Credentials:
     """An http(s) proxy every request goes through (the cluster's ``proxy-url``)."""
     tls_server_name: str | None = None
     """The name the server's certificate is checked against, if not the URL's host."""
+    tls_generation: int = 0
+    """Bumped when an exec plugin's new client certificate went into ``ssl_context``:
+    connections made before still present the old one (`api.KubeAPI` makes new ones)."""
+    generation: int = field(default=0, repr=False)
+    """The exec plugin answer the last `authorization` gave."""
+    _certificate_from: int = field(default=0, repr=False)  # that generation's cert is loaded
     _read_at: float = field(default=0.0, repr=False)
 
     def bearer(self) -> str | None:
@@ -252,16 +272,24 @@ class Credentials:
         return self.token
 
     async def authorization(self) -> str | None:
-        """The bearer token for the next request (an exec plugin's, run if need be)."""
-        if self.exec_plugin is not None:
-            return await self.exec_plugin.token()
-        return self.bearer()
+        """The bearer token for the next request (an exec plugin's, run if need be; its
+        client certificate, if it gave one, loaded into ``ssl_context``)."""
+        plugin = self.exec_plugin
+        if plugin is None:
+            return self.bearer()
+        self.generation = await plugin.current()
+        if plugin.certificate is not None and self._certificate_from != self.generation:
+            _load_pem_pair(self.ssl_context, *plugin.certificate, f"exec plugin {plugin.command!r}")
+            self._certificate_from = self.generation
+            self.tls_generation += 1
+        return plugin.token
 
-    async def refresh(self, refused: str | None) -> bool:
-        """The API server answered 401 to ``refused``: get a new token. True if there
-        may be one worth a retry (a plugin run again, a token file that changed)."""
+    async def refresh(self, refused: str | None, generation: int | None = None) -> bool:
+        """The API server answered 401 to ``refused`` (and, with an exec plugin, to its
+        answer of ``generation``): get new credentials. True if there may be some worth
+        a retry (a plugin run again, a token file that changed)."""
         if self.exec_plugin is not None:
-            await self.exec_plugin.refresh(refused)
+            await self.exec_plugin.refresh(self.generation if generation is None else generation)
             return True
         if self.token_file is not None:
             self._read_at = 0.0
@@ -520,19 +548,28 @@ def _load_client_cert(tls: ssl.SSLContext, user: dict[str, Any], where: str) -> 
             tls.load_cert_chain(cert, key)
             return
         cert_data, key_data = user.get("client-certificate-data"), user.get("client-key-data")
-        if not (cert_data and key_data):
-            return
-        # ssl loads certificates from files only: write them privately, load, remove.
+        if cert_data and key_data:
+            decoded = base64.b64decode(cert_data), base64.b64decode(key_data)
+            _load_pem_pair(tls, *decoded, f"kubeconfig {where}")
+    except errors.ConfigError:
+        raise
+    except (OSError, ValueError, ssl.SSLError) as exc:
+        raise errors.ConfigError(f"kubeconfig {where}: bad client certificate: {exc}") from exc
+
+
+def _load_pem_pair(tls: ssl.SSLContext, cert: bytes, key: bytes, what: str) -> None:
+    # ssl loads certificates from files only: write them privately, load, remove.
+    try:
         with tempfile.TemporaryDirectory() as tmp:
             cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-            for target, data in ((cert_path, cert_data), (key_path, key_data)):
+            for target, data in ((cert_path, cert), (key_path, key)):
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "wb") as handle:
-                    handle.write(base64.b64decode(data))
+                    handle.write(data)
             try:
                 tls.load_cert_chain(str(cert_path), str(key_path))
             finally:
                 with contextlib.suppress(OSError):
                     key_path.unlink()
     except (OSError, ValueError, ssl.SSLError) as exc:
-        raise errors.ConfigError(f"kubeconfig {where}: bad client certificate: {exc}") from exc
+        raise errors.ConfigError(f"{what}: bad client certificate: {exc}") from exc
