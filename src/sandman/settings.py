@@ -73,14 +73,19 @@ class KubernetesConfig(BaseModel):
 
     Credentials come from ``kubeconfig`` (its ``context``, else the current
     one); without it, from ``server`` + ``token_file`` + ``ca_file``; without
-    those, from the pod's own service account (in-cluster).
+    those, from the pod's own service account (in-cluster); else from
+    ``~/.kube/config``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["kubernetes"] = "kubernetes"
-    kubeconfig: Path | None = None
-    """A kubeconfig file (needs the ``kubernetes`` extra for YAML)."""
+    kubeconfig: Path | list[Path] | None = None
+    """A kubeconfig file, or several merged as kubectl merges ``KUBECONFIG`` (a list, or
+    paths joined by ``os.pathsep``: the first file to name a cluster, user or context
+    wins, and to set current-context; a missing one is skipped). Tokens, client
+    certificates and exec plugins (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
+    ``kubelogin``); needs the ``kubernetes`` extra for YAML."""
     context: str | None = None
     """The kubeconfig context; default: its current context."""
     server: str | None = None

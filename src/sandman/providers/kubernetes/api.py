@@ -12,7 +12,9 @@ Every failure leaves this module as a Sandman error (`raise_for_status`):
 - 429 (API Priority and Fairness, max-inflight) and 5xx -> ThrottledError with
   the server's Retry-After: the pool's pacer backs off and retries;
 - 403 for an exceeded (or not yet counted) ResourceQuota -> CapacityError
-  (retryable); other 403s and 401 -> ConfigError (our identity lacks a permission);
+  (retryable); other 403s -> ConfigError (our identity lacks a permission); 401 ->
+  ConfigError once a fresh token was refused too (`Credentials.refresh`: an exec
+  plugin run again, a token file re-read; one retry);
 - 404 -> SandboxNotFound; 400 (BadRequest), 409 and 422 -> ConfigError (a bad
   name, spec or selector);
 - no answer at all (connect, read timeouts) -> ThrottledError: the API server
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _PAGE = 500
 _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far more
+_RETIRED_FOR = 900.0  # a session left for a new client certificate closes after (> a watch)
 
 
 class Forbidden(errors.ConfigError):
@@ -89,9 +93,13 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
     # "status unknown": a quota the controller has not counted yet (just made, or lagging).
     if status == 403 and ("exceeded quota" in message or "status unknown for quota" in message):
         raise errors.CapacityError(message)
-    if status in (401, 403):
-        error = Forbidden if status == 403 else errors.ConfigError
-        raise error(
+    if status == 401:
+        raise errors.ConfigError(
+            f"{message} (the API server does not accept our credentials: an expired "
+            "or revoked token, or a client certificate it does not trust)"
+        )
+    if status == 403:
+        raise Forbidden(
             f"{message} (check the identity's Role: pods create/get/list/patch/"
             "watch/delete and leases create/get/list/patch/delete in the namespace)"
         )
@@ -134,8 +142,18 @@ class KubeAPI:
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 10.0))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._tls_generation = credentials.tls_generation
+        # Sessions whose connections present an exec plugin's old client certificate,
+        # and since when: closed once their requests (a watch: minutes) are surely done.
+        self._retired: list[tuple[float, aiohttp.ClientSession]] = []
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._tls_generation != self._credentials.tls_generation:
+            # A new client certificate: new connections (the TLS handshake presents it).
+            self._tls_generation = self._credentials.tls_generation
+            if self._session is not None:
+                self._retired.append((time.monotonic(), self._session))
+                self._session = None
         # Made on first use: an aiohttp session belongs to the loop it was made in.
         if self._session is None:
             connector = aiohttp.TCPConnector(
@@ -149,12 +167,36 @@ class KubeAPI:
             )
         return self._session
 
-    def _headers(self) -> dict[str, str]:
-        token = self._credentials.bearer()
-        return {"Authorization": f"Bearer {token}"} if token else {}
+    @contextlib.asynccontextmanager
+    async def _respond(
+        self, method: str, url: str, *, headers: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The response to one request; after a 401, to the same request once more
+        with a fresh token (an exec plugin's expired early, a token file rotated)."""
+        credentials = self._credentials
+        for attempt in (0, 1):
+            token = await credentials.authorization()
+            generation = credentials.generation
+            if self._retired and time.monotonic() - self._retired[0][0] > _RETIRED_FOR:
+                await self._retired.pop(0)[1].close()
+            auth = {"Authorization": f"Bearer {token}"} if token else {}
+            async with self._http().request(
+                method, url, headers={**auth, **(headers or {})}, proxy=credentials.proxy,
+                server_hostname=credentials.tls_server_name, **kwargs,
+            ) as response:  # fmt: skip
+                if response.status == 401 and attempt == 0:
+                    await response.read()
+                    if await credentials.refresh(token, generation):
+                        logger.info("%s %s: 401: once more with a new token", method, url)
+                        continue
+                yield response
+                return
 
     async def aclose(self) -> None:
         """Close the connections."""
+        for _, old in self._retired:
+            await old.close()
+        self._retired.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -171,9 +213,7 @@ class KubeAPI:
     ) -> dict[str, Any]:
         """One API call; its JSON answer, or the Sandman error for its failure."""
         with _transport_errors(what):
-            async with self._http().request(
-                method, url, params=params, json=body, headers=self._headers()
-            ) as response:
+            async with self._respond(method, url, params=params, json=body) as response:
                 data = await response.read()
                 status, headers = response.status, response.headers
         if missing_ok and status == 404:
@@ -226,9 +266,9 @@ class KubeAPI:
 
     async def _merge_patch(self, url: str, patch: dict[str, Any], what: str) -> None:
         body = json.dumps(patch).encode()
-        headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
+        headers = {"Content-Type": "application/merge-patch+json"}
         with _transport_errors(what):
-            async with self._http().request("PATCH", url, data=body, headers=headers) as response:
+            async with self._respond("PATCH", url, data=body, headers=headers) as response:
                 data = await response.read()
                 status, response_headers = response.status, response.headers
         raise_for_status(status, response_headers, data, what)
@@ -310,9 +350,7 @@ class KubeAPI:
         }  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=timeout_seconds + 30)
         with _transport_errors("watch pods"):
-            async with self._http().get(
-                self._pods, params=params, timeout=timeout, headers=self._headers()
-            ) as response:
+            async with self._respond("GET", self._pods, params=params, timeout=timeout) as response:
                 if response.status == 410:
                     raise WatchExpired(resource_version)
                 if response.status >= 300:
