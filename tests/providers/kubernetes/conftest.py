@@ -16,10 +16,10 @@ from sandman.providers.kubernetes.credentials import Credentials
 
 @contextlib.asynccontextmanager
 async def loopback(routes: Mapping[str, Handler]) -> AsyncIterator[str]:
-    """An HTTP server on 127.0.0.1 answering GET ``routes``; yields its URL."""
+    """An HTTP server on 127.0.0.1 answering ``routes`` (any method); yields its URL."""
     app = web.Application()
     for path, handle in routes.items():
-        app.router.add_get(path, handle)
+        app.router.add_route("*", path, handle)
     runner = web.AppRunner(app)
     await runner.setup()
     try:

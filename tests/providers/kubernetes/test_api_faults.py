@@ -204,3 +204,27 @@ async def test_the_provider_tells_of_a_watched_pods_loss_from_its_watch(
         await reports.aclose()
     finally:
         await provider.aclose()
+
+
+async def test_a_429_is_waited_out_by_a_list_but_handed_to_the_pacer_by_a_create() -> None:
+    """A list (or a Lease, a delete...) on a busy cluster waits as client-go does; a pod's
+    create answers ThrottledError at once, for the pool's pacer to slow down on."""
+    throttled = {"GET": 2, "POST": 1}
+    calls: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        calls.append(request.method)
+        if throttled[request.method] > 0:
+            throttled[request.method] -= 1
+            return web.json_response(
+                {"kind": "Status", "code": 429}, status=429, headers={"Retry-After": "0"}
+            )
+        return web.json_response({"kind": "PodList", "items": [], "metadata": {}})
+
+    async with loopback({"/api/v1/namespaces/ns/pods": handle}) as url, kube_api(url) as api:
+        items, _ = await api.list_pods("sandman.io/pool=p")
+        assert items == []
+        assert calls == ["GET"] * 3
+        with pytest.raises(errors.ThrottledError):
+            await api.create_pod({"metadata": {"name": "p1"}})
+        assert calls[3:] == ["POST"]

@@ -10,7 +10,11 @@ It is the provider's one HTTP client (``sandman prepare`` uses it too).
 Every failure leaves this module as a Sandman error (`raise_for_status`):
 
 - 429 (API Priority and Fairness, max-inflight) and 5xx -> ThrottledError with
-  the server's Retry-After: the pool's pacer backs off and retries;
+  the server's Retry-After: the pool's pacer backs off and retries. Every call
+  but a pod's create first waits out a few 429s itself, as client-go does: a
+  pool starting, listing or renewing its Lease on a busy shared cluster must
+  not fail for being asked to wait a second (a create's 429 is the pacer's
+  signal, so it goes straight up);
 - 403 for an exceeded (or not yet counted) ResourceQuota -> CapacityError
   (retryable); other 403s -> ConfigError (our identity lacks a permission); 401 ->
   ConfigError once a fresh token was refused too (`Credentials.refresh`: an exec
@@ -23,6 +27,7 @@ Every failure leaves this module as a Sandman error (`raise_for_status`):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,6 +45,9 @@ __all__ = ["BadRequest", "Conflict", "Forbidden", "KubeAPI", "WatchExpired", "ra
 logger = logging.getLogger(__name__)
 
 _PAGE = 500
+# Waiting out 429s inside a call (not a create): how often, and at most how long each.
+_THROTTLED_RETRIES = 5
+_THROTTLED_WAIT_MAX = 10.0
 _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far more
 _RETIRED_FOR = 900.0  # a session left for a new client certificate closes after (> a watch)
 
@@ -210,12 +218,18 @@ class KubeAPI:
         params: Mapping[str, str | int] | None = None,
         body: dict[str, Any] | None = None,
         missing_ok: bool = False,
+        wait_throttled: bool = True,
     ) -> dict[str, Any]:
-        """One API call; its JSON answer, or the Sandman error for its failure."""
-        with _transport_errors(what):
-            async with self._respond(method, url, params=params, json=body) as response:
-                data = await response.read()
-                status, headers = response.status, response.headers
+        """One API call; its JSON answer, or the Sandman error for its failure. With
+        ``wait_throttled``, a 429 is waited out (its Retry-After) a few times first."""
+        for attempt in range(_THROTTLED_RETRIES + 1):
+            with _transport_errors(what):
+                async with self._respond(method, url, params=params, json=body) as response:
+                    data = await response.read()
+                    status, headers = response.status, response.headers
+            if status != 429 or not wait_throttled or attempt == _THROTTLED_RETRIES:
+                break
+            await asyncio.sleep(min(_retry_after(headers) or 1.0, _THROTTLED_WAIT_MAX))
         if missing_ok and status == 404:
             return {}
         raise_for_status(status, headers, data, what)
@@ -225,7 +239,7 @@ class KubeAPI:
     async def create_pod(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST the pod; returns the object the API server stored."""
         what = f"create pod {body['metadata']['name']}"
-        return await self.request("POST", self._pods, what, body=body)
+        return await self.request("POST", self._pods, what, body=body, wait_throttled=False)
 
     async def get_pod(self, name: str) -> dict[str, Any]:
         """The pod; SandboxNotFound when there is none."""
