@@ -100,7 +100,10 @@ class Run:
 
     def fail(self, exc: BaseException) -> None:
         self.failures += 1
-        self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
+        kind = type(exc).__name__
+        if kind not in self.errors:
+            log(f"  {self.via}: first {kind}: {exc}")
+        self.errors[kind] = self.errors.get(kind, 0) + 1
 
     def say(self, line: str) -> None:
         self.lines.append(f"{self.via}: {line}")
@@ -317,6 +320,8 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
         **os.environ,
         "SANDMAN_KUBERNETES": json.dumps(settings),
         "SANDMAN_API_KEYS": f"{TENANT}:{key}",
+        # A burst of thousands outlasts the default cap on one acquire's wait (600 s).
+        "SANDMAN_MAX_ACQUIRE_TIMEOUT": "3600",
     }
     log_file = Path(tempfile.mkdtemp(prefix="k8s-scale-")) / "serve.log"
     with log_file.open("wb") as out:
