@@ -49,7 +49,7 @@ from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInf
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
-from sandman.providers.local.host import prepare_cgroups
+from sandman.providers.local.host import prepare_cgroups, raise_open_files
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.settings import LocalConfig
@@ -128,6 +128,13 @@ class LocalProvider:
         self._images: dict[str, tuple[float, Image]] = {}
         self._users: dict[tuple[str, str], tuple[int, int]] = {}
         self._exits = ExitWatch(self._loss)
+        # What `list` read of each sandbox's files, by its record's identity: a record is
+        # replaced whole (`relabel`), never changed in place, and the token and the
+        # daemon's address never change once it runs. A reconcile of 10k sandboxes
+        # otherwise opens 40k files each time (0.6 ms per sandbox, measured).
+        self._seen: dict[
+            str, tuple[tuple[int, int], dict[str, Any], str | None, DaemonEndpoint | None]
+        ] = {}
 
     def __repr__(self) -> str:
         return f"LocalProvider(state_dir={str(self.config.state_dir)!r}, runtime={self.config.runtime!r})"
@@ -142,6 +149,7 @@ class LocalProvider:
                 raise errors.ConfigError("the local provider needs root (run `sandman doctor`)")
             if self.config.runtime == "crun":
                 await anyio.to_thread.run_sync(prepare_cgroups)
+            raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
             self._prepared = True
 
@@ -410,28 +418,42 @@ class LocalProvider:
         self, states: dict[str, str], held: builtins.list[str]
     ) -> builtins.list[SandboxInfo]:
         found = {}
-        if self._sandboxes.exists():
-            for directory in self._sandboxes.iterdir():
-                if _ID.match(directory.name):
-                    found[directory.name] = self._read(directory, states)
+        with contextlib.suppress(FileNotFoundError), os.scandir(self._sandboxes) as entries:
+            for entry in entries:
+                if _ID.match(entry.name):
+                    found[entry.name] = self._read(Path(entry.path), states)
         # A container, or a network or disk layer (``held``), without a record is
         # an orphan: listed, so it gets deleted.
         for orphan in (states.keys() | set(held)) - found.keys():
             found[orphan] = self._read(self._sandboxes / orphan, states)
+        for gone in self._seen.keys() - found.keys():
+            del self._seen[gone]
         return sorted(found.values(), key=lambda info: info.created_at)
 
     def _read(self, directory: Path, states: dict[str, str]) -> SandboxInfo:
         sid = directory.name
-        meta: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            meta = json.loads((directory / _META).read_text())
-        token = None
-        with contextlib.suppress(OSError):
-            token = (directory / "token").read_text()
+        try:
+            stat = os.stat(directory / _META)
+            identity: tuple[int, int] | None = (stat.st_ino, stat.st_mtime_ns)
+        except OSError:
+            identity = None
+        seen = self._seen.get(sid)
+        if identity is not None and seen is not None and seen[0] == identity:
+            _, meta, token, known = seen
+        else:
+            meta, token, known = {}, None, None
+            with contextlib.suppress(OSError, ValueError):
+                meta = json.loads((directory / _META).read_text())
+            with contextlib.suppress(OSError):
+                token = (directory / "token").read_text()
         state = _STATES.get(states.get(sid, ""), "creating" if meta else "unknown")
         endpoint = None
         if token is not None and state == "running":
-            endpoint = _endpoint(directory, self._socket(directory), token)
+            endpoint = known or _endpoint(directory, self._socket(directory), token)
+        if identity is not None and meta and token is not None:
+            # Kept only once whole: a half-created sandbox's files are read again.
+            ready = endpoint if endpoint is not None and (endpoint.pid or endpoint.port) else None
+            self._seen[sid] = (identity, meta, token, ready)
         created_at = meta.get("created_at")
         if created_at is None:
             # No record (a crash's leftover): as old as its directory's last change.
