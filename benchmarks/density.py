@@ -75,6 +75,19 @@ def _meminfo() -> dict[str, int]:
     return values
 
 
+def _slabs() -> dict[str, int]:
+    """Bytes in each slab cache (``num_objs * objsize``); empty where slabinfo is unreadable."""
+    sizes: dict[str, int] = {}
+    try:
+        lines = Path("/proc/slabinfo").read_text().splitlines()[2:]
+    except OSError:
+        return sizes
+    for line in lines:
+        fields = line.split()
+        sizes[fields[0]] = int(fields[2]) * int(fields[3])
+    return sizes
+
+
 def _pss(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -194,7 +207,7 @@ async def run(
     lines: list[str] = []
     points: list[tuple[int, dict[str, float]]] = []
     wall: str | None = None
-    base = _meminfo()
+    base, base_slabs = _meminfo(), _slabs()
     try:
         for target in curve:
             started = time.perf_counter()
@@ -247,6 +260,15 @@ async def run(
                     f"mem_per_held_mib={per['MemAvailable']:.2f} (anon={per['AnonPages']:.2f} "
                     f"slab={per['Slab']:.2f} percpu={per['Percpu']:.2f} pagetables={per['PageTables']:.2f} "
                     f"kstack={per['KernelStack']:.2f} cgroup={_charged(cgroup_parent) / n / 2**20:.2f} daemon_pss={statistics.median(pss) / 2**20 if pss else 0:.2f}) "
+                )
+                slabs = _slabs()
+                grown = sorted(
+                    ((slabs.get(k, 0) - v, k) for k, v in base_slabs.items()), reverse=True
+                )
+                line += (
+                    "top_slabs_kib="
+                    + ",".join(f"{k}:{d / n / 1024:.0f}" for d, k in grown[:5])
+                    + " "
                 )
             line += (
                 f"mounts={len(Path('/proc/self/mountinfo').read_text().splitlines())} "
