@@ -69,6 +69,7 @@ GVISOR_DAEMON_PORT = 8731
 GVISOR_PIDS_HEADROOM = 256
 GVISOR_MEMORY_HEADROOM = 128 * 2**20
 _IMAGE_TTL = 2.0
+_EMPTY = "empty"  # what masked directories show (oci.MASKED_DIRS): nothing, read-only
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _STATES: dict[str, SandboxState] = {
     "created": "creating",
@@ -123,6 +124,9 @@ class LocalProvider:
             ),
         )
         self.disk = DiskPool(state)
+        self._empty = state / _EMPTY
+        # The same kernel as the sandboxes': what exists here exists in their /proc, /sys.
+        self._masked = tuple(p for p in oci.MASKED_DIRS if os.path.isdir(p))
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
         self._images: dict[str, tuple[float, Image]] = {}
@@ -151,6 +155,7 @@ class LocalProvider:
                 await anyio.to_thread.run_sync(prepare_cgroups)
             raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
+            await anyio.to_thread.run_sync(_make_empty, self._empty)
             self._prepared = True
 
     async def _image(self, ref: str) -> Image:
@@ -263,7 +268,12 @@ class LocalProvider:
             # The namespace must exist before the runtime creates the container in it.
             attachment = await self.network.setup(sid, mode)
         layout = oci.BundleLayout(
-            daemon=str(self._daemon), netns=attachment.netns_path if attachment else None
+            daemon=str(self._daemon),
+            netns=attachment.netns_path if attachment else None,
+            # crun only: runc refuses a mount inside /proc, and gVisor masks in its own
+            # kernel (no host superblock to save).
+            empty=str(self._empty) if self.config.runtime == "crun" else None,
+            masked=self._masked,
         )
         if gvisor:
             # gVisor takes no descriptors from the host: its daemon serves TCP
@@ -570,6 +580,14 @@ def _abandoned(staging: Path) -> bool:
         return (staging / _META).exists()
     finally:
         os.close(fd)
+
+
+def _make_empty(path: Path) -> None:
+    """The empty directory masked paths are bound to: root's, read-only, kept empty."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o555)
+    if any(path.iterdir()) or path.stat().st_mode & 0o777 != 0o555:
+        raise errors.ProviderError(f"{path} must be an empty directory of mode 0555")
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> None:
