@@ -22,10 +22,11 @@ checkpoint of ``--curve`` (e.g. ``0,1000,2000,5000,10000``; a bare ``N`` means
 
 One line per checkpoint (``held=<n> ...``), then the delete of everything held
 (``delete n=<n> seconds=<s> leftover=<z>``: sandbox dirs, runtime containers,
-cgroups, mounts and processes left). The growth stops at the first failure (the
-wall): it is printed, the curve ends there and everything is still deleted.
+cgroups, mounts and processes left). A create that fails is tried again (each
+failure printed, their count on each line); ten in a row are the wall: printed, the
+curve ends there and everything is still deleted.
 
-Last line: ``ready=<held>/<target> create_p50_ms=<x at 0> create_p50_top_ms=<y at the
+Exits 1 if the curve stopped at a wall or something was left. Last line: ``ready=<held>/<target> create_p50_ms=<x at 0> create_p50_top_ms=<y at the
 top checkpoint> ratio=<y/x> mem_per_sandbox_mib=<at the top> leftover=<z>``.
 
 ``--disk off`` runs without the per-sandbox disk limit (``LocalConfig.disk=None``);
@@ -62,6 +63,7 @@ from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
 
 SPEC = SandboxSpec(image="busybox", memory="64Mi", pids=64, cpu=0.5)
+_WALL = 10  # creates failed in a row: the host holds no more
 _MEMINFO = ("MemAvailable", "AnonPages", "Slab", "Percpu", "PageTables", "KernelStack")
 
 
@@ -155,32 +157,43 @@ async def _probe(
 
 
 async def _grow(
-    pool: Pool, spec: SandboxSpec, session: str, held: list[Record], target: int, concurrency: int
+    pool: Pool,
+    spec: SandboxSpec,
+    session: str,
+    held: list[Record],
+    target: int,
+    concurrency: int,
+    failures: list[str],
 ) -> str | None:
-    """Acquire until ``target`` are held; returns the first failure (the wall), if any."""
+    """Acquire until ``target`` are held, each failed create tried again; returns the
+    wall: the last failure once ``_WALL`` creates in a row have failed."""
     gate = asyncio.Semaphore(concurrency)
-    failure: list[str] = []
-    start = len(held)
+    in_a_row = 0
 
     async def one() -> None:
+        nonlocal in_a_row
         async with gate:
-            if failure:
+            while in_a_row < _WALL:
+                try:
+                    held.append(await pool.acquire(spec, session=session, timeout=300))
+                except Exception as exc:  # noqa: BLE001 - counted; enough in a row are the wall
+                    failures.append(repr(exc))
+                    print(f"failed       held={len(held)} {exc!r}", file=sys.stderr, flush=True)
+                    in_a_row += 1
+                    continue
+                in_a_row = 0
+                if len(held) % 100 == 0:
+                    progress(len(held), target)
                 return
-            try:
-                held.append(await pool.acquire(spec, session=session, timeout=300))
-            except Exception as exc:  # noqa: BLE001 - the wall: reported, and the curve ends
-                failure.append(repr(exc))
-                return
-            if len(held) % 100 == 0:
-                progress(len(held), target)
 
-    await asyncio.gather(*(one() for _ in range(target - start)))
-    return failure[0] if failure else None
+    await asyncio.gather(*(one() for _ in range(target - len(held))))
+    return failures[-1] if in_a_row >= _WALL else None
 
 
 async def run(
     curve: list[int], concurrency: int, probe: int, state: Path, disk: bool, seccomp: str
-) -> str:
+) -> tuple[str, bool]:
+    """The curve's lines, and whether it reached its top and left nothing."""
     spec = SPEC.model_copy(update={"seccomp": seccomp})
     cgroup_parent = new_cgroup_parent()
     config = LocalConfig(state_dir=state, cgroup_parent=cgroup_parent)
@@ -207,11 +220,12 @@ async def run(
     lines: list[str] = []
     points: list[tuple[int, dict[str, float]]] = []
     wall: str | None = None
+    failures: list[str] = []
     base, base_slabs = _meminfo(), _slabs()
     try:
         for target in curve:
             started = time.perf_counter()
-            wall = await _grow(pool, spec, session, held, target, concurrency)
+            wall = await _grow(pool, spec, session, held, target, concurrency, failures)
             grew = time.perf_counter() - started
             if wall is not None:
                 lines.append(f"wall         held={len(held)} target={target} error={wall}")
@@ -250,7 +264,7 @@ async def run(
             line = (
                 f"held={len(held)} create_p50_ms={result['create_p50_ms']:.1f} "
                 f"p95_ms={result['create_p95_ms']:.1f} delete_p50_ms={result['delete_p50_ms']:.1f} "
-                f"cpu_ms_per_create={result['cpu_ms_per_create']:.1f} "
+                f"cpu_ms_per_create={result['cpu_ms_per_create']:.1f} failed={len(failures)} "
                 f"grow_rate_per_s={(len(held) - (points[-2][0] if len(points) > 1 else 0)) / grew if grew > 0.5 else 0:.1f} "
                 f"reconcile_ms={reconcile_ms:.1f} (cold={cold_ms:.1f} {provider.config.runtime}_list={runtime_list_ms:.1f}) "
                 f"stats_ms={stats_ms:.2f} "
@@ -292,7 +306,7 @@ async def run(
         f"create_p50_top_ms={top['create_p50_ms']:.1f} ratio={top['create_p50_ms'] / first:.2f} "
         f"mem_per_sandbox_mib={top['mem']:.2f} leftover={leftover}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines), leftover == 0 and wall is None
 
 
 def main() -> int:
@@ -314,16 +328,19 @@ def main() -> int:
         curve = [0, 100 if args.n is None else args.n]
     if curve != sorted(curve) or curve[0] < 0:
         parser.error("--curve must be rising counts >= 0")
+    clean = True
     for disk in args.disk.split(","):
         for seccomp in args.seccomp.split(","):
             state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
             try:
                 print(f"# disk={disk} seccomp={seccomp} curve={curve}", flush=True)
                 result = run(curve, args.concurrency, args.probe, state, disk == "on", seccomp)
-                print(asyncio.run(result), flush=True)
+                text, ok = asyncio.run(result)
+                print(text, flush=True)
+                clean = clean and ok
             finally:
                 shutil.rmtree(state, ignore_errors=True)
-    return 0
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":
