@@ -24,7 +24,8 @@ One line per checkpoint (``held=<n> ...``), then the delete of everything held
 (``delete n=<n> seconds=<s> leftover=<z>``: sandbox dirs, runtime containers,
 cgroups, mounts and processes left). A create that fails is tried again (each
 failure printed, their count on each line); ten in a row are the wall: printed, the
-curve ends there and everything is still deleted.
+curve ends there and everything is still deleted. So is the host's MemAvailable falling
+below ``--min-available-gib`` (2): the memory wall, met before the OOM killer is.
 
 Exits 1 if the curve stopped at a wall or something was left. Last line: ``ready=<held>/<target> create_p50_ms=<x at 0> create_p50_top_ms=<y at the
 top checkpoint> ratio=<y/x> mem_per_sandbox_mib=<at the top> leftover=<z>``.
@@ -164,16 +165,25 @@ async def _grow(
     target: int,
     concurrency: int,
     failures: list[str],
+    min_available: float,
 ) -> str | None:
     """Acquire until ``target`` are held, each failed create tried again; returns the
-    wall: the last failure once ``_WALL`` creates in a row have failed."""
+    wall: the last failure once ``_WALL`` creates in a row have failed, or the host's
+    MemAvailable under ``min_available`` bytes."""
     gate = asyncio.Semaphore(concurrency)
     in_a_row = 0
+    floor: list[str] = []
 
     async def one() -> None:
         nonlocal in_a_row
         async with gate:
-            while in_a_row < _WALL:
+            while in_a_row < _WALL and not floor:
+                available = _meminfo()["MemAvailable"]
+                if available < min_available:
+                    # The host's own wall, reached before the kernel's OOM killer picks
+                    # a victim (on a shared machine, maybe not one of ours).
+                    floor.append(f"MemAvailable {available / 2**30:.2f} GiB < the floor")
+                    return
                 try:
                     held.append(await pool.acquire(spec, session=session, timeout=300))
                 except Exception as exc:  # noqa: BLE001 - counted; enough in a row are the wall
@@ -187,11 +197,19 @@ async def _grow(
                 return
 
     await asyncio.gather(*(one() for _ in range(target - len(held))))
+    if floor:
+        return floor[0]
     return failures[-1] if in_a_row >= _WALL else None
 
 
 async def run(
-    curve: list[int], concurrency: int, probe: int, state: Path, disk: bool, seccomp: str
+    curve: list[int],
+    concurrency: int,
+    probe: int,
+    state: Path,
+    disk: bool,
+    seccomp: str,
+    min_available: float = 2 * 2**30,
 ) -> tuple[str, bool]:
     """The curve's lines, and whether it reached its top and left nothing."""
     spec = SPEC.model_copy(update={"seccomp": seccomp})
@@ -225,12 +243,14 @@ async def run(
     try:
         for target in curve:
             started = time.perf_counter()
-            wall = await _grow(pool, spec, session, held, target, concurrency, failures)
+            wall = await _grow(
+                pool, spec, session, held, target, concurrency, failures, min_available
+            )
             grew = time.perf_counter() - started
             if wall is not None:
+                # Measured there too: the top of the curve is where the host stopped it.
                 lines.append(f"wall         held={len(held)} target={target} error={wall}")
                 print(lines[-1], file=sys.stderr, flush=True)
-                break
             await asyncio.sleep(2 if held else 0)  # let page cache and slab settle
             now = _meminfo()
             n = max(1, len(held))
@@ -259,7 +279,11 @@ async def run(
             t0 = time.perf_counter()
             pool.stats()
             stats_ms = (time.perf_counter() - t0) * 1e3
-            result = await _probe(pool, spec, session, deletes, probe)
+            try:
+                result = await _probe(pool, spec, session, deletes, probe)
+            except Exception as exc:  # noqa: BLE001 - at the wall a probe may fail too
+                lines.append(f"probe failed held={len(held)} error={exc!r}")
+                break
             points.append((len(held), {**result, "mem": per["MemAvailable"] if held else 0.0}))
             line = (
                 f"held={len(held)} create_p50_ms={result['create_p50_ms']:.1f} "
@@ -290,6 +314,8 @@ async def run(
             )
             lines.append(line)
             print(line, file=sys.stderr, flush=True)
+            if wall is not None:
+                break
     finally:
         n = len(held)
         started = time.perf_counter()
@@ -316,6 +342,12 @@ def main() -> int:
     parser.add_argument("-c", "--concurrency", type=int, default=8)
     parser.add_argument("--probe", type=int, default=20, help="sandboxes per probe")
     parser.add_argument(
+        "--min-available-gib",
+        type=float,
+        default=2.0,
+        help="stop growing when the host's MemAvailable falls below this (the wall)",
+    )
+    parser.add_argument(
         "--disk", default="on", help="per-sandbox disk limit: on, off, or both (on,off)"
     )
     parser.add_argument(
@@ -334,7 +366,15 @@ def main() -> int:
             state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
             try:
                 print(f"# disk={disk} seccomp={seccomp} curve={curve}", flush=True)
-                result = run(curve, args.concurrency, args.probe, state, disk == "on", seccomp)
+                result = run(
+                    curve,
+                    args.concurrency,
+                    args.probe,
+                    state,
+                    disk == "on",
+                    seccomp,
+                    args.min_available_gib * 2**30,
+                )
                 text, ok = asyncio.run(result)
                 print(text, flush=True)
                 clean = clean and ok
