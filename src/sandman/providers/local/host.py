@@ -15,6 +15,7 @@ __all__ = [
     "Finding",
     "check_capacity",
     "check_host",
+    "memory_for",
     "prepare_cgroups",
     "raise_open_files",
     "remove_cgroup_parent",
@@ -32,9 +33,14 @@ PIDS_PER_SANDBOX = 8
 FDS_PER_SANDBOX = 1
 # Host-wide open files: the daemon's, its runtime's, the namespaces' own.
 FILES_PER_SANDBOX = 16
-# Host memory per idle sandbox (daemon ~1.3 MiB private, its cgroups, namespaces,
-# kernel stacks, page tables: 1.6-1.9 MiB measured), rounded up.
-MEMORY_PER_SANDBOX = 2 * 2**20
+# Host memory per idle sandbox: what its memory cgroup is charged (~1.3 MiB of the
+# daemon's, its kernel objects; 1.47 MiB measured), page tables, kernel stacks.
+MEMORY_PER_SANDBOX = 3 * 2**19
+# And what grows with the square of the count: every memory cgroup holds a shrinker
+# slot per superblock on the host (1 KiB per 64, kmalloc-1k), and each sandbox has a
+# memory cgroup and makes 8 superblocks (overlay, proc, sysfs, devpts, mqueue, 3 tmpfs).
+SUPERBLOCKS_PER_SANDBOX = 8
+SHRINKER_SLOTS_PER_KIB = 64
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "cgroup", "net")  # each sandbox makes one of each
 MEMCG_IDS = 65535  # cgroup v1: memory cgroups (live and dying) have 16-bit ids
 HEADROOM = 4096  # what the rest of the host uses of each
@@ -127,6 +133,13 @@ def raise_open_files() -> int:
     return soft
 
 
+def memory_for(sandboxes: int) -> int:
+    """Host memory, in bytes, that ``sandboxes`` idle sandboxes take (busybox, network
+    "none"); see `benchmarks/density.py`."""
+    slots = -(-sandboxes * SUPERBLOCKS_PER_SANDBOX // SHRINKER_SLOTS_PER_KIB)
+    return sandboxes * MEMORY_PER_SANDBOX + sandboxes * slots * 1024
+
+
 def check_capacity(sandboxes: int) -> list[Finding]:
     """Whether this host's limits let one pool hold ``sandboxes`` idle sandboxes at once:
     each kernel parameter that grows with the count, and the value it needs."""
@@ -192,12 +205,14 @@ def check_capacity(sandboxes: int) -> list[Finding]:
         )
     available = _mem_available()
     if available is not None:
-        need = sandboxes * MEMORY_PER_SANDBOX
+        need = memory_for(sandboxes)
         findings.append(
             Finding(
                 available >= need,
-                f"memory available {available // 2**20} MiB >= {need // 2**20} MiB "
-                f"(~{MEMORY_PER_SANDBOX // 2**20} MiB per idle sandbox)",
+                f"memory available {available // 2**20} MiB >= {need // 2**20} MiB for "
+                f"{sandboxes} idle sandboxes ({MEMORY_PER_SANDBOX / 2**20:.1f} MiB each, plus "
+                f"{(need - sandboxes * MEMORY_PER_SANDBOX) // 2**20} MiB of the kernel's "
+                "shrinker slots: superblocks x memory cgroups)",
                 "free memory, or hold fewer sandboxes on this host",
             )
         )
