@@ -10,7 +10,8 @@ in ``<state_dir>/disk/<id>/`` instead, see `disk`), ``rootfs/`` (the mount
 point, mounted only inside the container's mount namespace),
 ``sandmand.sock`` (the daemon's socket: bound here by the host, handed to
 the daemon as a descriptor; the sandbox sees no path to it), ``token``,
-``pid`` and ``log``. The directory is root's alone (0700).
+``pid`` and ``log``. The directory is root's alone (0700). ``<state_dir>/empty``
+is what the masked directories (``/proc/acpi``...) show under crun: nothing.
 
 The provider tells at once of a sandbox whose daemon dies by itself (`watch_lost`,
 `lost`; see `exits`): not under gVisor, whose daemon has no pid on this host; the
