@@ -156,7 +156,15 @@ class LocalProvider:
                 await anyio.to_thread.run_sync(prepare_cgroups)
             raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
-            await anyio.to_thread.run_sync(_make_empty, self._empty)
+            try:
+                await anyio.to_thread.run_sync(_make_empty, self._empty)
+            except OSError as exc:
+                if isinstance(exc, errors.SandboxError):
+                    raise
+                raise errors.ProviderError(
+                    f"the state directory failed at {exc.filename or self._empty}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
             self._prepared = True
 
     async def _image(self, ref: str) -> Image:
