@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 import sandman
 from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig, PoolEvent
+from sandman.providers.base import SandboxInfo
 from sandman.testing import FakeProvider, Faults
 from tests.support import eventually
 
@@ -154,6 +157,33 @@ async def test_an_untyped_failure_of_a_reconcile_does_not_stop_maintenance(
         await eventually(lambda: fake.live == 0, what="the quiet session's sandbox to go")
         assert "session.expired" in [e.name for e in events]
     assert "Read-only file system" in caplog.text
+
+
+async def test_a_slow_reconcile_is_spaced_to_its_share_of_the_pools_time(
+    fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pass lists every sandbox: at 10k local ones it takes seconds, and at the
+    # configured interval it would take a core's share for good.
+    starts: list[float] = []
+    listing = fake.list
+
+    async def slow(**kwargs: Any) -> list[SandboxInfo]:
+        starts.append(time.monotonic())
+        await asyncio.sleep(0.1)
+        return await listing(**kwargs)
+
+    monkeypatch.setattr(fake, "list", slow)
+    config = PoolConfig(name="t", lease=0.4, reconcile_interval=0.05, reconcile_share=0.1)
+    async with Pool(fake, config):
+        await eventually(lambda: len(starts) >= 4, timeout=10, what="three passes after start's")
+    gaps = [b - a for a, b in itertools.pairwise(starts[1:])]
+    assert all(gap >= 0.9 for gap in gaps), gaps  # 0.1 s is 10% of 1 s; not every 0.05 s
+
+
+def test_a_reconcile_share_outside_0_to_1_is_refused() -> None:
+    for share in (0.0, -1.0, 1.5):
+        with pytest.raises(sandman.ConfigError, match="reconcile_share"):
+            PoolConfig(reconcile_share=share)
 
 
 async def test_a_session_that_stops_heartbeating_loses_its_sandboxes(fake: FakeProvider) -> None:

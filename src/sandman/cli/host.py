@@ -6,14 +6,22 @@ import sys
 
 import click
 
-from sandman.providers.local.host import check_host
+from sandman.providers.local.host import check_capacity, check_host
 
 
 @click.command()
 @click.option("--runtime", type=click.Choice(["crun", "runc"]), default="crun", show_default=True)
-def doctor(runtime: str) -> None:
+@click.option(
+    "--sandboxes",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="how many idle sandboxes the host must hold at once: checks the kernel "
+    "parameters that grow with the count",
+)
+def doctor(runtime: str, sandboxes: int) -> None:
     """Tell what this machine lacks for the local provider, and how to fix it."""
-    findings = check_host(runtime)
+    findings = check_host(runtime) + check_capacity(sandboxes)
     for finding in findings:
         mark = "ok " if finding.ok else "FAIL"
         line = f"[{mark}] {finding.what}"

@@ -77,6 +77,11 @@ class PoolConfig:
     ready_timeout: float = 120.0
     """How long a created sandbox may take until its daemon answers health."""
     reconcile_interval: float = 15.0
+    """Seconds between reconcile passes, at least; a pass lists every sandbox, so when
+    one takes longer than ``reconcile_share`` of this, the next waits longer (at 10k
+    local sandboxes one takes seconds)."""
+    reconcile_share: float = 0.05
+    """The most of the pool's time its reconcile passes may take, together."""
     delete_backoff: float = 0.2
     delete_backoff_max: float = 10.0
     retry_limit: int = 5
@@ -105,6 +110,12 @@ class PoolConfig:
     """How old a record of nothing must be before it is reaped: a create in flight is one
     for a moment."""
     pacing: PacingConfig = field(default_factory=PacingConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.reconcile_share <= 1:
+            raise errors.ConfigError(
+                f"reconcile_share must be in (0, 1], not {self.reconcile_share!r}"
+            )
 
 
 def _key(spec: SandboxSpec) -> str:
@@ -830,6 +841,7 @@ class Pool:
         """Expire sessions and sandboxes, top up warm spares, reconcile now and then."""
         last_reconcile = previous = time.monotonic()
         interval = min(1.0, self.config.lease / 4)
+        reconcile_every = self.config.reconcile_interval
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -851,10 +863,14 @@ class Pool:
                 if record.expires_at < wall and record.state not in ("releasing", "gone"):
                     self._release(record, reason="expired")
             self._top_up()
-            if now - last_reconcile > self.config.reconcile_interval:
+            if now - last_reconcile > reconcile_every:
                 last_reconcile = now
                 try:
                     await self.reconcile()
+                    took = time.monotonic() - now
+                    reconcile_every = max(
+                        self.config.reconcile_interval, took / self.config.reconcile_share
+                    )
                 except Exception as exc:
                     # Whatever fails, expiry and reaping go on: an untyped failure here
                     # once ended this loop for good (found by the chaos suite).

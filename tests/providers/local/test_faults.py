@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -169,6 +170,27 @@ async def test_a_daemon_killed_from_the_host_is_reported_lost_at_once(
         assert (await provider.inspect(calm.id)).state == "running"
     finally:
         await reports.aclose()
+
+
+async def test_a_daemon_watched_past_descriptor_1023_is_reported_lost(
+    provider: LocalProvider,
+) -> None:
+    # A pool holds a pidfd per sandbox: past ~1000 sandboxes every new one is watched
+    # through a descriptor select() refuses (FD_SETSIZE); each went unwatched.
+    info = await provider.create(SandboxSpec(image="busybox"))
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("needs a limit of open files past 1200")  # the provider raised it
+    filler = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(1100)]
+    reports = provider.lost()
+    try:
+        provider.watch_lost(info)
+        os.kill(_pid(info), signal.SIGKILL)
+        lost = await _next(reports)
+        assert (lost.sandbox_id, lost.reason) == (info.id, "killed")
+    finally:
+        await reports.aclose()
+        for fd in filler:
+            os.close(fd)
 
 
 async def test_a_daemon_the_oom_killer_kills_is_lost_as_oom(provider: LocalProvider) -> None:

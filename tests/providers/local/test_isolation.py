@@ -19,6 +19,7 @@ import sandman
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.oci import MASKED_DIRS
 from tests.providers.local.conftest import needs_root_and_crun, ready
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
@@ -149,3 +150,29 @@ async def test_the_peer_check_passes_for_the_real_daemon(provider: LocalProvider
     async with wrong.client() as client:
         with pytest.raises(sandman.UntrustedDaemon):
             await client.health()
+
+
+async def test_masked_directories_are_empty_read_only_and_cost_no_superblock(
+    provider: LocalProvider,
+) -> None:
+    # Each superblock a sandbox makes adds a shrinker slot to every memory cgroup on
+    # the host: the masked directories are binds of one empty host directory, not a
+    # tmpfs each (see oci.MASKED_DIRS).
+    present = [p for p in MASKED_DIRS if os.path.isdir(p)]
+    if not present:
+        pytest.skip("none of the masked directories exists on this host")
+    info = await provider.create(SPEC)
+    assert info.endpoint is not None and info.endpoint.pid is not None
+    mounts = {
+        fields[4]: fields[fields.index("-") + 1]
+        for line in Path(f"/proc/{info.endpoint.pid}/mountinfo").read_text().splitlines()
+        if (fields := line.split())
+    }
+    async with await ready(info) as sb:
+        for path in present:
+            assert mounts[path] != "tmpfs", (path, mounts[path])
+            assert (await sb.exec(["ls", "-A", path])).stdout == ""
+            wrote = await sb.exec(["touch", f"{path}/x"])
+            assert wrote.exit_code != 0 and "Read-only file system" in wrote.stderr
+        assert (await sb.exec(["cat", "/proc/kcore"])).stdout == ""  # files: /dev/null
+    assert not any((provider.config.state_dir / "empty").iterdir())

@@ -80,7 +80,8 @@ async def test_list_and_inspect_survive_a_new_provider(provider: LocalProvider) 
     await provider.relabel(two.id, {"k": None, "sandman.io/session": "s-1"})
     relabelled = await again.inspect(two.id)
     assert relabelled.labels == {"sandman.io/pool": "p", "sandman.io/session": "s-1"}
-    assert await again.list(labels={"k": "2"}) == []
+    assert await again.list(labels={"k": "2"}) == []  # what it read before is read again
+    assert [i.id for i in await again.list(labels={"sandman.io/session": "s-1"})] == [two.id]
     with pytest.raises(sandman.SandboxNotFound):
         await again.relabel("sb-none", {"k": "v"})
     async with await _ready(inspected) as sb:

@@ -95,8 +95,13 @@ class ExitWatch:
                 logger.debug("no pidfd for %s (%s): reconcile will notice", sandbox_id, exc)
                 return
             raise
-        watched = _Watched(pid, pidfd, _start_time(pid), loop)
-        if not _exited(pidfd) and not member(pid):
+        try:
+            watched = _Watched(pid, pidfd, _start_time(pid), loop)
+            reused = not _exited(pidfd) and not member(pid)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        if reused:
             os.close(pidfd)
             self._lost(sandbox_id, None)  # the pid is another process's now
             return
@@ -148,8 +153,11 @@ def _unwatch(watched: _Watched) -> None:
 
 
 def _exited(pidfd: int) -> bool:
-    readable, _, _ = select.select([pidfd], [], [], 0)
-    return bool(readable)
+    # poll, not select: a pool holds a pidfd per sandbox, and select takes no
+    # descriptor past 1023 (FD_SETSIZE): every sandbox past ~1000 went unwatched.
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _stat_fields(pid: int) -> list[str] | None:

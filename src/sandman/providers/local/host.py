@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -10,9 +11,39 @@ from pathlib import Path
 
 from sandman.providers.local import disk
 
-__all__ = ["Finding", "check_host", "prepare_cgroups", "remove_cgroup_parent"]
+__all__ = [
+    "Finding",
+    "check_capacity",
+    "check_host",
+    "memory_for",
+    "prepare_cgroups",
+    "raise_open_files",
+    "remove_cgroup_parent",
+]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SYS = Path("/proc/sys")
+
+# What one idle sandbox takes of the host's per-count limits, measured with
+# benchmarks/density.py (busybox, network "none"): its daemon (Go, GOMAXPROCS=1)
+# runs 5-6 threads, each a pid; room is left for a command or two.
+PIDS_PER_SANDBOX = 8
+# The pool holds a pidfd per sandbox (told of its death at once); connections to
+# daemons come and go (in the headroom).
+FDS_PER_SANDBOX = 1
+# Host-wide open files: the daemon's, its runtime's, the namespaces' own.
+FILES_PER_SANDBOX = 16
+# Host memory per idle sandbox: what its memory cgroup is charged (~1.3 MiB of the
+# daemon's, its kernel objects; 1.47 MiB measured), page tables, kernel stacks.
+MEMORY_PER_SANDBOX = 3 * 2**19
+# And what grows with the square of the count: every memory cgroup holds a shrinker
+# slot per superblock on the host (1 KiB per 64, kmalloc-1k), and each sandbox has a
+# memory cgroup and makes 8 superblocks (overlay, proc, sysfs, devpts, mqueue, 3 tmpfs).
+SUPERBLOCKS_PER_SANDBOX = 8
+SHRINKER_SLOTS_PER_KIB = 64
+NAMESPACES = ("mnt", "pid", "ipc", "uts", "cgroup", "net")  # each sandbox makes one of each
+MEMCG_IDS = 65535  # cgroup v1: memory cgroups (live and dying) have 16-bit ids
+HEADROOM = 4096  # what the rest of the host uses of each
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,123 @@ def remove_cgroup_parent(parent: str) -> list[Path]:
                 busy.append(target)
                 break
     return busy
+
+
+def _sysctl(name: str) -> int | None:
+    try:
+        return int((PROC_SYS / name.replace(".", "/")).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def raise_open_files() -> int:
+    """Raise this process's soft limit on open files to its hard limit (the pool holds
+    descriptors per sandbox; a soft limit of 1024 would stop it at ~500); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError):
+            pass
+    return soft
+
+
+def memory_for(sandboxes: int) -> int:
+    """Host memory, in bytes, that ``sandboxes`` idle sandboxes take (busybox, network
+    "none"); see `benchmarks/density.py`."""
+    slots = -(-sandboxes * SUPERBLOCKS_PER_SANDBOX // SHRINKER_SLOTS_PER_KIB)
+    return sandboxes * MEMORY_PER_SANDBOX + sandboxes * slots * 1024
+
+
+def check_capacity(sandboxes: int) -> list[Finding]:
+    """Whether this host's limits let one pool hold ``sandboxes`` idle sandboxes at once:
+    each kernel parameter that grows with the count, and the value it needs."""
+    findings: list[Finding] = []
+    pids = sandboxes * PIDS_PER_SANDBOX + HEADROOM
+    for name in ("kernel.pid_max", "kernel.threads-max"):
+        value = _sysctl(name)
+        if value is not None:
+            findings.append(
+                Finding(
+                    value >= pids,
+                    f"{name} = {value} >= {pids} for {sandboxes} sandboxes "
+                    f"({PIDS_PER_SANDBOX} pids each: an idle daemon runs 5-6 threads)",
+                    f"sysctl -w {name}={max(pids, 4194304 if name == 'kernel.pid_max' else pids)}",
+                )
+            )
+    for ns in NAMESPACES:
+        name = f"user.max_{ns}_namespaces"
+        value = _sysctl(name)
+        if value is not None:
+            need = sandboxes + HEADROOM
+            findings.append(
+                Finding(value >= need, f"{name} = {value} >= {need}", f"sysctl -w {name}={need}")
+            )
+    files = sandboxes * FILES_PER_SANDBOX + 65536
+    value = _sysctl("fs.file-max")
+    if value is not None:
+        findings.append(
+            Finding(
+                value >= files,
+                f"fs.file-max = {value} >= {files}",
+                f"sysctl -w fs.file-max={files}",
+            )
+        )
+    keys = sandboxes + HEADROOM
+    value = _sysctl("kernel.keys.root_maxkeys")
+    if value is not None:
+        findings.append(
+            Finding(
+                value >= keys,
+                f"kernel.keys.root_maxkeys = {value} >= {keys} (the runtime makes a session "
+                "keyring per sandbox)",
+                f"sysctl -w kernel.keys.root_maxkeys={keys}",
+            )
+        )
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fds = sandboxes * FDS_PER_SANDBOX + HEADROOM
+    findings.append(
+        Finding(
+            hard == resource.RLIM_INFINITY or hard >= fds,
+            f"open files (hard limit {hard}) >= {fds} in the pool's process "
+            "(it raises its soft limit to the hard one)",
+            f"ulimit -n {fds} before starting it (systemd: LimitNOFILE={fds})",
+        )
+    )
+    if (CGROUP_ROOT / "memory" / "memory.limit_in_bytes").exists():
+        findings.append(
+            Finding(
+                sandboxes < MEMCG_IDS - HEADROOM,
+                f"{sandboxes} memory cgroups < {MEMCG_IDS - HEADROOM} (cgroup v1 ids are 16 bits)",
+                "hold fewer sandboxes on this host, or boot with cgroup v2",
+            )
+        )
+    available = _mem_available()
+    if available is not None:
+        need = memory_for(sandboxes)
+        findings.append(
+            Finding(
+                available >= need,
+                f"memory available {available // 2**20} MiB >= {need // 2**20} MiB for "
+                f"{sandboxes} idle sandboxes ({MEMORY_PER_SANDBOX / 2**20:.1f} MiB each, plus "
+                f"{(need - sandboxes * MEMORY_PER_SANDBOX) // 2**20} MiB of the kernel's "
+                "shrinker slots: superblocks x memory cgroups)",
+                "free memory, or hold fewer sandboxes on this host",
+            )
+        )
+    return findings
 
 
 def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
