@@ -345,6 +345,9 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
                     raise RuntimeError(f"sandman serve not healthy in 60 s: {log_file}")
                 await asyncio.sleep(0.1)
         yield url, key, process.pid
+    except BaseException:
+        log(f"  the service's log ends with:\n{log_file.read_text()[-3000:]}")
+        raise
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)  # it releases everything it holds
@@ -358,12 +361,16 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
 
 
 class ServiceClient:
-    """One client of the service as a trainer's worker is: a session heartbeated every
-    5 s, acquires over HTTP. Raw HTTP: sandboxes on KWOK nodes have no daemon, which
-    the SDK's acquire requires."""
+    """One client of the service as a trainer's worker is: its own connections, a
+    session heartbeated every 5 s, acquires over HTTP. Raw HTTP: sandboxes on KWOK
+    nodes have no daemon, which the SDK's acquire requires."""
 
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        self.http = http
+    def __init__(self, url: str, key: str, acquires: int) -> None:
+        # Room for every acquire it makes at once and its heartbeat; an idle connection
+        # is dropped before uvicorn's 5 s keep-alive ends it under a reused request.
+        limits = httpx.Limits(max_connections=acquires + 2, keepalive_expiry=2.0)
+        headers = {"Authorization": f"Bearer {key}"}
+        self.http = httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=120)
         self.session = ""
         self._beats: asyncio.Task[None] | None = None
 
@@ -381,7 +388,10 @@ class ServiceClient:
 
     async def acquire(self) -> str:
         body = {"spec": SPEC.model_dump(mode="json"), "session": self.session, "timeout": 3600}
-        response = await self.http.post("/v1/sandboxes", json=body, timeout=3700)
+        try:
+            response = await self.http.post("/v1/sandboxes", json=body, timeout=3700)
+        except httpx.HTTPError as exc:
+            raise errors.ProviderError(f"acquire: {exc!r}") from exc
         if response.status_code != 201:
             raise errors.ProviderError(f"acquire: {response.status_code} {response.text[:200]}")
         return str(response.json()["id"])
@@ -392,6 +402,7 @@ class ServiceClient:
         if self.session:
             await self.http.delete(f"/v1/sessions/{self.session}")
             self.session = ""
+        await self.http.aclose()
 
 
 async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -> Run:
@@ -400,43 +411,38 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
     provider = KubernetesProvider(config_for(kubeconfig, name))  # to list and count
     try:
         async with service(kubeconfig, name) as (url, key, pid):
-            limits = httpx.Limits(max_connections=count + clients)
-            headers = {"Authorization": f"Bearer {key}"}
-            async with httpx.AsyncClient(
-                base_url=url, headers=headers, limits=limits, timeout=120
-            ) as http:
-                sessions = [ServiceClient(http) for _ in range(clients)]
-                try:
-                    await asyncio.gather(*(client.open() for client in sessions))
-                    await sessions[0].acquire()  # warm; released with its session
-                    await measure_acquire(
-                        run,
-                        lambda i: sessions[i % clients].acquire(),
-                        count,
-                        rss=lambda: rss_mib(pid),
-                        cpu=lambda: cpu_seconds(pid),
-                        hold=hold,
-                        what=f"{clients} sessions heartbeating",
-                    )
-                    labels = {"sandman.io/pool": name}
-                    passes = [
-                        (await timed(lambda: provider.list(labels=labels)))[0] for _ in range(3)
-                    ]
-                    run.say(f"reconcile list {statistics.median(passes):.2f}s (median of 3)")
-                    for path in ("/v1/dashboard", "/metrics"):
-                        took, response = await timed(lambda p=path: http.get(p))  # type: ignore[misc]
-                        response.raise_for_status()
-                        run.say(f"GET {path} {took * 1000:.0f} ms, {len(response.content)} bytes")
-                    started = time.monotonic()
-                    await asyncio.gather(*(client.close() for client in sessions))
-                    async with asyncio.timeout(1800):
-                        while await provider.list(labels=labels):  # noqa: ASYNC110 - the API's list
-                            await asyncio.sleep(1)
-                    run.t_release = time.monotonic() - started
-                finally:
-                    await asyncio.gather(
-                        *(client.close() for client in sessions), return_exceptions=True
-                    )
+            share = -(-count // clients)
+            sessions = [ServiceClient(url, key, share) for _ in range(clients)]
+            try:
+                await asyncio.gather(*(client.open() for client in sessions))
+                await sessions[0].acquire()  # warm; released with its session
+                await measure_acquire(
+                    run,
+                    lambda i: sessions[i % clients].acquire(),
+                    count,
+                    rss=lambda: rss_mib(pid),
+                    cpu=lambda: cpu_seconds(pid),
+                    hold=hold,
+                    what=f"{clients} sessions heartbeating",
+                )
+                labels = {"sandman.io/pool": name}
+                passes = [(await timed(lambda: provider.list(labels=labels)))[0] for _ in range(3)]
+                run.say(f"reconcile list {statistics.median(passes):.2f}s (median of 3)")
+                http = sessions[0].http
+                for path in ("/v1/dashboard", "/metrics"):
+                    took, response = await timed(lambda p=path: http.get(p))  # type: ignore[misc]
+                    response.raise_for_status()
+                    run.say(f"GET {path} {took * 1000:.0f} ms, {len(response.content)} bytes")
+                started = time.monotonic()
+                await asyncio.gather(*(client.close() for client in sessions))
+                async with asyncio.timeout(1800):
+                    while await provider.list(labels=labels):  # noqa: ASYNC110 - the API's list
+                        await asyncio.sleep(1)
+                run.t_release = time.monotonic() - started
+            finally:
+                await asyncio.gather(
+                    *(client.close() for client in sessions), return_exceptions=True
+                )
         run.leftover = await count_left(provider.api, name)
         run.say(f"released in {run.t_release:.1f}s leftover={run.leftover}")
     finally:
