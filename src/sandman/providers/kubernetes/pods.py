@@ -126,6 +126,11 @@ _TRANSIENT = re.compile(
     r"|deadline exceeded|pull qps exceeded",
     re.IGNORECASE,
 )
+_UNAUTHORIZED = re.compile(r"\b401\b|unauthorized|no basic auth credentials", re.IGNORECASE)
+_UNAUTHORIZED_HINT = (
+    "the pull was unauthorized: the registry wants credentials the pod has not or it refused"
+    " (image_pull_secrets names the Secrets the kubelet pulls with)"
+)
 _CONFIG_REASONS = frozenset(
     {"CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff"}
 )
@@ -328,6 +333,12 @@ def pod_manifest(
         pod_spec["serviceAccountName"] = config.service_account
     if k8s.runtime_class_name:
         pod_spec["runtimeClassName"] = k8s.runtime_class_name
+    # The pool's, then the spec's own; the kubelet tries each for every image of the pod.
+    pull_secrets = list(dict.fromkeys([*config.image_pull_secrets, *k8s.image_pull_secrets]))
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in pull_secrets]
+    if priority := k8s.priority_class_name or config.priority_class_name:
+        pod_spec["priorityClassName"] = priority
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
     if k8s.tolerations:
@@ -481,6 +492,8 @@ def start_outcome(
                 which, image = "daemon image", volume
             if transient_pull_failure(reason, waiting.get("message", "")):
                 return PullRetrying(f"{which} {image}: {detail}")
+            if _UNAUTHORIZED.search(_QUOTED.sub('""', waiting.get("message", ""))):
+                detail = f"{_UNAUTHORIZED_HINT}: {detail}"
             return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
         terminated = state.get("terminated")
         if volume and (reason in _CONFIG_REASONS or terminated):
