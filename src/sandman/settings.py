@@ -146,6 +146,13 @@ class KubernetesConfig(BaseModel):
     priority_class_name: KubeObjectName | None = None
     """The PriorityClass of every pod, unless a spec names its own: sandboxes of a lower
     class are preempted for higher ones (they are then lost, reason ``preempted``)."""
+    node_lost_after: int | None = Field(default=None, ge=0)
+    """Seconds a pod stays on a node that stopped answering (``NotReady`` or unreachable)
+    before Kubernetes evicts it and its sandbox is lost (``node_lost``): the
+    ``tolerationSeconds`` of the pods' NoExecute tolerations of
+    ``node.kubernetes.io/not-ready`` and ``unreachable``. None: the cluster's default
+    (300 s). A sandbox whose node is away cannot be used meanwhile, so a short wait tells
+    its holder sooner; a spec's own tolerations of those taints win."""
     prefer_nodes_with_image: bool = False
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs

@@ -5,14 +5,18 @@ On the real node: a real OOM (the kernel's OOM killer in the pod's memory cgroup
 eviction through the eviction API. On KWOK nodes each test makes for itself (tainted
 and labelled so no one else's pod lands there; deleted afterwards): a drain (cordon,
 then evict each pod, as ``kubectl drain`` does), a preemption by a pod of a higher
-PriorityClass on a full node, and the node deleted (the pod garbage collector deletes
-its pods after its 40 s quarantine, marking them ``DeletionByPodGC``).
+PriorityClass on a full node, the node deleted (the pod garbage collector deletes its
+pods after its 40 s quarantine, marking them ``DeletionByPodGC``), and and the node
+NotReady (the node lifecycle controller taints it ``not-ready:NoExecute``, and the taint
+manager evicts its pods once `KubernetesConfig.node_lost_after` has passed; a node that
+stops answering is tainted ``unreachable`` instead, 50 s after its last heartbeat).
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,11 +35,14 @@ from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 240)]
 
-LOST_WITHIN = 60.0  # a watch event away, but the kubelet may take a sync to kill a container
+LOST_WITHIN = 90.0  # a watch event away, but the kubelet may take a sync to kill a container
 # The pod garbage collector checks every 20 s and deletes a missing node's pods once it
 # has been missing for 40 s.
 NODE_LOST_WITHIN = 150.0
 NODE_READY_WITHIN = 60.0
+# The node lifecycle controller's next check (5 s), then the pods' tolerationSeconds
+# (`KubernetesConfig.node_lost_after`, 5 s here).
+NODE_AWAY_WITHIN = 120.0  # well under the 300 s the pods would wait without it
 TEST_TAINT = "sandman.io/test-node"
 
 
@@ -211,6 +218,29 @@ class Node:
         )
         response.raise_for_status()
 
+    async def fail(self) -> None:
+        """Report the node NotReady, as a kubelet whose runtime is down does. KWOK lets go of
+        it first (or its heartbeat would say Ready again); the node lifecycle controller
+        then taints it ``node.kubernetes.io/not-ready:NoExecute``."""
+        merge = {"Content-Type": "application/merge-patch+json"}
+        response = await self.admin.http.patch(
+            self.url, json={"metadata": {"annotations": {"kwok.x-k8s.io/node": None}}},
+            headers=merge,
+        )  # fmt: skip
+        response.raise_for_status()
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        ready = {
+            "type": "Ready", "status": "False", "reason": "KubeletNotReady",
+            "message": "container runtime is down", "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }  # fmt: skip
+        response = await self.admin.http.patch(
+            f"{self.url}/status",
+            json={"status": {"conditions": [ready]}},
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        )
+        response.raise_for_status()
+
     async def pods(self) -> list[str]:
         """Every pod bound to the node, in the test namespace (the only one that uses it)."""
         response = await self.admin.http.get(
@@ -342,3 +372,28 @@ async def test_the_sandbox_of_a_deleted_node_is_lost_as_node_lost(
         assert lost.reason == "node_lost", lost
         assert "DeletionByPodGC" in str(lost)
         assert lost_count(metrics, pool_name, "node_lost") == 1
+
+
+@pytest.mark.timeout(SETUP_TIMEOUT + NODE_AWAY_WITHIN + 120)
+async def test_the_sandbox_of_a_node_gone_not_ready_is_lost_as_node_lost(
+    kube_cluster: KubeCluster, admin: Admin, node: Node, pool_name: str
+) -> None:
+    provider = KubernetesProvider(
+        config_for(kube_cluster, readiness="pod", annotations=KWOK_NO_DELAY, node_lost_after=5)
+    )
+    try:
+        spec = SandboxSpec(image=BUSYBOX, kubernetes=node.options)
+        async with counted_pool(provider, pool_name) as (pool, metrics):
+            session = pool.open_session(lease=600)
+            record = await pool.acquire(spec, session=session, timeout=60)
+            pod = await admin.pod(record.id)
+            assert pod is not None
+            waits = {t["key"]: t.get("tolerationSeconds") for t in pod["spec"]["tolerations"]}
+            assert waits["node.kubernetes.io/not-ready"] == 5  # not the admission's 300
+            await node.fail()
+            lost = await lost_as(pool, record.id, NODE_AWAY_WITHIN)
+            assert lost.reason == "node_lost", lost
+            assert "DeletionByTaintManager" in str(lost)
+            assert lost_count(metrics, pool_name, "node_lost") == 1
+    finally:
+        await provider.aclose()

@@ -129,6 +129,28 @@ def test_secret_and_priority_class_names_must_be_dns_subdomains(name: str) -> No
     assert fine.image_pull_secrets[0] == "a.b-1"
 
 
+def test_node_lost_after_bounds_the_wait_on_a_node_that_is_away() -> None:
+    config = CONFIG.model_copy(update={"node_lost_after": 30})
+    away = [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 30}
+        for taint in ("not-ready", "unreachable")
+    ]  # fmt: skip
+    own = {"key": "dedicated", "operator": "Exists"}
+
+    def tolerations(*given: dict[str, Any]) -> Any:
+        spec = SandboxSpec(image="x", kubernetes=KubernetesOptions(tolerations=list(given)))
+        pod = pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+        return pod["spec"].get("tolerations")
+
+    assert tolerations() == away
+    assert tolerations(own) == [own, *away]
+    # The spec's own toleration of a taint wins over the pool's.
+    forever = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    assert tolerations(forever) == [forever, away[0]]
+    assert "tolerations" not in manifest(SandboxSpec(image="x"))["spec"]  # None: the cluster's
+
+
 def test_config_labels_and_annotations_go_on_every_pod() -> None:
     config = CONFIG.model_copy(update={"labels": {"team": "rl"}, "annotations": {"a/b": "c"}})
     pod = pods.pod_manifest(

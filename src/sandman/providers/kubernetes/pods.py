@@ -239,6 +239,23 @@ def _check_reserved(config: KubernetesConfig, spec: SandboxSpec, labels: Mapping
             )
 
 
+_NODE_AWAY = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def _node_lost(config: KubernetesConfig, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tolerations that bound how long a pod waits on a node that is away
+    (`KubernetesConfig.node_lost_after`), but for the taints the spec tolerates itself."""
+    if config.node_lost_after is None:
+        return []
+    mentioned = {t.get("key") for t in own}
+    return [
+        {"key": key, "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": config.node_lost_after}
+        for key in _NODE_AWAY
+        if key not in mentioned
+    ]  # fmt: skip
+
+
 def pod_manifest(
     *,
     name: str,
@@ -341,8 +358,9 @@ def pod_manifest(
         pod_spec["priorityClassName"] = priority
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    tolerations = [dict(t) for t in k8s.tolerations] + _node_lost(config, k8s.tolerations)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     if preferred:
         pod_spec["affinity"] = with_preference(k8s.affinity, preferred)
     elif k8s.affinity:
