@@ -276,6 +276,10 @@ def pod_manifest(
     escalation, `CAPABILITIES` or none); the init container runs as `INSTALLER_UID`
     with nothing. Labels under ``sandman.io/`` come only from their owners.
 
+    Image pull secrets: the config's, then the spec's; the priority class: the spec's,
+    else the config's; `KubernetesConfig.node_lost_after` adds NoExecute tolerations of a
+    node that is away, unless the spec tolerates those taints itself.
+
     The token is in the main container's environment: the daemon reads and
     unsets it before it starts anything, so no command in the sandbox sees
     it. The provider's Role has no access to Secrets (least privilege), and
