@@ -346,6 +346,21 @@ async def test_a_sandbox_preempted_by_a_higher_priority_pod_is_lost_as_preempted
             await admin.http.delete(f"{classes}/{name}")
 
 
+async def test_a_priority_class_that_does_not_exist_is_a_config_error(
+    kube_cluster: KubeCluster, admin: Admin, pool_name: str
+) -> None:
+    provider = KubernetesProvider(config_for(kube_cluster, readiness="pod"))
+    spec = SandboxSpec(
+        image=BUSYBOX, kubernetes=KubernetesOptions(priority_class_name="sandman-no-such-class")
+    )
+    try:
+        with pytest.raises(errors.ConfigError, match="'sandman-no-such-class' does not exist"):
+            await provider.create(spec, labels={"sandman.io/pool": pool_name})
+    finally:
+        await provider.aclose()
+    assert await admin.names(pool_name) == []
+
+
 def pinned_pod(name: str, node: Node, priority_class: str) -> dict[str, Any]:
     options = node.options
     return {
