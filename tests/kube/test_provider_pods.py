@@ -148,6 +148,10 @@ def test_node_lost_after_bounds_the_wait_on_a_node_that_is_away() -> None:
     # The spec's own toleration of a taint wins over the pool's.
     forever = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
     assert tolerations(forever) == [forever, away[0]]
+    everything = {"operator": "Exists"}  # every taint, every effect, forever
+    assert tolerations(everything) == [everything]
+    schedule_only = {"operator": "Exists", "effect": "NoSchedule"}
+    assert tolerations(schedule_only) == [schedule_only, *away]
     assert "tolerations" not in manifest(SandboxSpec(image="x"))["spec"]  # None: the cluster's
 
 

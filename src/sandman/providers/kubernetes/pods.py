@@ -128,8 +128,8 @@ _TRANSIENT = re.compile(
 )
 _UNAUTHORIZED = re.compile(r"\b401\b|unauthorized|no basic auth credentials", re.IGNORECASE)
 _UNAUTHORIZED_HINT = (
-    "the pull was unauthorized: the registry wants credentials the pod has not or it refused"
-    " (image_pull_secrets names the Secrets the kubelet pulls with)"
+    "the pull was unauthorized: the registry wants credentials the pod lacks, or refused"
+    " those it has (image_pull_secrets names the Secrets the kubelet pulls with)"
 )
 _CONFIG_REASONS = frozenset(
     {"CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff"}
@@ -247,12 +247,21 @@ def _node_lost(config: KubernetesConfig, own: list[dict[str, Any]]) -> list[dict
     (`KubernetesConfig.node_lost_after`), but for the taints the spec tolerates itself."""
     if config.node_lost_after is None:
         return []
-    mentioned = {t.get("key") for t in own}
+
+    def tolerated(key: str) -> bool:
+        # The taint manager takes the shortest of the matching tolerations: ours would
+        # cut short what the spec asked for (a key-less Exists tolerates every taint).
+        return any(
+            (t.get("key") == key or (not t.get("key") and t.get("operator") == "Exists"))
+            and t.get("effect") in (None, "", "NoExecute")
+            for t in own
+        )
+
     return [
         {"key": key, "operator": "Exists", "effect": "NoExecute",
          "tolerationSeconds": config.node_lost_after}
         for key in _NODE_AWAY
-        if key not in mentioned
+        if not tolerated(key)
     ]  # fmt: skip
 
 
