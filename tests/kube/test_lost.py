@@ -212,10 +212,15 @@ class Node:
         async def ready() -> bool:
             response = await self.admin.http.get(self.url)
             response.raise_for_status()
-            conditions = response.json().get("status", {}).get("conditions") or []
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+            body = response.json()
+            conditions = body.get("status", {}).get("conditions") or []
+            # The node lifecycle controller lifts its not-ready taint a moment after Ready.
+            taints = {t["key"] for t in body["spec"].get("taints") or []}
+            return taints <= {"kwok.x-k8s.io/node", TEST_TAINT} and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in conditions
+            )
 
-        await wait_for(f"KWOK node {self.name} to be Ready", NODE_READY_WITHIN, ready)
+        await wait_for(f"KWOK node {self.name} to be Ready, untainted", NODE_READY_WITHIN, ready)
 
     async def cordon(self) -> None:
         response = await self.admin.http.patch(
