@@ -237,6 +237,18 @@ def test_bench_runs_the_latency_benchmark_of_this_checkout() -> None:
     assert "noop_exec_ratio=" in result.stdout
 
 
+def test_prepare_refuses_a_pull_secret_no_secret_can_be_called_before_any_request(
+    tmp_path: Path,
+) -> None:
+    missing = str(tmp_path / "no-such-kubeconfig")  # never read: the name is refused first
+    result = CliRunner().invoke(
+        _build(), ["prepare", "--kubeconfig", missing, "--pull-secret", "Reg_Cred", "busybox"]
+    )
+    assert result.exit_code == 1
+    assert "image pull secret: 'Reg_Cred' is not a Kubernetes object name" in result.output
+    assert "cannot read kubeconfig" not in result.output
+
+
 def test_a_config_errors_hint_fits_whose_configuration_it_is(tmp_path: Path) -> None:
     kube = "hint: check the Kubernetes configuration: --kubeconfig / KUBECONFIG"
     runner = CliRunner()

@@ -9,7 +9,14 @@ import base64
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+)
 
 __all__ = [
     "ArchiveResult",
@@ -19,6 +26,7 @@ __all__ = [
     "FileStat",
     "FileType",
     "Health",
+    "KubeObjectName",
     "KubernetesOptions",
     "NetworkMode",
     "OnTimeout",
@@ -27,6 +35,7 @@ __all__ = [
     "SandboxSpec",
     "SessionInfo",
     "SessionRunResult",
+    "check_object_name",
 ]
 
 Encoding = Literal["utf-8", "base64"]
@@ -58,6 +67,22 @@ def _parse_bytes(value: object) -> object:
 
 Bytes = Annotated[int, BeforeValidator(_parse_bytes)]
 
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_object_name(value: str) -> str:
+    """``value`` if it can name a Kubernetes object (a DNS-1123 subdomain), else ValueError."""
+    if len(value) > 253 or not _SUBDOMAIN.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a Kubernetes object name (a DNS-1123 subdomain: at most 253 of "
+            "lowercase letters, digits, '-' and '.', starting and ending alphanumeric)"
+        )
+    return value
+
+
+KubeObjectName = Annotated[str, AfterValidator(check_object_name)]
+"""The name of a Secret, PriorityClass...: checked here, not by a 422 at pod creation."""
+
 RESERVED_LABEL_PREFIX = "sandman.io/"
 """Labels Sandman sets itself (pool, session, tenant, expiry); a spec may not."""
 
@@ -76,6 +101,9 @@ class KubernetesOptions(BaseModel):
     Requests default to the spec's limits (``cpu``, ``memory``); ask for less
     to pack sandboxes tighter. ``tolerations`` and ``affinity`` are the
     Kubernetes objects as dicts, passed on unchanged.
+
+    ``image_pull_secrets`` are added to the pool's (`KubernetesConfig.image_pull_secrets`);
+    ``priority_class_name`` replaces the pool's.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -89,6 +117,11 @@ class KubernetesOptions(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
+    image_pull_secrets: list[KubeObjectName] = Field(default_factory=list)
+    """Names of ``kubernetes.io/dockerconfigjson`` Secrets in the pods' namespace, for a
+    private registry (the kubelet reads them; Sandman never does)."""
+    priority_class_name: KubeObjectName | None = None
+    """A PriorityClass of the cluster: who preempts whom when nodes are full."""
 
 
 class SandboxSpec(BaseModel):

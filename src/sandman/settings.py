@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandman._version import __version__
-from sandman.models import Bytes
+from sandman.models import Bytes, KubeObjectName
 
 __all__ = ["KubernetesConfig", "LocalConfig"]
 
@@ -143,6 +143,21 @@ class KubernetesConfig(BaseModel):
     owner_grace: float = Field(default=10.0, ge=0)
     """Seconds an expired Lease must further be seen unchanged (on the observer's own
     clock) before its owner counts as dead and its pods may be reaped."""
+    image_pull_secrets: list[KubeObjectName] = Field(default_factory=list)
+    """Image pull secrets of every pod (and of ``sandman prepare``'s pull pods): names of
+    ``kubernetes.io/dockerconfigjson`` Secrets in the namespace, for private registries.
+    The kubelet reads them; the provider's identity needs no access to Secrets. A spec's
+    own (`KubernetesOptions.image_pull_secrets`) are added."""
+    priority_class_name: KubeObjectName | None = None
+    """The PriorityClass of every pod, unless a spec names its own: sandboxes of a lower
+    class are preempted for higher ones (they are then lost, reason ``preempted``)."""
+    node_lost_after: int | None = Field(default=None, ge=0)
+    """Seconds a pod stays on a node that stopped answering (``NotReady`` or unreachable)
+    before Kubernetes evicts it and its sandbox is lost (``node_lost``): the
+    ``tolerationSeconds`` of the pods' NoExecute tolerations of
+    ``node.kubernetes.io/not-ready`` and ``unreachable``. None: the cluster's default
+    (300 s). A sandbox whose node is away cannot be used meanwhile, so a short wait tells
+    its holder sooner; a spec's own tolerations of those taints win."""
     prefer_nodes_with_image: bool = False
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs

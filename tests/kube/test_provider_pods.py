@@ -91,6 +91,70 @@ def test_resources_and_placement_come_from_the_spec() -> None:
     assert (security["runAsUser"], security["runAsGroup"]) == (1000, 2000)
 
 
+def test_pull_secrets_and_priority_come_from_the_pool_and_the_spec() -> None:
+    config = CONFIG.model_copy(
+        update={"image_pull_secrets": ["regcred", "mirror"], "priority_class_name": "batch"}
+    )
+
+    def pod_spec(k8s: KubernetesOptions) -> dict[str, Any]:
+        spec = SandboxSpec(image="x", kubernetes=k8s)
+        pod = pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+        body: dict[str, Any] = pod["spec"]
+        return body
+
+    plain = pod_spec(KubernetesOptions())
+    assert plain["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    assert plain["priorityClassName"] == "batch"
+    # The spec's secrets are added (once each); its priority class replaces the pool's.
+    own = pod_spec(
+        KubernetesOptions(image_pull_secrets=["team-a", "regcred"], priority_class_name="urgent")
+    )
+    assert own["imagePullSecrets"] == [{"name": n} for n in ("regcred", "mirror", "team-a")]
+    assert own["priorityClassName"] == "urgent"
+    neither = manifest(SandboxSpec(image="x"))["spec"]
+    assert "imagePullSecrets" not in neither and "priorityClassName" not in neither
+
+
+@pytest.mark.parametrize("name", ["RegCred", "reg_cred", "-x", "x.", "", "a" * 254])
+def test_secret_and_priority_class_names_must_be_dns_subdomains(name: str) -> None:
+    for make in (
+        lambda: KubernetesConfig(image_pull_secrets=[name]),
+        lambda: KubernetesConfig(priority_class_name=name),
+        lambda: KubernetesOptions(image_pull_secrets=[name]),
+        lambda: KubernetesOptions(priority_class_name=name),
+    ):
+        with pytest.raises(ValidationError, match="not a Kubernetes object name"):
+            make()
+    fine = KubernetesOptions(image_pull_secrets=["a.b-1", "a" * 253], priority_class_name="x.y")
+    assert fine.image_pull_secrets[0] == "a.b-1"
+
+
+def test_node_lost_after_bounds_the_wait_on_a_node_that_is_away() -> None:
+    config = CONFIG.model_copy(update={"node_lost_after": 30})
+    away = [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 30}
+        for taint in ("not-ready", "unreachable")
+    ]  # fmt: skip
+    own = {"key": "dedicated", "operator": "Exists"}
+
+    def tolerations(*given: dict[str, Any]) -> Any:
+        spec = SandboxSpec(image="x", kubernetes=KubernetesOptions(tolerations=list(given)))
+        pod = pods.pod_manifest(name="sb-1", spec=spec, labels=LABELS, token="t", config=config)
+        return pod["spec"].get("tolerations")
+
+    assert tolerations() == away
+    assert tolerations(own) == [own, *away]
+    # The spec's own toleration of a taint wins over the pool's.
+    forever = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    assert tolerations(forever) == [forever, away[0]]
+    everything = {"operator": "Exists"}  # every taint, every effect, forever
+    assert tolerations(everything) == [everything]
+    schedule_only = {"operator": "Exists", "effect": "NoSchedule"}
+    assert tolerations(schedule_only) == [schedule_only, *away]
+    assert "tolerations" not in manifest(SandboxSpec(image="x"))["spec"]  # None: the cluster's
+
+
 def test_config_labels_and_annotations_go_on_every_pod() -> None:
     config = CONFIG.model_copy(update={"labels": {"team": "rl"}, "annotations": {"a/b": "c"}})
     pod = pods.pod_manifest(
@@ -381,7 +445,15 @@ def test_a_permanent_pull_failure_is_an_image_error_at_once(reason: str, case: s
     message = PERMANENT[case] if reason == "ErrImagePull" else back_off(PERMANENT[case])
     outcome = pods.start_outcome(waiting(reason, message=message), "daemon")
     assert isinstance(outcome, errors.ImageError), outcome
-    assert str(outcome) == f"pod sb-1: image x: {reason}: {message}"
+    # A refusal of credentials says so first, and where they come from.
+    hint = f"{pods._UNAUTHORIZED_HINT}: " if case == "401" else ""
+    assert str(outcome) == f"pod sb-1: image x: {hint}{reason}: {message}"
+
+
+def test_an_unauthorized_pull_says_so_whatever_the_image_is_called() -> None:
+    message = STATUS.replace(SICK, "r.io/unauthorized:1") + "404 Not Found"
+    outcome = pods.start_outcome(waiting("ErrImagePull", message=message), "daemon")
+    assert "unauthorized" not in str(outcome).replace("r.io/unauthorized", "")
 
 
 def test_the_status_code_and_the_cause_decide_not_the_image_name() -> None:

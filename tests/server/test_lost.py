@@ -46,6 +46,8 @@ async def test_a_lost_sandbox_is_410_with_its_reason_counted_and_shown(
     assert (other.status_code, error_code(other)) == (404, "sandbox_not_found")
     text = (await api.get("/metrics")).text
     assert sample(text, 'sandman_sandboxes_lost_total{pool="t",reason="oom"}') == 1
+    for reason in ("evicted", "preempted", "node_lost"):  # every reason is there, at 0
+        assert sample(text, f'sandman_sandboxes_lost_total{{pool="t",reason="{reason}"}}') == 0
     board = (await api.get("/v1/dashboard")).json()
     assert board["lost"] == {"oom": 1}
     (shown,) = [e for e in board["errors"] if e["event"] == "sandbox.lost"]

@@ -28,12 +28,14 @@ async def _prepare(
     from sandman.providers.kubernetes.prepare import (
         PullResult,
         check_images,
+        check_pull_secrets,
         list_nodes,
         prepare_images,
     )
     from sandman.settings import KubernetesConfig
 
     check_images(images)  # before any request
+    check_pull_secrets(pull_secrets)
 
     try:
         config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)

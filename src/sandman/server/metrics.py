@@ -104,7 +104,8 @@ class Metrics:
     ``sandman_acquire_seconds`` (an acquire at the service, until answered).
 
     ``sandman_sandboxes_lost_total`` counts sandboxes that died by themselves (OOM, a
-    crash, killed, evicted...), by ``reason`` (`sandman.SandboxLost.REASONS`).
+    crash, killed, evicted, preempted, their node lost...), by ``reason``
+    (`sandman.SandboxLost.REASONS`, each there from the start at 0).
 
     No series names a tenant unless ``tenant_labels`` (then ``sandman_queue_depth``
     has a ``tenant`` label; `ServerSettings.metrics_tenant_labels`).
@@ -160,6 +161,9 @@ class Metrics:
             [*labels, "reason"],
             registry=self.registry,
         )
+        for reason in errors.SandboxLost.REASONS:
+            # Every reason from the start, at 0: a rate over them works before the first loss.
+            self.lost.labels(pool.config.name, reason)
         self.events = Counter(
             "sandman_pool_events",
             "Pool lifecycle events, by name.",

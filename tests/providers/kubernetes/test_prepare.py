@@ -20,6 +20,7 @@ from sandman.providers.kubernetes.api import KubeAPI
 from sandman.providers.kubernetes.prepare import (
     NEVER_RUNS,
     check_images,
+    check_pull_secrets,
     list_nodes,
     pull_outcome,
     pull_pod,
@@ -83,6 +84,12 @@ def test_pull_pod_runs_nothing_and_stays_on_its_node() -> None:
 )  # fmt: skip
 def test_pull_outcome(status: dict[str, Any], expected: tuple[bool, str] | None) -> None:
     assert pull_outcome(status) == expected
+
+
+def test_check_pull_secrets_names_the_bad_one() -> None:
+    check_pull_secrets(["regcred", "team.mirror-1"])
+    with pytest.raises(errors.ConfigError, match="image pull secret: 'Reg_Cred' is not a"):
+        check_pull_secrets(["regcred", "Reg_Cred"])
 
 
 def test_check_images_names_the_bad_one() -> None:

@@ -126,6 +126,11 @@ _TRANSIENT = re.compile(
     r"|deadline exceeded|pull qps exceeded",
     re.IGNORECASE,
 )
+_UNAUTHORIZED = re.compile(r"\b401\b|unauthorized|no basic auth credentials", re.IGNORECASE)
+_UNAUTHORIZED_HINT = (
+    "the pull was unauthorized: the registry wants credentials the pod lacks, or refused"
+    " those it has (image_pull_secrets names the Secrets the kubelet pulls with)"
+)
 _CONFIG_REASONS = frozenset(
     {"CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff"}
 )
@@ -234,6 +239,32 @@ def _check_reserved(config: KubernetesConfig, spec: SandboxSpec, labels: Mapping
             )
 
 
+_NODE_AWAY = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def _node_lost(config: KubernetesConfig, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tolerations that bound how long a pod waits on a node that is away
+    (`KubernetesConfig.node_lost_after`), but for the taints the spec tolerates itself."""
+    if config.node_lost_after is None:
+        return []
+
+    def tolerated(key: str) -> bool:
+        # The taint manager takes the shortest of the matching tolerations: ours would
+        # cut short what the spec asked for (a key-less Exists tolerates every taint).
+        return any(
+            (t.get("key") == key or (not t.get("key") and t.get("operator") == "Exists"))
+            and t.get("effect") in (None, "", "NoExecute")
+            for t in own
+        )
+
+    return [
+        {"key": key, "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": config.node_lost_after}
+        for key in _NODE_AWAY
+        if not tolerated(key)
+    ]  # fmt: skip
+
+
 def pod_manifest(
     *,
     name: str,
@@ -253,6 +284,10 @@ def pod_manifest(
     Security: `KubernetesConfig.pod_security` (seccomp RuntimeDefault, no privilege
     escalation, `CAPABILITIES` or none); the init container runs as `INSTALLER_UID`
     with nothing. Labels under ``sandman.io/`` come only from their owners.
+
+    Image pull secrets: the config's, then the spec's; the priority class: the spec's,
+    else the config's; `KubernetesConfig.node_lost_after` adds NoExecute tolerations of a
+    node that is away, unless the spec tolerates those taints itself.
 
     The token is in the main container's environment: the daemon reads and
     unsets it before it starts anything, so no command in the sandbox sees
@@ -328,10 +363,17 @@ def pod_manifest(
         pod_spec["serviceAccountName"] = config.service_account
     if k8s.runtime_class_name:
         pod_spec["runtimeClassName"] = k8s.runtime_class_name
+    # The pool's, then the spec's own; the kubelet tries each for every image of the pod.
+    pull_secrets = list(dict.fromkeys([*config.image_pull_secrets, *k8s.image_pull_secrets]))
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in pull_secrets]
+    if priority := k8s.priority_class_name or config.priority_class_name:
+        pod_spec["priorityClassName"] = priority
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    tolerations = [dict(t) for t in k8s.tolerations] + _node_lost(config, k8s.tolerations)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     if preferred:
         pod_spec["affinity"] = with_preference(k8s.affinity, preferred)
     elif k8s.affinity:
@@ -481,6 +523,8 @@ def start_outcome(
                 which, image = "daemon image", volume
             if transient_pull_failure(reason, waiting.get("message", "")):
                 return PullRetrying(f"{which} {image}: {detail}")
+            if _UNAUTHORIZED.search(_QUOTED.sub('""', waiting.get("message", ""))):
+                detail = f"{_UNAUTHORIZED_HINT}: {detail}"
             return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
         terminated = state.get("terminated")
         if volume and (reason in _CONFIG_REASONS or terminated):

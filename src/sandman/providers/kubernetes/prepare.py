@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandman import errors
+from sandman.models import check_object_name
 from sandman.providers.kubernetes.api import BadRequest, Forbidden, KubeAPI
 from sandman.providers.kubernetes.placement import parse_image
 from sandman.providers.kubernetes.pods import transient_pull_failure
@@ -43,6 +44,7 @@ __all__ = [
     "NEVER_RUNS",
     "PullResult",
     "check_images",
+    "check_pull_secrets",
     "list_nodes",
     "prepare_images",
     "pull_outcome",
@@ -175,6 +177,15 @@ def check_images(images: Sequence[str]) -> None:
             raise errors.ConfigError(str(exc)) from None
 
 
+def check_pull_secrets(names: Sequence[str]) -> None:
+    """Raise ConfigError for the first name that cannot be a Secret's."""
+    for name in names:
+        try:
+            check_object_name(name)
+        except ValueError as exc:
+            raise errors.ConfigError(f"image pull secret: {exc}") from None
+
+
 def _ready(node: dict[str, Any]) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -216,6 +227,7 @@ async def prepare_images(
     if per_node < 1:
         raise errors.ConfigError(f"per_node must be at least 1, not {per_node}")
     check_images(images)
+    check_pull_secrets(pull_secrets)
     run = secrets.token_hex(4)
     selector = f"{LABEL}={run}"
     deadline = time.monotonic() + timeout

@@ -138,7 +138,17 @@ class KubernetesProvider:
         self.watch.add(name, on_event)
         self._progress[name] = "the pod is being created"
         try:
-            created = await self.api.create_pod(body)
+            try:
+                created = await self.api.create_pod(body)
+            except Forbidden as exc:
+                # The Priority admission plugin's 403, not a missing permission.
+                priority = body["spec"].get("priorityClassName")
+                if priority and "no PriorityClass" in str(exc):
+                    raise errors.ConfigError(
+                        f"pod {name}: priority class {priority!r} does not exist in the "
+                        "cluster (kubectl get priorityclasses)"
+                    ) from None
+                raise
             try:
                 pods.check_delivery(created, self.config)
                 async with asyncio.timeout(self.config.start_timeout):
