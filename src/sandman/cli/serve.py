@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from sandman.server import ServerSettings
 
 PROVIDERS = ("local", "kubernetes")
+_LISTEN_BACKLOG = 65535
 
 
 def make_provider(ctx: click.Context, name: str) -> Provider:
@@ -179,6 +180,10 @@ async def _serve(
         log_level=log_level,
         lifespan="on",
         ws="none",
+        # A burst's acquires are long requests, each on a connection of its own: thousands
+        # of clients' connections arrive at once and overflowed uvicorn's 2048 (the
+        # kernel caps the queue at net.core.somaxconn: raise that for bigger bursts).
+        backlog=_LISTEN_BACKLOG,
         # uvicorn waits this long for open requests (acquires) before the lifespan's
         # shutdown, which then gives what is still in flight its own grace.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace)),
