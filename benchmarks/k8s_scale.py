@@ -168,7 +168,7 @@ async def measure_acquire(
     """
     held: list[object] = []
     half_rss: list[float] = []
-    cpu_before = cpu()
+    cpu_before, rss_before = cpu(), rss()
     started = time.monotonic()
 
     async def one(i: int) -> None:
@@ -201,8 +201,9 @@ async def measure_acquire(
         + (f" errors={run.errors}" if run.errors else "")
     )
     run.say(
-        f"memory rss {half_rss[0] if half_rss else 0:.0f} MiB at half, {full_rss:.0f} MiB at all: "
-        f"{run.mib_per_1k:.2f} MiB per 1,000 held"
+        f"memory rss {rss_before:.0f} MiB before, {half_rss[0] if half_rss else 0:.0f} MiB at "
+        f"half, {full_rss:.0f} MiB at all: {run.mib_per_1k:.2f} MiB per 1,000 held "
+        f"(the slope), {(full_rss - rss_before) / max(1, run.held) * 1000:.2f} overall"
     )
     idle = cpu()
     await asyncio.sleep(hold)
