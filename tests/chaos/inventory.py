@@ -211,8 +211,8 @@ def _processes_and_mounts(scope: Scope) -> list[Item]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
+        sid = ""  # the sandbox whose cgroup holds the process, if any
         if parent in cgroups:
-            sid = ""
             for line in cgroups.splitlines():
                 _, _, path = line.partition(":" + scope.cgroup_parent.rstrip("/") + "/")
                 if path:
@@ -247,9 +247,10 @@ def _processes_and_mounts(scope: Scope) -> list[Item]:
             match = _SANDBOX_ID.search(line)
             fstype = fields[fields.index("-") + 1] if "-" in fields else "?"
             where = "" if host else f" in {namespace} (pid {proc.name})"
-            found.append(
-                Item("mount", f"{point} ({fstype}){where}", match.group(0) if match else "")
-            )
+            # A mount in a sandbox's namespace that names no sandbox (the masked
+            # directories' bind of <state>/empty) is that sandbox's.
+            owner = match.group(0) if match else "" if host else sid
+            found.append(Item("mount", f"{point} ({fstype}){where}", owner))
     return found
 
 

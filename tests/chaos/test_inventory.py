@@ -53,7 +53,7 @@ async def test_every_kind_of_resource_is_found_and_goes(
         "disk mount", "loop", "net alloc", "netns", "veth", "nft",
     }, kinds  # fmt: skip
     assert {item.sandbox for item in found if item.sandbox} == {info.id for info in made}
-    assert inventory.count(found) == 4  # three sandboxes and the disk filesystem
+    assert inventory.count(found) == 4, inventory.describe(found)  # three sandboxes, the disk
     for info in made:
         await provider.delete(info.id)
     await provider.aclose()
