@@ -375,7 +375,13 @@ async def crds(admin: KubeAPI, server: str, home: Path) -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def controller(
-    admin: KubeAPI, server: str, admin_kubeconfig: Path, home: Path, run: str, ns: str
+    admin: KubeAPI,
+    server: str,
+    admin_kubeconfig: Path,
+    home: Path,
+    run: str,
+    ns: str,
+    keep_log: Path | None,
 ) -> AsyncIterator[None]:
     """agent-sandbox's controller as a host process, as ServiceAccount ``ns``/
     ``agent-sandbox-controller`` bound to its own ClusterRoles; stopped at the end."""
@@ -449,6 +455,8 @@ async def controller(
         for name in made:
             for kind in ("clusterrolebindings", "clusterroles"):
                 await admin.request("DELETE", f"{rbac}/{kind}/{name}", name, missing_ok=True)
+        if keep_log is not None and (state / "controller.log").exists():
+            shutil.copy(state / "controller.log", keep_log)
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -550,10 +558,21 @@ def pod_template(cluster: Cluster, label: str) -> dict[str, Any]:
             "spec": pod["spec"]}  # fmt: skip
 
 
-async def report(name: str, ready: dict[str, float], total: int) -> None:
+async def report(cluster: Cluster, name: str, ready: dict[str, float], total: int) -> None:
+    """Progress, and where the pods are: made, bound to a node, Ready."""
+    pods = f"{cluster.server}/api/v1/namespaces/{cluster.namespace}/pods"
     while True:
         await asyncio.sleep(10)
-        log(f"  {name}: {len(ready)}/{total} ready")
+        params: dict[str, str | int] = {"resourceVersion": "0"}
+        items = (await cluster.admin.request("GET", pods, "list pods", params=params))["items"]
+        bound = sum(1 for p in items if p["spec"].get("nodeName"))
+        running = sum(
+            any(c["type"] == "Ready" and c["status"] == "True"
+                for c in (p.get("status") or {}).get("conditions") or [])
+            for p in items
+        )  # fmt: skip
+        log(f"  {name}: {len(ready)}/{total} ready; pods {len(items)} made, "
+            f"{bound} bound, {running} Ready")  # fmt: skip
 
 
 async def object_phase(
@@ -574,7 +593,7 @@ async def object_phase(
     watcher = asyncio.create_task(
         watch_ready(cluster.user, cluster.user_credentials, url, selector, started, ready)
     )
-    progress = asyncio.create_task(report(burst.name, ready, total))
+    progress = asyncio.create_task(report(cluster, burst.name, ready, total))
     try:
 
         async def all_ready() -> bool:
@@ -591,7 +610,13 @@ async def object_phase(
     burst.ready_at = sorted(ready.values())
     burst.failures = total - len(ready)  # failed creates, and those never ready
     params: dict[str, str | int] = {"labelSelector": selector}
-    await cluster.user.request("DELETE", url, "delete all", params=params)
+    for _ in range(10):
+        try:  # a collection's delete may outlast the client's timeout: ask again
+            await cluster.user.request("DELETE", url, "delete all", params=params)
+            break
+        except errors.ThrottledError as exc:
+            log(f"  {burst.name}: {exc}; again")
+            await asyncio.sleep(exc.retry_after or 1)
 
     async def gone() -> bool:
         return await cluster.agent_sandbox_left() == 0
@@ -656,7 +681,7 @@ async def benchmark(args: argparse.Namespace, home: Path | None) -> str:
         if home is not None:
             await stack.enter_async_context(crds(admin, server, home))
             await stack.enter_async_context(
-                controller(admin, server, args.admin_kubeconfig, home, run, ns)
+                controller(admin, server, args.admin_kubeconfig, home, run, ns, args.controller_log)
             )
             log(f"agent-sandbox: {args.requests} Sandboxes from {args.clients} clients")
             results.append(
@@ -691,6 +716,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="never build; agent-sandbox's Sandboxes only, if it is cached")  # fmt: skip
     parser.add_argument("--lease", type=float, default=30.0)
+    parser.add_argument("--controller-log", type=Path, help="keep the controller's log here")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds an agent-sandbox burst may take to be ready")  # fmt: skip
     args = parser.parse_args()
