@@ -33,8 +33,10 @@ faster of its two paths.
 Everything the run installs (namespace, CRDs, ClusterRoles and bindings, the
 controller process, KWOK nodes it added) is removed at the end, also on failure.
 
-``--quick`` never builds: with the controller cached it runs phases 1 and 2, without
-it phase 1 only (``agent_sandbox_t100=skipped``). The test suite runs it so.
+``--skip-claims`` leaves phase 3 out; ``--timeout`` bounds each agent-sandbox burst
+(those not ready by then are failures, and its t100 is ``inf``). ``--quick`` never
+builds: with the controller cached it runs phases 1 and 2, without it phase 1 only
+(``agent_sandbox_t100=skipped``). The test suite runs it so.
 
     .venv/bin/python benchmarks/peers/agent_sandbox.py --requests 10000 --clients 8 \\
         --kubeconfig /var/lib/sandman-kube/sandman.kubeconfig \\
@@ -460,6 +462,10 @@ async def controller(
         shutil.rmtree(state, ignore_errors=True)
 
 
+def now() -> str:
+    return time.strftime("%H:%M:%S")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -561,8 +567,10 @@ def pod_template(cluster: Cluster, label: str) -> dict[str, Any]:
 async def report(cluster: Cluster, name: str, ready: dict[str, float], total: int) -> None:
     """Progress, and where the pods are: made, bound to a node, Ready."""
     pods = f"{cluster.server}/api/v1/namespaces/{cluster.namespace}/pods"
+    started = time.monotonic()
     while True:
-        await asyncio.sleep(10)
+        # Listing thousands of pods costs the API server too: less often for many.
+        await asyncio.sleep(10 if total <= 1000 else 60)
         params: dict[str, str | int] = {"resourceVersion": "0"}
         items = (await cluster.admin.request("GET", pods, "list pods", params=params))["items"]
         bound = sum(1 for p in items if p["spec"].get("nodeName"))
@@ -571,7 +579,8 @@ async def report(cluster: Cluster, name: str, ready: dict[str, float], total: in
                 for c in (p.get("status") or {}).get("conditions") or [])
             for p in items
         )  # fmt: skip
-        log(f"  {name}: {len(ready)}/{total} ready; pods {len(items)} made, "
+        log(f"  {name} at {time.monotonic() - started:.0f}s: {len(ready)}/{total} ready; "
+            f"pods {len(items)} made, "
             f"{bound} bound, {running} Ready")  # fmt: skip
 
 
@@ -602,7 +611,8 @@ async def object_phase(
             return len(ready) >= total - burst.failures
 
         await create_all(cluster.user, url, bodies, clients, burst)
-        await wait_for(f"{burst.name}: all ready", all_ready, timeout)
+        if not await wait_for(f"{burst.name}: all ready", all_ready, timeout):
+            log(f"  {burst.name}: {len(ready)}/{total} ready after {timeout:.0f}s")
     finally:
         watcher.cancel()
         progress.cancel()
@@ -675,7 +685,7 @@ async def benchmark(args: argparse.Namespace, home: Path | None) -> str:
                                            args.requests + PODS_PER_KWOK_NODE)  # fmt: skip
         stack.push_async_callback(remove_nodes, args.admin_kubeconfig, added)
         await stack.enter_async_context(namespace(admin, server, ns))
-        log(f"sandman: a paced burst of {args.requests} from {args.clients} clients")
+        log(f"{now()} sandman: a paced burst of {args.requests} from {args.clients} clients")
         results.append(await sandman_phase(cluster, args.requests, args.clients, args.lease))
         print(results[-1].line(args.requests), flush=True)
         if home is not None:
@@ -683,13 +693,13 @@ async def benchmark(args: argparse.Namespace, home: Path | None) -> str:
             await stack.enter_async_context(
                 controller(admin, server, args.admin_kubeconfig, home, run, ns, args.controller_log)
             )
-            log(f"agent-sandbox: {args.requests} Sandboxes from {args.clients} clients")
+            log(f"{now()} agent-sandbox: {args.requests} Sandboxes from {args.clients} clients")
             results.append(
                 await sandboxes_phase(cluster, args.requests, args.clients, args.timeout)
             )
             print(results[-1].line(args.requests), flush=True)
-            if not args.quick:
-                log(f"agent-sandbox: {args.requests} SandboxClaims from an empty warm pool")
+            if not (args.quick or args.skip_claims):
+                log(f"{now()} agent-sandbox: {args.requests} SandboxClaims from an empty warm pool")
                 results.append(
                     await claims_phase(cluster, args.requests, args.clients, args.timeout)
                 )
@@ -715,6 +725,8 @@ def main() -> int:
                         help="where the built controller is kept for this machine")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="never build; agent-sandbox's Sandboxes only, if it is cached")  # fmt: skip
+    parser.add_argument("--skip-claims", action="store_true",
+                        help="agent-sandbox's Sandboxes only, not its SandboxClaims")  # fmt: skip
     parser.add_argument("--lease", type=float, default=30.0)
     parser.add_argument("--controller-log", type=Path, help="keep the controller's log here")
     parser.add_argument("--timeout", type=float, default=1800.0,
