@@ -80,6 +80,7 @@ from k8s_burst import (
     log,
     paced_burst,
     remove_nodes,
+    run_workers,
 )
 
 from sandman import errors
@@ -340,6 +341,7 @@ async def namespace(admin: KubeAPI, server: str, name: str) -> AsyncIterator[Non
             return not got
 
         await wait_for(f"namespace {name} to go", gone, 300)
+        log(f"{now()} namespace {name} deleted")
 
 
 @asynccontextmanager
@@ -619,19 +621,22 @@ async def object_phase(
     to_ready = await requests_now(cluster.admin_credentials) - before
     burst.ready_at = sorted(ready.values())
     burst.failures = total - len(ready)  # failed creates, and those never ready
+    # One DELETE each, 32 at a time: a collection's DELETE is served one object after
+    # the other (--delete-collection-workers=1) and outlasts the client's timeout.
     params: dict[str, str | int] = {"labelSelector": selector}
-    for _ in range(10):
-        try:  # a collection's delete may outlast the client's timeout: ask again
-            await cluster.user.request("DELETE", url, "delete all", params=params)
-            break
-        except errors.ThrottledError as exc:
-            log(f"  {burst.name}: {exc}; again")
-            await asyncio.sleep(exc.retry_after or 1)
+    listed = await cluster.user.request("GET", url, "list", params=params)
+    names = [obj["metadata"]["name"] for obj in listed.get("items") or []]
+
+    async def delete(name: str) -> None:
+        await cluster.user.request("DELETE", f"{url}/{name}", f"delete {name}", missing_ok=True)
+
+    await run_workers(names, 32, delete)
 
     async def gone() -> bool:
         return await cluster.agent_sandbox_left() == 0
 
     await wait_for(f"{burst.name}: all gone", gone, 600)
+    log(f"{now()} {burst.name}: deleted")
     burst.leftover = await cluster.agent_sandbox_left()
     return Measured(burst, to_ready, await requests_now(cluster.admin_credentials) - before)
 
