@@ -54,6 +54,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -737,6 +738,10 @@ async def benchmark(args: argparse.Namespace, home: Path | None) -> str:
     return f"sandman_t100={ours:.1f} agent_sandbox_t100={theirs:.1f} ratio={ours / theirs:.2f}"
 
 
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -762,10 +767,15 @@ def main() -> int:
         parser.error("--requests and --clients must be >= 1")
     if args.kubeconfig is None:
         parser.error("--kubeconfig (or KUBECONFIG) is required")
+    signal.signal(signal.SIGTERM, interrupted)  # the clean-up runs then too
     home = cached(args.cache) if args.quick else build(args.cache)
     if home is None:
         log(f"agent-sandbox {VERSION} is not built in {args.cache}: its phases are skipped")
-    print(asyncio.run(benchmark(args, home)))
+    try:
+        print(asyncio.run(benchmark(args, home)))
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc or 'SIGINT'}): cleaned up")
+        return 130
     return 0
 
 
