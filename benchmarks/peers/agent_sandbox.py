@@ -610,6 +610,7 @@ async def object_phase(
         watch_ready(cluster.user, cluster.user_credentials, url, selector, started, ready)
     )
     progress = asyncio.create_task(report(cluster, burst.name, ready, total))
+    creates: asyncio.Task[None] | None = None
     try:
 
         async def all_ready() -> bool:
@@ -617,12 +618,16 @@ async def object_phase(
                 watcher.result()  # its error, if it failed
             return len(ready) >= total - burst.failures
 
-        await create_all(cluster.user, url, bodies, clients, burst)
+        # The timeout covers the creates too (10k of them can take minutes).
+        creates = asyncio.create_task(create_all(cluster.user, url, bodies, clients, burst))
         if not await wait_for(f"{burst.name}: all ready", all_ready, timeout):
             log(f"  {burst.name}: {len(ready)}/{total} ready after {timeout:.0f}s")
     finally:
         watcher.cancel()
         progress.cancel()
+        if creates is not None:
+            creates.cancel()
+            await asyncio.gather(creates, return_exceptions=True)
     to_ready = await requests_now(cluster.admin_credentials) - before
     burst.ready_at = sorted(ready.values())
     burst.failures = total - len(ready)  # failed creates, and those never ready
