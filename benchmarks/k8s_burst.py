@@ -73,7 +73,8 @@ KWOK = KubernetesOptions(
     tolerations=[{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
 )
 SPEC = SandboxSpec(image="sandman.local/busybox:1.35", cpu=0.1, memory="64Mi", kubernetes=KWOK)
-RUN_LABEL = "bench.sandman.io/run"  # sandman.io/ is reserved for Sandman
+# Not under sandman.io/: those labels are reserved for Sandman (pods._check_reserved).
+RUN_LABEL = "bench.sandman.io/run"
 
 
 def log(*words: object) -> None:
@@ -185,10 +186,21 @@ async def sustainable_rate(kubeconfig: Path, count: int, workers: int) -> tuple[
 # -- phase 2: the paced burst ------------------------------------------------------
 
 
-async def paced_burst(kubeconfig: Path, requests: int, clients: int, lease: float) -> Burst:
+async def paced_burst(
+    kubeconfig: Path,
+    requests: int,
+    clients: int,
+    lease: float,
+    namespace: str | None = None,
+    all_ready: Callable[[], Awaitable[object]] | None = None,
+) -> Burst:
+    """The paced burst; ``all_ready`` is awaited once every request is answered, before
+    the pool deletes everything."""
     burst = Burst("paced")
     run = f"paced-{secrets.token_hex(3)}"
-    provider = KubernetesProvider(config_for(kubeconfig, labels={RUN_LABEL: run}))
+    provider = KubernetesProvider(
+        config_for(kubeconfig, labels={RUN_LABEL: run}, namespace=namespace)
+    )
 
     def on_event(event: PoolEvent) -> None:
         if event.name == "create.failed" and event.detail.get("kind") == "throttled":
@@ -206,12 +218,16 @@ async def paced_burst(kubeconfig: Path, requests: int, clients: int, lease: floa
                 burst.ready_at.append(time.monotonic() - started)
             except errors.SandboxError as exc:
                 burst.failures += 1
+                if type(exc).__name__ not in burst.errors:
+                    log(f"  {burst.name}: first {type(exc).__name__}: {exc}")
                 burst.errors[type(exc).__name__] = burst.errors.get(type(exc).__name__, 0) + 1
 
         progress = asyncio.create_task(report(burst, requests))
         await asyncio.gather(*(one(sessions[i % clients]) for i in range(requests)))
         progress.cancel()
         log(f"  paced: pacer {pool.stats()}")
+        if all_ready is not None:
+            await all_ready()
     finally:
         # The clients exit: the pool deletes everything it made.
         await pool.aclose(timeout=900)
