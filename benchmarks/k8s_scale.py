@@ -97,7 +97,6 @@ class Run:
     leftover: int = 0
     mib_per_1k: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
 
     def fail(self, exc: BaseException) -> None:
         self.failures += 1
@@ -107,7 +106,6 @@ class Run:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
     def say(self, line: str) -> None:
-        self.lines.append(f"{self.via}: {line}")
         print(f"{self.via}: {line}", flush=True)
 
 

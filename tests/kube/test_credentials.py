@@ -22,24 +22,14 @@ from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
 from tests.kube.support import POOL, Admin, real_node_spec
+from tests.providers.kubernetes.conftest import plugin_script as plugin
+from tests.providers.kubernetes.conftest import runs
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 V1 = "client.authentication.k8s.io/v1"
 LIFETIME = 3  # seconds of each token the plugin hands out
-
-
-def plugin(path: Path, body: str) -> Path:
-    """An sh exec plugin that counts its runs (one line each in ``<path>.runs``)."""
-    path.write_text(f'#!/bin/sh\necho run >> "{path}.runs"\n{body}\n')
-    path.chmod(0o755)
-    return path
-
-
-def runs(script: Path) -> int:
-    counter = Path(f"{script}.runs")
-    return len(counter.read_text().splitlines()) if counter.exists() else 0
 
 
 # Prints an ExecCredential with $TOKEN (or, for the first $BAD_RUNS runs, a wrong one)

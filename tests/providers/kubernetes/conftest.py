@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ssl
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -38,3 +39,16 @@ async def kube_api(url: str) -> AsyncIterator[KubeAPI]:
         yield client
     finally:
         await client.aclose()
+
+
+def plugin_script(path: Path, body: str) -> Path:
+    """An executable sh script (an exec credential plugin) that counts its runs in
+    ``<path>.runs``, read by `runs`."""
+    path.write_text(f'#!/bin/sh\necho run >> "{path}.runs"\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
+def runs(script: Path) -> int:
+    counter = Path(f"{script}.runs")
+    return len(counter.read_text().splitlines()) if counter.exists() else 0

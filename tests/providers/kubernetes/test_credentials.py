@@ -29,7 +29,7 @@ from sandman.providers.kubernetes.credentials import (
     read_kubeconfigs,
 )
 from sandman.settings import KubernetesConfig
-from tests.providers.kubernetes.conftest import loopback
+from tests.providers.kubernetes.conftest import loopback, plugin_script, runs
 
 pytestmark = pytest.mark.anyio
 
@@ -57,18 +57,6 @@ def kubeconfig(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def plugin_script(path: Path, body: str) -> Path:
-    """An executable sh script; ``$COUNT`` (next to it) counts its runs."""
-    path.write_text(f'#!/bin/sh\necho run >> "{path}.runs"\n{body}\n')
-    path.chmod(0o755)
-    return path
-
-
-def runs(script: Path) -> int:
-    counter = Path(f"{script}.runs")
-    return len(counter.read_text().splitlines()) if counter.exists() else 0
 
 
 def credential(version: str, token: str, expires_in: float | None = None) -> str:
