@@ -9,6 +9,7 @@ pool's reconcile pass at it, and checks that nothing at all is left.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import subprocess
@@ -140,6 +141,31 @@ async def test_a_delete_killed_as_its_directory_goes_leaves_no_unlabelled_sandbo
     assert await provider.list() == []
     [trash] = await provider.remove_strays(older_than=3600)  # at once: not a create's
     assert info.id in trash
+    assert leftovers(provider) == []
+
+
+async def test_a_delete_that_fails_under_its_trash_name_is_finished_by_the_next(
+    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state directory went read-only after the sandbox's directory took its trash
+    name: the delete fails, and the pool's retry (which finds no sandbox of that name
+    any more) must still remove the trash. A live pool never sweeps for trash, so
+    before this a chaos run left it until the next gc."""
+    info = await provider.create(SPEC, labels={"sandman.io/pool": "p"})
+    rmdir = os.rmdir
+
+    def read_only_rmdir(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if os.path.basename(os.fsdecode(path)).startswith(f".old-{info.id}."):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+        rmdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rmdir", read_only_rmdir)
+    with pytest.raises(errors.ProviderError, match="Read-only file system"):
+        await provider.delete(info.id)
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    sandboxes = provider.config.state_dir.resolve() / "sandboxes"
+    assert [p.name for p in sandboxes.glob(f".old-{info.id}.*")]  # the failure's trash
+    await provider.delete(info.id)
     assert leftovers(provider) == []
 
 

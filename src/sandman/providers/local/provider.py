@@ -637,7 +637,7 @@ def _remove_record_last(directory: Path) -> None:
 
     Killed half-way, this leaves a sandbox `list` still finds by its labels (and
     the next delete finishes), or a directory under a trash name that it never
-    lists and `remove_strays` removes at once. It never leaves a directory under
+    lists and the next delete of it, or `remove_strays`, removes at once. It never leaves a directory under
     the sandbox's name without its record: `list` would show it unlabelled, so no
     sweep by label would remove it (a client SIGKILLed mid-delete did). Another
     delete of the same sandbox at the same time is no error: what it removed
@@ -646,6 +646,10 @@ def _remove_record_last(directory: Path) -> None:
     try:
         names = [entry.name for entry in os.scandir(directory)]
     except FileNotFoundError:
+        # Gone already, or a delete before this one failed once it had the trash
+        # name (the state directory read-only for a moment): this retry removes
+        # that, or nothing would (only a dead pool's sweep and gc look for trash).
+        _remove_trash_of(directory)
         return
     for name in names:
         if name != _META:
@@ -656,6 +660,15 @@ def _remove_record_last(directory: Path) -> None:
     except FileNotFoundError:
         return  # another delete got there first
     _remove_tree(trash)
+
+
+def _remove_trash_of(directory: Path) -> None:
+    """What earlier deletes of this sandbox left under a trash name."""
+    prefix = f"{_TRASH}{directory.name}."
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory.parent):
+            if entry.name.startswith(prefix):
+                _remove_tree(Path(entry.path))
 
 
 def _remove_entry(path: Path) -> None:
