@@ -44,25 +44,43 @@ class LocalService:
     log: Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-async def _healthy(service: LocalService, timeout: float) -> None:
+async def wait_healthy(
+    url: str, process: asyncio.subprocess.Process, log: Path | None, timeout: float
+) -> None:
+    """Until ``sandman serve`` at ``url`` answers its health check; an error (with the
+    end of its log, if it has one) if it exits or ``timeout`` seconds pass first."""
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(base_url=service.url, timeout=2) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=2) as http:
         while True:
-            if service.process.returncode is not None:
-                raise RuntimeError(f"sandman serve exited: {service.log.read_text()[-2000:]}")
+            if process.returncode is not None:
+                said = f": {log.read_text()[-2000:]}" if log is not None else ""
+                raise RuntimeError(f"sandman serve exited {process.returncode}{said}")
             with contextlib.suppress(httpx.TransportError):
                 if (await http.get("/v1/health")).status_code == 200:
                     return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sandman serve not healthy in {timeout} s")
+                raise RuntimeError(f"sandman serve not healthy in {timeout} s ({log})")
             await asyncio.sleep(0.05)
+
+
+async def stop(process: asyncio.subprocess.Process, timeout: float = 120) -> None:
+    """SIGTERM (the service releases what it holds), then SIGKILL after ``timeout`` s."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(timeout):
+            await process.wait()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 @contextlib.asynccontextmanager
@@ -74,7 +92,7 @@ async def local_service(
     config = LocalConfig(state_dir=state, cgroup_parent=new_cgroup_parent())
     provider = LocalProvider(config)
     key = secrets.token_urlsafe(24)
-    port = _free_port()
+    port = free_port()
     log = state / "serve.log"
     process: asyncio.subprocess.Process | None = None
     try:
@@ -95,17 +113,11 @@ async def local_service(
                 env=env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         service = LocalService(f"http://127.0.0.1:{port}", key, provider, process, log)
-        await _healthy(service, 60)
+        await wait_healthy(service.url, process, log, 60)
         yield service
     finally:
-        if process is not None and process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(120):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        if process is not None:
+            await stop(process)
         for info in await provider.list():  # only if the service failed to release them
             await provider.delete(info.id)
         await provider.aclose()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import secrets
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,9 +416,20 @@ async def remove_nodes(admin_kubeconfig: Path, names: list[str]) -> None:
         await api.aclose()
 
 
-async def benchmark(args: argparse.Namespace, kubeconfig: Path, admin: Path | None) -> str:
-    added = await ensure_kwok_capacity(admin, args.requests) if admin else []
+@contextlib.asynccontextmanager
+async def kwok_capacity(admin_kubeconfig: Path | None, pods: int) -> AsyncIterator[None]:
+    """KWOK nodes enough for ``pods`` for the length of the block (added as the admin,
+    removed after); nothing without an admin kubeconfig."""
+    added = await ensure_kwok_capacity(admin_kubeconfig, pods) if admin_kubeconfig else []
     try:
+        yield
+    finally:
+        if admin_kubeconfig and added:
+            await remove_nodes(admin_kubeconfig, added)
+
+
+async def benchmark(args: argparse.Namespace, kubeconfig: Path, admin: Path | None) -> str:
+    async with kwok_capacity(admin, args.requests):
         log(f"phase 1: sustainable create rate ({args.rate_pods} pods, {args.workers} workers)")
         rate, rate_429s = await sustainable_rate(kubeconfig, args.rate_pods, args.workers)
         ideal = args.requests / rate
@@ -436,9 +448,6 @@ async def benchmark(args: argparse.Namespace, kubeconfig: Path, admin: Path | No
                 kubeconfig, args.requests, args.unpaced_connections, PoolConfig.retry_limit
             )
         print(unpaced.line(args.requests))
-    finally:
-        if admin and added:
-            await remove_nodes(admin, added)
     return (
         f"paced_t100={paced.t(1.0, args.requests):.1f} "
         f"unpaced_t100={unpaced.t(1.0, args.requests):.1f} "

@@ -48,8 +48,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,14 +59,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _service import free_port, stop, wait_healthy
 from k8s_burst import (
     KWOK,
     RUN_LABEL,
     count_left,
     delete_all,
-    ensure_kwok_capacity,
+    kwok_capacity,
     log,
-    remove_nodes,
 )
 
 from sandman import errors
@@ -303,13 +301,6 @@ async def via_pool(kubeconfig: Path, count: int, clients: int, hold: float) -> R
 # -- through the service -----------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, int]]:
     """``sandman serve --provider kubernetes`` for the run: (url, key, pid)."""
@@ -333,30 +324,13 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        async with httpx.AsyncClient(base_url=url, timeout=2) as http:
-            while True:
-                if process.returncode is not None:
-                    raise RuntimeError(f"sandman serve exited: {log_file.read_text()[-2000:]}")
-                with contextlib.suppress(httpx.TransportError):
-                    if (await http.get("/v1/health")).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sandman serve not healthy in 60 s: {log_file}")
-                await asyncio.sleep(0.1)
+        await wait_healthy(url, process, log_file, 60)
         yield url, key, process.pid
     except BaseException:
         log(f"  the service's log ends with:\n{log_file.read_text()[-3000:]}")
         raise
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)  # it releases everything it holds
-        try:
-            async with asyncio.timeout(1800):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await stop(process, 1800)  # it releases everything it holds
         shutil.rmtree(log_file.parent, ignore_errors=True)
 
 
@@ -453,9 +427,8 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
 
 async def benchmark(args: argparse.Namespace) -> str:
     admin: Path | None = args.admin_kubeconfig
-    added = await ensure_kwok_capacity(admin, args.sandboxes + 1) if admin else []
     runs: list[Run] = []
-    try:
+    async with kwok_capacity(admin, args.sandboxes + 1):
         if args.via in ("pool", "both"):
             log(f"pool: {args.sandboxes} sandboxes from {args.clients} sessions")
             runs.append(await via_pool(args.kubeconfig, args.sandboxes, args.clients, args.hold))
@@ -464,9 +437,6 @@ async def benchmark(args: argparse.Namespace) -> str:
             runs.append(
                 await via_service(args.kubeconfig, args.sandboxes, args.service_clients, args.hold)
             )
-    finally:
-        if admin and added:
-            await remove_nodes(admin, added)
     worst = min(runs, key=lambda r: (r.held, -r.failures, -r.leftover))
     return (
         f"held={worst.held}/{args.sandboxes} t_all={max(r.t_all for r in runs):.1f} "

@@ -33,8 +33,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +43,7 @@ from pathlib import Path
 
 import httpx
 from _common import progress, quantile, timed
+from _service import free_port, stop, wait_healthy
 
 import sandman
 from sandman.client import AsyncClient, InProcessBackend
@@ -101,9 +100,7 @@ async def serve_child(port: int, config_json: str, key: str, pool_name: str) -> 
 @contextlib.asynccontextmanager
 async def service_process(config: LocalConfig) -> AsyncIterator[tuple[str, str, str]]:
     """Start the service's process; yield (url, api key, pool name) once healthy."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     key = secrets.token_urlsafe(24)
     pool_name = f"overhead-svc-{uuid.uuid4().hex[:6]}"
     process = await asyncio.create_subprocess_exec(
@@ -112,27 +109,10 @@ async def service_process(config: LocalConfig) -> AsyncIterator[tuple[str, str, 
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-
-        async def healthy() -> bool:
-            if process.returncode is not None:
-                raise RuntimeError(f"the service exited {process.returncode}")
-            try:
-                async with httpx.AsyncClient(timeout=2) as http:
-                    return (await http.get(f"{url}/v1/health")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        await _until(healthy)
+        await wait_healthy(url, process, None, 60)
         yield url, key, pool_name
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(120):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop(process)
 
 
 async def _service_states(http: httpx.AsyncClient, pool_name: str) -> dict[str, int]:

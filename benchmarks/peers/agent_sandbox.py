@@ -79,10 +79,9 @@ from k8s_burst import (
     SPEC,
     Burst,
     config_for,
-    ensure_kwok_capacity,
+    kwok_capacity,
     log,
     paced_burst,
-    remove_nodes,
     run_workers,
 )
 
@@ -710,9 +709,8 @@ async def benchmark(args: argparse.Namespace, home: Path | None) -> str:
     async with AsyncExitStack() as stack:
         stack.push_async_callback(user.aclose)
         stack.push_async_callback(admin.aclose)
-        added = await ensure_kwok_capacity(args.admin_kubeconfig,
-                                           args.requests + PODS_PER_KWOK_NODE)  # fmt: skip
-        stack.push_async_callback(remove_nodes, args.admin_kubeconfig, added)
+        capacity = kwok_capacity(args.admin_kubeconfig, args.requests + PODS_PER_KWOK_NODE)
+        await stack.enter_async_context(capacity)
         await stack.enter_async_context(namespace(admin, server, ns))
         log(f"{now()} sandman: a paced burst of {args.requests} from {args.clients} clients")
         results.append(await sandman_phase(cluster, args.requests, args.clients, args.lease))
