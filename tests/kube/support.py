@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.providers.kubernetes import KubernetesProvider
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import KubeCluster
 
@@ -48,6 +49,16 @@ KWOK = KubernetesOptions(
 
 def config_for(cluster: KubeCluster, **fields: Any) -> KubernetesConfig:
     return KubernetesConfig(kubeconfig=cluster.kubeconfig, namespace=cluster.namespace, **fields)
+
+
+@contextlib.asynccontextmanager
+async def provider_for(cluster: KubeCluster, **fields: Any) -> AsyncIterator[KubernetesProvider]:
+    """A provider on the cluster with these settings, closed after the block."""
+    provider = KubernetesProvider(config_for(cluster, **fields))
+    try:
+        yield provider
+    finally:
+        await provider.aclose()
 
 
 class Admin:

@@ -30,7 +30,7 @@ from sandman.providers.kubernetes import KubernetesProvider
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from sandman.server.metrics import Metrics
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import BUSYBOX, Admin, config_for, real_node_spec
+from tests.kube.support import BUSYBOX, Admin, config_for, provider_for, real_node_spec
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 480)]
@@ -90,11 +90,8 @@ async def lost_as(pool: Pool, sandbox_id: str, within: float) -> errors.SandboxL
 async def real_provider(
     kube_cluster: KubeCluster, real_node: str
 ) -> AsyncIterator[KubernetesProvider]:
-    provider = KubernetesProvider(config_for(kube_cluster))
-    try:
+    async with provider_for(kube_cluster) as provider:
         yield provider
-    finally:
-        await provider.aclose()
 
 
 async def test_a_sandbox_the_oom_killer_ends_is_lost_as_oom(
@@ -281,13 +278,8 @@ async def node(admin: Admin) -> AsyncIterator[Node]:
 
 @pytest.fixture
 async def kwok_provider(kube_cluster: KubeCluster) -> AsyncIterator[KubernetesProvider]:
-    provider = KubernetesProvider(
-        config_for(kube_cluster, readiness="pod", annotations=KWOK_NO_DELAY)
-    )
-    try:
+    async with provider_for(kube_cluster, readiness="pod", annotations=KWOK_NO_DELAY) as provider:
         yield provider
-    finally:
-        await provider.aclose()
 
 
 async def test_a_drained_nodes_sandbox_is_lost_as_evicted(

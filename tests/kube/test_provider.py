@@ -25,7 +25,7 @@ from sandman.providers.kubernetes import KubernetesProvider, pods
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from sandman.providers.kubernetes.watch import PodWatch
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.support import BUSYBOX, KWOK, POOL, Admin, config_for, real_node_spec
+from tests.kube.support import BUSYBOX, KWOK, POOL, Admin, config_for, provider_for, real_node_spec
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio]
@@ -33,11 +33,8 @@ pytestmark = [pytest.mark.kube, pytest.mark.anyio]
 
 @pytest.fixture
 async def provider(kube_cluster: KubeCluster) -> AsyncIterator[KubernetesProvider]:
-    provider = KubernetesProvider(config_for(kube_cluster))
-    try:
+    async with provider_for(kube_cluster) as provider:
         yield provider
-    finally:
-        await provider.aclose()
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 180)
