@@ -311,6 +311,8 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
         **os.environ,
         "SANDMAN_KUBERNETES": json.dumps(settings),
         "SANDMAN_API_KEYS": f"{TENANT}:{key}",
+        # The spec puts its pods on KWOK nodes: placement is the operator's to grant.
+        "SANDMAN_DEFAULT_LIMITS": json.dumps({"pod_placement": True}),
         # A burst of thousands outlasts the default cap on one acquire's wait (600 s).
         "SANDMAN_MAX_ACQUIRE_TIMEOUT": "3600",
     }

@@ -290,6 +290,58 @@ async def test_per_tenant_limits(fake: FakeProvider) -> None:
             assert (await acquire(a, session)).status_code == 201
 
 
+async def test_pod_settings_that_reach_past_a_tenant_need_the_operators_grant(
+    fake: FakeProvider,
+) -> None:
+    """A tenant's spec must not pull with someone else's registry secret, preempt other
+    jobs, pick a weaker runtime class or land on nodes kept for others, unless its
+    limits grant it; smaller resource requests are always its own to ask."""
+    granted = TenantLimits(
+        image_pull_secrets=["a-registry"], priority_classes=["batch-low"],
+        runtime_classes=["gvisor"], pod_placement=True,
+    )  # fmt: skip
+    async with Pool(fake, PoolConfig(name="t")) as pool:
+        app = create_app(pool, settings(tenant_limits={"a": granted}))
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://x", headers=AUTH_A) as a,
+            httpx.AsyncClient(transport=transport, base_url="http://x", headers=AUTH_B) as b,
+        ):
+            asks = [
+                ({"image_pull_secrets": ["a-registry"]}, "image pull secrets a-registry"),
+                ({"priority_class_name": "batch-low"}, "priority class batch-low"),
+                ({"runtime_class_name": "gvisor"}, "runtime class gvisor"),
+                ({"node_selector": {"pool": "gpu"}}, "node_selector, tolerations"),
+                ({"tolerations": [{"operator": "Exists"}]}, "node_selector, tolerations"),
+                ({"affinity": {"nodeAffinity": {}}}, "node_selector, tolerations"),
+            ]
+            for client, tenant in ((a, "a"), (b, "b")):
+                session = await open_session(client)
+                for options, named in asks:
+                    spec = {"image": "task", "kubernetes": options}
+                    body = {"spec": spec, "session": session}
+                    response = await client.post("/v1/sandboxes", json=body)
+                    if tenant == "a":
+                        assert response.status_code == 201, (options, response.text)
+                    else:
+                        assert (response.status_code, error_code(response)) == (
+                            422, "invalid_request"
+                        ), options  # fmt: skip
+                        assert named in response.json()["error"]["message"]
+                spec = {"image": "task", "kubernetes": {"cpu_request": 0.25}}
+                response = await client.post(
+                    "/v1/sandboxes", json={"spec": spec, "session": session}
+                )
+                assert response.status_code == 201
+            # A grant names what it grants, and nothing else.
+            session = await open_session(a)
+            spec = {"image": "task", "kubernetes": {"image_pull_secrets": ["b-registry"]}}
+            response = await a.post("/v1/sandboxes", json={"spec": spec, "session": session})
+            assert (response.status_code, error_code(response)) == (422, "invalid_request")
+            assert "b-registry not allowed here (allowed: a-registry)" in response.text
+            assert len([r for r in pool.list() if r.state == "leased"]) == len(asks) + 2
+
+
 async def test_a_cancelled_acquire_hands_its_sandbox_to_the_next_waiter(
     fake: FakeProvider,
 ) -> None:

@@ -176,6 +176,9 @@ class Service:
                     f"(limit {limits.max_sandboxes})",
                     headers={"Retry-After": "1"},
                 )
+        refusal = limits.refusal(request.spec.kubernetes)
+        if refusal is not None:
+            raise ApiError("invalid_request", f"kubernetes: {refusal}")
         if request.spec.seccomp not in self.settings.tenant_seccomp:
             raise ApiError(
                 "invalid_request",

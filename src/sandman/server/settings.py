@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from sandman import errors
+from sandman.models import KubeObjectName, KubernetesOptions
 
 __all__ = ["ApiKey", "ServerSettings", "TenantLimits"]
 
@@ -41,7 +42,15 @@ class ApiKey(BaseModel):
 
 
 class TenantLimits(BaseModel):
-    """What one tenant may hold at once; None is no limit."""
+    """What one tenant may hold at once (None is no limit), and which of the pods'
+    settings (`SandboxSpec.kubernetes`) it may choose itself.
+
+    A tenant's spec may always ask for smaller resource requests. The rest is the
+    operator's to grant, since each reaches past the tenant's own sandboxes: a
+    pull secret is someone's registry credential, a priority class preempts other
+    jobs, a runtime class can be a weaker isolation than the pool's, and node
+    selectors, tolerations and affinity put pods on nodes kept for others.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -49,6 +58,34 @@ class TenantLimits(BaseModel):
     """Sandboxes held (leased) plus acquires waiting; one more is refused with 429."""
     max_pending: int | None = Field(default=None, ge=0)
     """Acquires waiting at once; one more is refused with 429."""
+    image_pull_secrets: frozenset[KubeObjectName] = frozenset()
+    """Secrets this tenant's specs may name in ``image_pull_secrets`` (none by default;
+    the pool's own, `KubernetesConfig.image_pull_secrets`, apply to every pod)."""
+    priority_classes: frozenset[KubeObjectName] = frozenset()
+    """PriorityClasses this tenant's specs may name (none: the pool's)."""
+    runtime_classes: frozenset[KubeObjectName] = frozenset()
+    """RuntimeClasses this tenant's specs may name (none: the pool's)."""
+    pod_placement: bool = False
+    """Whether this tenant's specs may set ``node_selector``, ``tolerations`` and
+    ``affinity`` (off: the pool's placement only)."""
+
+    def refusal(self, options: KubernetesOptions) -> str | None:
+        """Why these pod settings are not this tenant's to choose, or None."""
+        asked: list[tuple[str, list[str | None], frozenset[str]]] = [
+            ("image pull secrets", [*options.image_pull_secrets], self.image_pull_secrets),
+            ("priority class", [options.priority_class_name], self.priority_classes),
+            ("runtime class", [options.runtime_class_name], self.runtime_classes),
+        ]
+        for what, names, allowed in asked:
+            refused = sorted({n for n in names if n is not None and n not in allowed})
+            if refused:
+                granted = ", ".join(sorted(allowed)) or "none"
+                return f"{what} {', '.join(refused)} not allowed here (allowed: {granted})"
+        if not self.pod_placement and (
+            options.node_selector or options.tolerations or options.affinity is not None
+        ):
+            return "node_selector, tolerations and affinity are not allowed here"
+        return None
 
 
 def _parse_keys(value: object) -> object:
