@@ -237,6 +237,16 @@ def test_bench_runs_the_latency_benchmark_of_this_checkout() -> None:
     assert "noop_exec_ratio=" in result.stdout
 
 
+def test_bench_knows_every_benchmark_of_this_checkout_by_a_name() -> None:
+    from sandman.cli.bench import BENCHMARKS, find_checkout
+
+    root = find_checkout(None) / "benchmarks"
+    scripts = {p.relative_to(root).as_posix() for p in root.rglob("*.py")}
+    scripts = {s for s in scripts if not Path(s).name.startswith("_")}
+    assert sorted(scripts - set(BENCHMARKS.values())) == []
+    assert sorted(set(BENCHMARKS.values()) - scripts) == []
+
+
 def test_prepare_refuses_a_pull_secret_no_secret_can_be_called_before_any_request(
     tmp_path: Path,
 ) -> None:

@@ -31,6 +31,13 @@ BENCHMARKS: dict[str, str] = {
     "density": "density.py",
     "service-overhead": "service_overhead.py",
     "expose": "expose.py",
+    "handover": "handover.py",
+    "runtimes": "runtimes.py",
+    "eval-determinism": "eval_determinism.py",
+    "chaos": "chaos.py",
+    "k8s-burst": "k8s_burst.py",
+    "k8s-scale": "k8s_scale.py",
+    "agent-sandbox": "peers/agent_sandbox.py",
 }
 """Names ``sandman bench`` knows and their scripts in ``benchmarks/``."""
 DEFAULT = ("latency", "burst")
@@ -159,7 +166,9 @@ def bench(
 ) -> None:
     """Run benchmarks of the source checkout (default: latency, burst) with progress bars.
 
-    Available: latency, burst, density, service-overhead. Most need root (the local
+    Available: latency, burst, density, service-overhead, expose, handover, runtimes,
+    eval-determinism, chaos; on a cluster (give them --kubeconfig through --args, or
+    set KUBECONFIG): k8s-burst, k8s-scale, agent-sandbox. Most need root (the local
     provider). Each one's summary is its last line.
     """
     arguments: dict[str, list[str]] = {}
