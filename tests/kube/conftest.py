@@ -16,6 +16,7 @@ Other variables:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -141,6 +142,29 @@ def real_node(kube_cluster: KubeCluster) -> str:
     if not kube_cluster.real_node:
         pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
     return kube_cluster.real_node
+
+
+@pytest.fixture(scope="session")
+def service_image(
+    kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """deploy/Dockerfile's image, built offline and imported into the real node (once for
+    the tests that deploy it); removed after."""
+    from tests.kube import node_images  # they import this module
+    from tests.kube.service_image import build_archive
+
+    if not kube_cluster.real_node:
+        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
+    work = tmp_path_factory.mktemp("service-image")
+    archive, name = build_archive(work, f"test-{uuid.uuid4().hex[:8]}")
+    try:
+        node_images.ctr(kube_cluster, "images", "import", str(archive))
+        shutil.rmtree(work)  # ~300 MB
+        yield name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        node_images.remove(kube_cluster, name)
+        assert name not in node_images.image_refs(kube_cluster)
 
 
 @pytest.fixture

@@ -10,12 +10,9 @@ that it creates as its own service account.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,35 +22,25 @@ import pytest
 
 import sandman
 from tests.images.registry_server import free_port
-from tests.kube import node_images
-from tests.kube.conftest import REPO, KubeCluster
-from tests.kube.service_image import build_archive
+from tests.kube.conftest import KubeCluster
+from tests.kube.deployment import (
+    DEPLOY,
+    GONE_TIMEOUT,
+    create_namespace,
+    deployed,
+    kubectl,
+    sandbox_pods,
+    serving_overlay,
+    wait_serving,
+    write_overlay,
+)
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
 
-DEPLOY = REPO / "deploy"
 SERVICE_ACCOUNT = "sandman"
 POD_VERBS = ("create", "delete", "get", "list", "patch", "watch")
 LEASE_VERBS = ("create", "delete", "get", "list", "patch")
-GONE_TIMEOUT = 120.0
-SERVICE_READY_TIMEOUT = 180.0
 RBAC_SETTLE_TIMEOUT = 30.0
-
-
-def kubectl(
-    cluster: KubeCluster, *argv: str, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    """Run kubectl as the cluster admin."""
-    proc = subprocess.run(
-        [str(cluster.kubectl), "--kubeconfig", str(cluster.admin_kubeconfig), *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(argv)} failed: {proc.stderr}")
-    return proc
 
 
 def can_i(cluster: KubeCluster, namespace: str, verb: str, resource: str, in_ns: str) -> bool:
@@ -77,33 +64,6 @@ def can_i_as(
     answer = proc.stdout.strip()
     assert answer in ("yes", "no"), f"can-i {verb} {resource}: {proc.stdout} {proc.stderr}"
     return answer == "yes"
-
-
-def write_overlay(path: Path, namespace: str, extra: str = "") -> Path:
-    """A kustomize overlay of deploy/ at `path` into `namespace`, plus `extra` YAML."""
-    path.mkdir(parents=True, exist_ok=True)
-    base = os.path.relpath(DEPLOY, path)  # kustomize refuses absolute paths
-    (path / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\n"
-        "kind: Kustomization\n"
-        f"namespace: {json.dumps(namespace)}\n"
-        f"resources: [{base}]\n" + extra
-    )
-    return path
-
-
-@contextlib.contextmanager
-def deployed(cluster: KubeCluster, path: Path, namespace: str) -> Iterator[list[dict[str, Any]]]:
-    """The overlay at `path` applied; its namespace deleted (and checked gone) afterwards."""
-    try:
-        proc = kubectl(cluster, "apply", "-k", str(path), "-o", "json")
-        yield json.loads(proc.stdout)["items"]
-    finally:
-        kubectl(cluster, "delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
-        deadline = time.monotonic() + GONE_TIMEOUT
-        while kubectl(cluster, "get", "namespace", namespace, check=False).returncode == 0:
-            assert time.monotonic() < deadline, f"namespace {namespace} still there"
-            time.sleep(0.5)
 
 
 def wait_granted(
@@ -132,7 +92,7 @@ def test_deploy_renders(kube_cluster: KubeCluster) -> None:
     ]
     assert sorted(kinds) == sorted(
         ["Namespace", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "NetworkPolicy",
-         "Deployment", "Service"]
+         "Deployment", "Service", "PodDisruptionBudget"]
     )  # fmt: skip
 
 
@@ -150,6 +110,7 @@ def test_deploy_applies_with_least_privilege(
         ("NetworkPolicy", "sandman-sandboxes-egress"),
         ("Deployment", "sandman"),
         ("Service", "sandman"),
+        ("PodDisruptionBudget", "sandman"),
     }
     for obj in applied["objects"]:
         if obj["kind"] != "Namespace":
@@ -216,8 +177,22 @@ def test_deploy_applies_with_least_privilege(
     pod = deployment["spec"]["template"]
     assert pod["spec"]["serviceAccountName"] == SERVICE_ACCOUNT
     assert pod["metadata"]["labels"]["sandman.io/client"] == "true"
-    assert pod["spec"]["containers"][0]["args"][:3] == ["serve", "--provider", "kubernetes"]
+    container = pod["spec"]["containers"][0]
+    assert container["args"][:3] == ["serve", "--provider", "kubernetes"]
+    # A roll leaves the sandboxes to the next replica, which starts once the old one stopped.
+    assert container["args"][-2:] == ["--on-shutdown", "leave"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    probes = {k: container[k]["httpGet"]["path"]
+              for k in ("startupProbe", "readinessProbe", "livenessProbe")}  # fmt: skip
+    assert probes == {"startupProbe": "/v1/live", "readinessProbe": "/v1/ready",
+                      "livenessProbe": "/v1/live"}  # fmt: skip
     assert deployment["spec"]["replicas"] == 0
+    # Evictions are refused while it is ready (a roll moves it: pdb.yaml).
+    pdb = json.loads(kubectl(kube_cluster, "-n", namespace, "get", "pdb", "sandman", "-o",
+                             "json").stdout)["spec"]  # fmt: skip
+    assert pdb["maxUnavailable"] == 0
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
 
 
 def test_node_reader_component_adds_node_reads_only(
@@ -252,23 +227,6 @@ def test_node_reader_component_adds_node_reads_only(
         assert kubectl(kube_cluster, "get", name, check=False).returncode != 0, name
 
 
-@pytest.fixture
-def service_image(kube_cluster: KubeCluster, tmp_path: Path) -> Iterator[str]:
-    """deploy/Dockerfile's image, built offline and imported into the real node; removed after."""
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    work = tmp_path / "image"
-    archive, name = build_archive(work, f"test-{secrets.token_hex(4)}")
-    try:
-        node_images.ctr(kube_cluster, "images", "import", str(archive))
-        shutil.rmtree(work)  # ~300 MB
-        yield name
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        node_images.remove(kube_cluster, name)
-        assert name not in node_images.image_refs(kube_cluster)
-
-
 # A cold cache builds the Debian base with debootstrap first (tests/images/debian.py).
 @pytest.mark.timeout(1800)
 def test_deployed_service_serves_sandboxes_with_only_its_role(
@@ -278,49 +236,23 @@ def test_deployed_service_serves_sandboxes_with_only_its_role(
     namespace = f"sandman-deploy-test-{secrets.token_hex(3)}"
     port = free_port()
     key = secrets.token_hex(16)
-    name, tag = service_image.rsplit(":", 1)
-    # The harness has no kube-proxy and its API server listens on 127.0.0.1 only,
-    # so the service pod uses the node's network and reaches the API there.
-    path = write_overlay(
-        tmp_path / "overlay", namespace,
-        f"images: [{{name: sandman, newName: {name}, newTag: {tag}}}]\n"
-        "patches:\n"
-        "- target: {kind: Deployment, name: sandman}\n"
-        "  patch: |\n"
-        "    - {op: add, path: /spec/template/spec/hostNetwork, value: true}\n"
-        f"    - {{op: replace, path: /spec/template/spec/containers/0/ports/0/containerPort, value: {port}}}\n"
-        f"    - {{op: replace, path: /spec/template/spec/containers/0/args/6, value: '{port}'}}\n"
-        "    - {op: add, path: /spec/template/spec/containers/0/env/-, value: {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}}\n"
-        f"    - {{op: add, path: /spec/template/spec/containers/0/env/-, value: {{name: KUBERNETES_SERVICE_PORT, value: '{kube_cluster.server.rsplit(':', 1)[1]}'}}}}\n",
-    )  # fmt: skip
-    kubectl(kube_cluster, "create", "namespace", namespace)
-    kubectl(kube_cluster, "-n", namespace, "create", "secret", "generic", "sandman-api-keys",
-            f"--from-literal=keys=tests:{key}")  # fmt: skip
+    path = serving_overlay(tmp_path / "overlay", namespace, kube_cluster, service_image, port, {})
+    create_namespace(kube_cluster, namespace, key)
     with deployed(kube_cluster, path, namespace):
-        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
-        ready = ("-n", namespace, "get", "deployment", "sandman", "-o",
-                 "jsonpath={.status.readyReplicas}")  # fmt: skip
-        while kubectl(kube_cluster, *ready).stdout != "1":
-            assert time.monotonic() < deadline, kubectl(
-                kube_cluster, "-n", namespace, "logs", "deployment/sandman", check=False
-            ).stdout
-            time.sleep(1)
+        wait_serving(kube_cluster, namespace)
 
-        sandbox_pods = ("-n", namespace, "get", "pods", "-l", "sandman.io/pool=sandman",
-                        "-o", "jsonpath={.items[*].metadata.name}")  # fmt: skip
-
-        async def use() -> tuple[str, str]:
+        async def use() -> tuple[str, list[str]]:
             async with (
                 sandman.connect(f"http://127.0.0.1:{port}", api_key=key) as client,
                 client.sandbox("sandman.local/busybox:1.35") as sandbox,
             ):
                 result = await sandbox.exec("echo hello from $(hostname)", timeout=30)
-                return result.stdout.strip(), kubectl(kube_cluster, *sandbox_pods).stdout
+                return result.stdout.strip(), sandbox_pods(kube_cluster, namespace)
 
         said, pods = asyncio.run(use())
         assert said.startswith("hello from ")
-        assert pods.split() != [], "no sandbox pod labelled with the deployment's pool"
+        assert pods != [], "no sandbox pod labelled with the deployment's pool"
         deadline = time.monotonic() + GONE_TIMEOUT
-        while kubectl(kube_cluster, *sandbox_pods).stdout:
+        while sandbox_pods(kube_cluster, namespace):
             assert time.monotonic() < deadline, "the released sandbox's pod is still there"
             time.sleep(0.5)

@@ -154,7 +154,7 @@ async def _serve(
     import uvicorn
 
     from sandman.pool import Pool, PoolConfig
-    from sandman.server import create_app
+    from sandman.server import create_app, service_of
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -163,12 +163,18 @@ async def _serve(
             # kills the process before the watchdog is told and the provider closed.
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+                loop.add_signal_handler(sig, self.stop, sig)
             try:
                 yield
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
+
+        def stop(self, sig: int) -> None:
+            # Not ready from the signal on (/v1/ready), before uvicorn stops listening
+            # and drains: a load balancer takes this instance out first.
+            service_of(app).stop_accepting()
+            self.handle_exit(sig, None)
 
     pool = Pool(provider, PoolConfig(name=pool_name, lease=lease, adopt_orphans=adopt))
     app = create_app(pool, settings)

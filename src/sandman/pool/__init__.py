@@ -2,7 +2,16 @@
 
 from sandman.pool.events import EventHook, PoolEvent
 from sandman.pool.pacing import Pacer, PacingConfig
-from sandman.pool.pool import Pool, PoolConfig
+from sandman.pool.pool import Pool, PoolConfig, PoolHealth
 from sandman.pool.records import Record
 
-__all__ = ["EventHook", "Pacer", "PacingConfig", "Pool", "PoolConfig", "PoolEvent", "Record"]
+__all__ = [
+    "EventHook",
+    "Pacer",
+    "PacingConfig",
+    "Pool",
+    "PoolConfig",
+    "PoolEvent",
+    "PoolHealth",
+    "Record",
+]

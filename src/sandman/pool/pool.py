@@ -55,7 +55,7 @@ from sandman.providers.base import (
     WatchesLost,
 )
 
-__all__ = ["Pool", "PoolConfig"]
+__all__ = ["Pool", "PoolConfig", "PoolHealth"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,35 @@ class PoolConfig:
             raise errors.ConfigError(
                 f"reconcile_share must be in (0, 1], not {self.reconcile_share!r}"
             )
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    """How the pool is doing now (`Pool.health`): what a service's probes are made of."""
+
+    started: bool
+    closed: bool
+    provider_age: float | None
+    """Seconds since the provider last answered (a reconcile pass's list, a create);
+    None if it never has."""
+    reconcile_interval: float
+    """Seconds between reconcile passes now (longer while passes are slow)."""
+    stopped: tuple[str, ...]
+    """The background loops that ended by themselves (a bug): nothing is handed out,
+    expired or reconciled any more, and only a restart helps."""
+
+    @property
+    def provider_reached(self) -> bool:
+        """Whether the provider answered recently: within two and a half reconcile
+        intervals (so one pass may fail on a moment's trouble, and a pass's own list
+        takes a fraction of an interval), so a pool that cannot reach its backend says so."""
+        return (
+            self.provider_age is not None
+            and self.provider_age <= _REACHED_INTERVALS * self.reconcile_interval
+        )
+
+
+_REACHED_INTERVALS = 2.5
 
 
 def _key(spec: SandboxSpec) -> str:
@@ -184,6 +213,8 @@ class Pool:
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self._contact: float | None = None  # monotonic: the provider answered last
+        self._reconcile_every = self.config.reconcile_interval
         self.owner = owners.current()
         """This pool's process, as every sandbox it creates or adopts names it: on a provider
         that keeps owner records (`KeepsOwners`), its record there, once started."""
@@ -563,6 +594,19 @@ class Pool:
         counts.update({f"pacing_{k}": v for k, v in self._pacer.stats().items()})
         return counts
 
+    def health(self) -> PoolHealth:
+        """Started, closed, when the provider last answered, and any background loop that
+        ended by itself (cheap: no call to the provider)."""
+        stopped = () if self._closed else tuple(t.get_name() for t in self._loops if t.done())
+        now = time.monotonic()
+        return PoolHealth(
+            started=self._started,
+            closed=self._closed,
+            provider_age=None if self._contact is None else now - self._contact,
+            reconcile_interval=self._reconcile_every,
+            stopped=stopped,
+        )
+
     def warm(self, spec: SandboxSpec, count: int) -> None:
         """Keep ``count`` ready spares of ``spec``; an acquire they serve costs only the hand-over."""
         self._check_open()
@@ -643,6 +687,7 @@ class Pool:
             info = await self.provider.create(
                 request.spec, sandbox_id=record.id, labels=record.labels
             )
+            self._contact = time.monotonic()
             record.info = info
             record.state = "starting"
             self._watch(info)
@@ -841,7 +886,6 @@ class Pool:
         """Expire sessions and sandboxes, top up warm spares, reconcile now and then."""
         last_reconcile = previous = time.monotonic()
         interval = min(1.0, self.config.lease / 4)
-        reconcile_every = self.config.reconcile_interval
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -863,12 +907,12 @@ class Pool:
                 if record.expires_at < wall and record.state not in ("releasing", "gone"):
                     self._release(record, reason="expired")
             self._top_up()
-            if now - last_reconcile > reconcile_every:
+            if now - last_reconcile > self._reconcile_every:
                 last_reconcile = now
                 try:
                     await self.reconcile()
                     took = time.monotonic() - now
-                    reconcile_every = max(
+                    self._reconcile_every = max(
                         self.config.reconcile_interval, took / self.config.reconcile_share
                     )
                 except Exception as exc:
@@ -921,6 +965,7 @@ class Pool:
         mine = {LABEL_POOL: self.config.name}
         held = [r for r in self._records.values() if r.state in ("ready", "leased")]
         infos = await self.provider.list(labels=None if everyone else mine)
+        self._contact = time.monotonic()
         self._notice_lost(held, infos)
         # Listed after the sandboxes: an owner's record is made before its first sandbox,
         # so every sandbox listed whose owner lives has its record listed here.

@@ -2,7 +2,8 @@
 
 JSON API under ``/v1/`` (its OpenAPI document at ``/v1/openapi.json``),
 Prometheus metrics at ``/metrics``, a live dashboard page at ``/``
-(`sandman.server.dashboard`). Every answer but health, metrics (unless
+(`sandman.server.dashboard`). Every answer but health, the probes (``/v1/ready``,
+``/v1/live``), metrics (unless
 ``ServerSettings.metrics_key`` is set), the OpenAPI document and the dashboard
 page itself (not its data) needs
 ``Authorization: Bearer <API key>``; a key acts for

@@ -110,6 +110,23 @@ class HealthOut(_Out):
     provider: str
 
 
+class ReadyOut(_Out):
+    """``/v1/ready``: whether acquires can be served now, and if not, why."""
+
+    status: Literal["ready", "not_ready"]
+    reasons: list[str]
+    """Empty when ready; else each reason in a sentence (shutting down, the pool not
+    started, the provider not answering)."""
+
+
+class LiveOut(_Out):
+    """``/v1/live``: whether the process is worth keeping (its event loop answered this)."""
+
+    status: Literal["alive", "stopped"]
+    reasons: list[str]
+    """Empty when alive; else the pool's background loops that ended by themselves."""
+
+
 class PacingOut(_Out):
     """The pacer now: None where it has no number yet."""
 

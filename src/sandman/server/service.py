@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from sandman import errors
-from sandman.pool import Pool, PoolEvent, Record
+from sandman.pool import Pool, PoolEvent, PoolHealth, Record
 from sandman.server.errors import ApiError, from_exception
 from sandman.server.schemas import AcquireRequest
 from sandman.server.settings import ServerSettings
@@ -93,6 +93,43 @@ class Service:
                     self._sessions[session] = owner
         if owner != tenant:
             raise ApiError("session_expired", f"session {session} is unknown or expired")
+
+    # -- probes -----------------------------------------------------------------------
+
+    def stop_accepting(self) -> None:
+        """Refuse new work and say not ready from now on (at SIGTERM, before the graceful
+        shutdown, so that a load balancer takes this instance out first)."""
+        self.accepting = False
+
+    def unready(self) -> list[str]:
+        """Why acquires cannot be served now (``/v1/ready``); empty when they can."""
+        health = self.pool.health()
+        reasons = []
+        if not self.accepting:
+            reasons.append("the service is shutting down")
+        if not health.started:
+            reasons.append("the pool is not started")
+        elif health.closed:
+            reasons.append("the pool is closed")
+        reasons += self._stopped(health)
+        if health.started and not health.closed and not health.provider_reached:
+            provider = self.pool.provider.name
+            if health.provider_age is None:
+                reasons.append(f"the {provider} provider has not answered yet")
+            else:
+                reasons.append(
+                    f"the {provider} provider has not answered for {health.provider_age:.0f} s"
+                )
+        return reasons
+
+    def unlive(self) -> list[str]:
+        """Why this process should be restarted (``/v1/live``); empty when it is worth
+        keeping. Never the provider's fault: a slow backend must not restart every replica."""
+        return self._stopped(self.pool.health())
+
+    @staticmethod
+    def _stopped(health: PoolHealth) -> list[str]:
+        return [f"the pool's loop {name} stopped" for name in health.stopped]
 
     def _check_accepting(self) -> None:
         if not self.accepting:
@@ -311,7 +348,7 @@ class Service:
         await asyncio.shield(self._shutdown)
 
     async def _shut_down(self) -> None:
-        self.accepting = False
+        self.stop_accepting()
         if self._acquires:
             logger.info("shutdown: waiting for %d acquires in flight", len(self._acquires))
             _, late = await asyncio.wait(set(self._acquires), timeout=self.settings.shutdown_grace)

@@ -1,4 +1,12 @@
-"""``/v1/health`` and ``/metrics``: for load balancers and Prometheus."""
+"""``/v1/health``, ``/v1/ready``, ``/v1/live`` and ``/metrics``: for load balancers,
+Kubernetes' probes and Prometheus.
+
+``/v1/ready`` is the readiness probe: 200 while acquires can be served (the pool
+started, the provider answered within two reconcile passes, not shutting down: it
+turns 503 at SIGTERM). ``/v1/live`` is the liveness probe: 200 whenever the event
+loop answers it, unless one of the pool's background loops ended by itself; it never
+depends on the provider, whose slowness must not restart every replica at once.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from sandman._version import __version__
 from sandman.server.metrics import CONTENT_TYPE, check_scrape
 from sandman.server.routes._deps import metrics, service, settings
-from sandman.server.schemas import HealthOut
+from sandman.server.schemas import HealthOut, LiveOut, ReadyOut
 
 router = APIRouter(tags=["operations"])
 
@@ -32,6 +40,32 @@ async def health(request: Request) -> Any:
     if not svc.accepting:
         return JSONResponse(out.model_dump(), status_code=503)
     return out
+
+
+@router.get(
+    "/v1/ready",
+    response_model=ReadyOut,
+    responses={503: {"model": ReadyOut, "description": "not ready, with the reasons"}},
+)
+async def ready(request: Request) -> Any:
+    """Whether acquires can be served now (no key needed): the readiness probe."""
+    reasons = service(request).unready()
+    if reasons:
+        return JSONResponse(ReadyOut(status="not_ready", reasons=reasons).model_dump(), 503)
+    return ReadyOut(status="ready", reasons=[])
+
+
+@router.get(
+    "/v1/live",
+    response_model=LiveOut,
+    responses={503: {"model": LiveOut, "description": "a background loop stopped"}},
+)
+async def live(request: Request) -> Any:
+    """Whether the process is worth keeping (no key needed): the liveness probe."""
+    reasons = service(request).unlive()
+    if reasons:
+        return JSONResponse(LiveOut(status="stopped", reasons=reasons).model_dump(), 503)
+    return LiveOut(status="alive", reasons=[])
 
 
 @router.get("/metrics", include_in_schema=False)
