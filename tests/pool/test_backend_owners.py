@@ -133,3 +133,46 @@ async def test_a_renewing_owner_of_the_same_pool_name_is_left_alone(records: Rec
             assert (await records.inspect(theirs.id)).labels[LABEL_OWNER] == "k.twin"
     finally:
         renewing.cancel()
+
+
+async def test_what_a_predecessor_leaves_while_this_pool_runs_is_adopted_not_deleted(
+    records: Records,
+) -> None:
+    """Two replicas of the service overlap (an eviction starts the next before the last
+    has gone): the new one starts while the old one still renews, so it leaves the old
+    one's sandboxes alone; then the old one leaves them (``--on-shutdown leave``) and
+    its record goes. The next periodic pass adopts them for their session; before, it
+    deleted them as orphans. A twin that still renews keeps its own."""
+    records.statuses["k.old"], records.versions["k.old"] = "alive", "1"
+    records.statuses["k.twin"], records.versions["k.twin"] = "alive", "1"
+    left = await records.create(SPEC, labels=labels_of("t", "k.old"))
+    twins = await records.create(SPEC, labels=labels_of("t", "k.twin"))
+    config = PoolConfig(name="t", adopt_orphans=True, reconcile_interval=0.05, lease=1.0)
+    pool = Pool(records, config)
+    renewing = True
+
+    async def renew() -> None:  # both renew while this pool starts and judges them
+        version = 1
+        while renewing:
+            await asyncio.sleep(0.05)
+            version += 1
+            records.versions["k.twin"] = records.versions["k.old"] = str(version)
+
+    renewer = asyncio.ensure_future(renew())
+    try:
+        await pool.start()
+        assert {r.id for r in pool.list()} == set()
+        renewing = False
+        await renewer
+        del records.statuses["k.old"]  # left, record removed: dead by its absence
+        records.versions["k.twin"] = "renewed"
+        await eventually(lambda: left.id in {r.id for r in pool.list()}, what="the adoption")
+        assert pool.get(left.id).state == "leased" and pool.get(left.id).session == "s-1"
+        assert (await records.inspect(left.id)).labels[LABEL_OWNER] == ME
+        for _ in range(2):  # passes as the periodic ones: the live twin's stays its own
+            await pool.reconcile(adopt=True, judge=False)
+        assert twins.id not in {r.id for r in pool.list()}
+        assert {i.id for i in await records.list()} == {left.id, twins.id}
+    finally:
+        renewer.cancel()
+        await pool.aclose()

@@ -910,7 +910,7 @@ class Pool:
             if now - last_reconcile > self._reconcile_every:
                 last_reconcile = now
                 try:
-                    await self.reconcile()
+                    await self.reconcile(adopt=self.config.adopt_orphans, judge=False)
                     took = time.monotonic() - now
                     self._reconcile_every = max(
                         self.config.reconcile_interval, took / self.config.reconcile_share
@@ -946,7 +946,7 @@ class Pool:
             if _dead(info):
                 self._lose(record, _loss_of(record.id, info))
 
-    async def reconcile(self, *, adopt: bool = False) -> None:
+    async def reconcile(self, *, adopt: bool = False, judge: bool = True) -> None:
         """Delete what the provider holds for this pool that the pool does not know, or expired;
         mark lost what the pool holds that the provider lists as stopped, or no more.
 
@@ -955,7 +955,12 @@ class Pool:
         loses them), each relabelled as this process's first; the rest no caller
         ever received, and they are deleted (only their image is on record, too
         little to serve as a spare of some spec). A sandbox of this pool's name
-        that another live process owns is left alone. With ``reap_dead_owners``,
+        that another live process owns is left alone. ``judge`` (at start) first waits
+        until each other owner of this pool's sandboxes is judged; without it (the
+        periodic passes of a pool that adopts) only the sandboxes of an owner judged
+        dead now are adopted: a predecessor that left them while this pool already ran
+        (two replicas of a service overlapping in a rolling update or an eviction),
+        never one that cannot be judged. With ``reap_dead_owners``,
         also deleted: any pool's sandboxes whose owner process is dead, and
         records of nothing that run nothing (a crash's leftovers).
         """
@@ -970,7 +975,7 @@ class Pool:
         # Listed after the sandboxes: an owner's record is made before its first sandbox,
         # so every sandbox listed whose owner lives has its record listed here.
         backend = await self._backend_owners()
-        if adopt and backend is not None:
+        if adopt and judge and backend is not None:
             backend = await self._judge_predecessors(infos, backend)
         wall = time.time()
         liveness = owners.Liveness(backend)
@@ -997,7 +1002,8 @@ class Pool:
             except ValueError:
                 expires = 0.0
             session = info.labels.get(LABEL_SESSION)
-            if adopt and info.state == "running" and expires > wall and session:
+            adoptable = judge or status == "dead"
+            if adopt and adoptable and info.state == "running" and expires > wall and session:
                 record = self._record_of(info, expires)
                 try:
                     # Ours before it counts as adopted: a sweep by its old owner spares it.
