@@ -17,7 +17,8 @@ from typing import TypeVar
 import anyio
 
 from sandman.models import SandboxSpec
-from sandman.providers.base import Provider, SandboxInfo
+from sandman.pool.owner import LABEL_OWNER
+from sandman.providers.base import BackendOwners, OwnerStatus, Provider, SandboxInfo
 
 __all__ = ["Delegating", "alive", "eventually", "until", "wait_for"]
 
@@ -119,3 +120,36 @@ class Delegating:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class OwnerRecords(Delegating):
+    """A provider that keeps owner records on its backend (`KeepsOwners`, as Kubernetes'
+    Leases): ``statuses`` and ``versions`` by owner, set by the test; this process's
+    pool is ``OwnerRecords.ME``."""
+
+    ME = "k.me"
+
+    def __init__(self, inner: Provider) -> None:
+        super().__init__(inner)
+        self.statuses: dict[str, OwnerStatus] = {}
+        self.versions: dict[str, str] = {}
+        self.forgotten: list[str] = []
+
+    async def open_owner(self) -> str | None:
+        self.statuses[self.ME], self.versions[self.ME] = "alive", "1"
+        return self.ME
+
+    async def close_owner(self) -> None:
+        self.statuses.pop(self.ME, None)
+
+    async def owners(self) -> BackendOwners:
+        return BackendOwners(
+            statuses=dict(self.statuses), prefix="k.", versions=dict(self.versions), longest=0.5
+        )
+
+    async def forget_owner(self, owner: str, version: str | None = None) -> bool:
+        if await self.inner.list(labels={LABEL_OWNER: owner}):
+            return False
+        self.statuses.pop(owner, None)
+        self.forgotten.append(owner)
+        return True

@@ -13,43 +13,17 @@ import pytest
 from sandman.models import SandboxSpec
 from sandman.pool import Pool, PoolConfig
 from sandman.pool.owner import LABEL_OWNER
-from sandman.providers.base import BackendOwners, KeepsOwners, OwnerStatus
+from sandman.providers.base import KeepsOwners
 from sandman.testing import FakeProvider
-from tests.support import Delegating, eventually
+from tests.support import OwnerRecords, eventually
 
 pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(image="task")
-ME = "k.me"
+ME = OwnerRecords.ME
 
 
-class Records(Delegating):
-    """The fake provider with owner records: ``statuses`` and ``versions`` by owner."""
-
-    def __init__(self, inner: FakeProvider) -> None:
-        super().__init__(inner)
-        self.statuses: dict[str, OwnerStatus] = {}
-        self.versions: dict[str, str] = {}
-        self.forgotten: list[str] = []
-
-    async def open_owner(self) -> str | None:
-        self.statuses[ME], self.versions[ME] = "alive", "1"
-        return ME
-
-    async def close_owner(self) -> None:
-        self.statuses.pop(ME, None)
-
-    async def owners(self) -> BackendOwners:
-        return BackendOwners(
-            statuses=dict(self.statuses), prefix="k.", versions=dict(self.versions), longest=0.5
-        )
-
-    async def forget_owner(self, owner: str, version: str | None = None) -> bool:
-        if await self.inner.list(labels={LABEL_OWNER: owner}):
-            return False
-        self.statuses.pop(owner, None)
-        self.forgotten.append(owner)
-        return True
+Records = OwnerRecords
 
 
 @pytest.fixture

@@ -10,11 +10,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from sandman.models import SandboxSpec
 from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.server import LABEL_TENANT, ServerSettings, TenantLimits, create_app, service_of
 from sandman.testing import FakeProvider
 from tests.server.conftest import AUTH_A, AUTH_B, settings
-from tests.support import eventually
+from tests.support import OwnerRecords, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -340,6 +341,59 @@ async def test_pod_settings_that_reach_past_a_tenant_need_the_operators_grant(
             assert (response.status_code, error_code(response)) == (422, "invalid_request")
             assert "b-registry not allowed here (allowed: a-registry)" in response.text
             assert len([r for r in pool.list() if r.state == "leased"]) == len(asks) + 2
+
+
+async def test_a_session_a_live_predecessor_still_holds_is_moving_not_expired() -> None:
+    """Two replicas of the service overlap (an eviction started this one before the last
+    had gone): a client's session is unknown here, but the other replica's sandboxes
+    still hold it. Its tenant hears ``session_moving`` (503, retry), not
+    ``session_expired`` (which makes the SDK give its sandboxes up); once the other has
+    left them, this one adopts them and the session goes on. Another tenant learns
+    nothing of it."""
+    records = OwnerRecords(FakeProvider(daemon=False, seed=3))
+    records.statuses["k.old"], records.versions["k.old"] = "alive", "1"
+    labels = {"sandman.io/pool": "t", "sandman.io/session": "s-moving",
+              "sandman.io/expires-at": "1e12", "sandman.io/owner": "k.old", LABEL_TENANT: "a"}  # fmt: skip
+    theirs = await records.create(SandboxSpec(image="task"), labels=labels)
+    config = PoolConfig(name="t", adopt_orphans=True, reconcile_interval=0.05, lease=1.0)
+    renewing = True
+
+    async def renew() -> None:  # the old replica renews its record while this one starts
+        version = 1
+        while renewing:
+            await asyncio.sleep(0.05)
+            version += 1
+            records.versions["k.old"] = str(version)
+
+    renewer = asyncio.ensure_future(renew())
+    try:
+        async with Pool(records, config) as pool:
+            app = create_app(pool, settings())
+            transport = httpx.ASGITransport(app=app)
+            async with (
+                httpx.AsyncClient(transport=transport, base_url="http://x", headers=AUTH_A) as a,
+                httpx.AsyncClient(transport=transport, base_url="http://x", headers=AUTH_B) as b,
+            ):
+                beat = "/v1/sessions/s-moving/heartbeat"
+                response = await a.post(beat)
+                assert (response.status_code, error_code(response)) == (503, "session_moving")
+                assert response.headers["retry-after"] == "2"
+                response = await b.post(beat)
+                assert (response.status_code, error_code(response)) == (404, "session_expired")
+                renewing = False
+                await renewer
+                del records.statuses["k.old"]  # it left them and removed its record
+
+                async def beats() -> bool:
+                    return (await a.post(beat)).status_code == 200
+
+                await eventually(beats, what="the session adopted here")
+                assert pool.get(theirs.id).state == "leased"
+                listed = (await a.get("/v1/sandboxes", params={"session": "s-moving"})).json()
+                assert [s["id"] for s in listed["sandboxes"]] == [theirs.id]
+    finally:
+        renewer.cancel()
+        await records.aclose()
 
 
 async def test_a_cancelled_acquire_hands_its_sandbox_to_the_next_waiter(

@@ -57,6 +57,7 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "sandbox_not_found": errors.SandboxNotFound,
     "sandbox_lost": errors.SandboxLost,
     "session_expired": errors.SessionExpired,
+    "session_moving": errors.ThrottledError,  # to the next instance: retry after a moment
     "image_not_found": errors.ImageNotFound,
     "image_error": errors.ImageError,
     "tenant_sandbox_limit": errors.CapacityError,

@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
@@ -198,6 +198,9 @@ class Pool:
         self._records: dict[str, Record] = {}
         # Lost and deleted, kept (a bounded few) until their holders are told.
         self._lost: OrderedDict[str, Record] = OrderedDict()
+        # Session -> the labels of one of its sandboxes that another live process of this
+        # pool's name held at the last reconcile pass (see `held_elsewhere`).
+        self._elsewhere: dict[str, dict[str, str]] = {}
         self._watcher = provider if isinstance(provider, WatchesLost) else None
         self._keeper = provider if isinstance(provider, KeepsOwners) else None
         self._owner_open = False
@@ -979,6 +982,7 @@ class Pool:
             backend = await self._judge_predecessors(infos, backend)
         wall = time.time()
         liveness = owners.Liveness(backend)
+        elsewhere: dict[str, dict[str, str]] = {}
         for info in infos:
             if info.id in self._records:
                 continue
@@ -996,7 +1000,11 @@ class Pool:
                     self._orphan(info, reason="no record")
                 continue
             if status == "alive":
-                continue  # a pool of the same name in another live process: its own
+                # A pool of the same name in another live process: its own (a
+                # predecessor that may leave its sessions to this one).
+                if session := info.labels.get(LABEL_SESSION):
+                    elsewhere.setdefault(session, info.labels)
+                continue
             try:
                 expires = float(info.labels.get(LABEL_EXPIRES, "0"))
             except ValueError:
@@ -1020,8 +1028,16 @@ class Pool:
             else:
                 reason = "orphan" if session else "orphan, never handed over"
                 self._orphan(info, expires=expires, reason=reason)
+        self._elsewhere = elsewhere
         if backend is not None and self.config.reap_dead_owners is not False:
             await self._reap_dead_owners(backend)
+
+    def held_elsewhere(self, session: str) -> Mapping[str, str] | None:
+        """The labels of a sandbox of ``session`` that another live process of this pool's
+        name held at the last reconcile pass, or None. A session this pool does not know
+        but a predecessor still holds (two replicas of a service overlapping) is about to
+        be adopted here, not over: callers should retry rather than give it up."""
+        return self._elsewhere.get(session)
 
     async def _backend_owners(self) -> BackendOwners | None:
         """The provider's owner records judged now, if it keeps them; None (nothing judged

@@ -21,6 +21,7 @@ STATUS: dict[str, int] = {
     "sandbox_not_found": 404,
     "sandbox_lost": 410,
     "session_expired": 404,
+    "session_moving": 503,
     "image_not_found": 422,
     "image_error": 422,
     "tenant_sandbox_limit": 429,

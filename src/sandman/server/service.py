@@ -91,6 +91,17 @@ class Service:
                 owner = owners.pop()
                 if owner is not None:
                     self._sessions[session] = owner
+        if owner is None:
+            # Not over, if another live instance of this pool (the replica this one
+            # replaces, not gone yet) holds it for this tenant: adopted here soon.
+            moving = self.pool.held_elsewhere(session)
+            if moving is not None and moving.get(LABEL_TENANT) == tenant:
+                raise ApiError(
+                    "session_moving",
+                    f"session {session} is still held by another instance of this service; "
+                    "retry shortly",
+                    headers={"Retry-After": "2"},
+                )
         if owner != tenant:
             raise ApiError("session_expired", f"session {session} is unknown or expired")
 
