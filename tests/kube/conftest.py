@@ -93,11 +93,52 @@ def _run(*argv: str | Path, env: dict[str, str]) -> None:
 
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+IPTABLES_NFT_TABLES = {f"table {f} {t}" for f in ("ip", "ip6") for t in ("filter", "nat", "mangle")}
 
 
-def _leftovers(state_dir: Path, ip_forward_before: str | None) -> list[str]:
-    """What ``hack/kube/down`` promises to remove, if any of it is still there."""
+@dataclass(frozen=True)
+class _NetpolBefore:
+    """What ``hack/kube/up`` recorded before it started kube-router (netpol.sh)."""
+
+    bridge_nf: str
+    nft_tables: frozenset[str]
+
+    @classmethod
+    def read(cls, state_dir: Path) -> _NetpolBefore | None:
+        run = state_dir / "run"
+        if not (run / "netpol.started").exists():
+            return None  # no enforcement, or up failed before it: nothing of it to undo
+        return cls(
+            (run / "bridge-nf-call-iptables.before").read_text().strip(),
+            frozenset((run / "before.nft").read_text().splitlines()),
+        )
+
+
+def _output(*argv: str) -> str:
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def _netpol_leftovers(before: _NetpolBefore) -> list[str]:
+    """kube-router's state that ``hack/kube/down`` promises to remove."""
     found = []
+    if BRIDGE_NF.exists() and BRIDGE_NF.read_text().strip() != before.bridge_nf:
+        found.append(f"bridge-nf-call-iptables not put back to {before.bridge_nf}")
+    chains = _output("iptables", "-w", "-t", "filter", "-S").splitlines()
+    found += [f"iptables chain {c.split()[1]}" for c in chains if c.startswith("-N KUBE-")]
+    sets = _output("ipset", "list", "-n").splitlines()
+    found += [f"ipset {s}" for s in sets if s.startswith(("KUBE-SRC-", "KUBE-DST-"))]
+    tables = set(_output("nft", "list", "tables").splitlines()) & IPTABLES_NFT_TABLES
+    found += [f"nftables {t}" for t in sorted(tables - before.nft_tables)]
+    return found
+
+
+def _leftovers(
+    state_dir: Path, ip_forward_before: str | None, netpol: _NetpolBefore | None = None
+) -> list[str]:
+    """What ``hack/kube/down`` promises to remove, if any of it is still there."""
+    found = [] if netpol is None else _netpol_leftovers(netpol)
     if state_dir.exists():
         found.append(f"state directory {state_dir}")
     mounts = Path("/proc/self/mounts").read_text().split("\n")
@@ -109,7 +150,7 @@ def _leftovers(state_dir: Path, ip_forward_before: str | None) -> list[str]:
     # ip_forward on and back while the cluster is up (host-wide, theirs to restore).
     if ip_forward_before is not None and IP_FORWARD.read_text().strip() != ip_forward_before:
         found.append(f"ip_forward not put back to {ip_forward_before}")
-    for name in ("etcd", "kube-apiserver", "kubelet", "containerd", "kwok"):
+    for name in ("etcd", "kube-apiserver", "kubelet", "containerd", "kwok", "kube-router"):
         pids = subprocess.run(
             ["pgrep", "-f", f"{name} .*{state_dir}"], check=False, capture_output=True, text=True
         ).stdout.split()
@@ -131,8 +172,9 @@ def kube_cluster() -> Iterator[KubeCluster]:
     finally:
         recorded = state_dir / "run" / "ip_forward.before"  # what up saw; down restores it
         before = recorded.read_text().strip() if recorded.exists() else None
+        netpol = _NetpolBefore.read(state_dir)
         _run(HACK / "down", env=env)
-        leftovers = _leftovers(state_dir, before)
+        leftovers = _leftovers(state_dir, before, netpol)
         assert not leftovers, f"hack/kube/down left: {leftovers}"
 
 

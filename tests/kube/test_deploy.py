@@ -153,7 +153,7 @@ def test_deploy_applies_with_least_privilege(
     [rule] = sandboxes["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": "sandmand"}]
     # Clients, never a sandbox (what the policies mean: tests/providers/kubernetes/
-    # test_networkpolicy.py; the harness's bridge CNI does not enforce them).
+    # test_networkpolicy.py; enforced on the real node: test_network_policy.py).
     no_sandbox = {"key": "sandman.io/pool", "operator": "DoesNotExist"}
     assert rule["from"] == [
         {"namespaceSelector": {}, "podSelector": {
