@@ -27,10 +27,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.chaos, needs_root_and_crun, pytest.
 SEED = 14
 
 
-def pending(item: str, what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 14, {item}: {what}")
-
-
 def case(
     scenario: str, fault: str, *marks: pytest.MarkDecorator, **params: Any
 ) -> Any:  # a pytest ParameterSet
@@ -77,13 +73,8 @@ EVERY_FAULT = [
     case(
         "embedded",
         "kill-client",
-        # A race (about one run in five), hence not strict.
-        pytest.mark.xfail(
-            strict=False,
-            reason="issue 14, item 7: children of the killed pool (crun create, nft) finish "
-            "their half of a create after the watchdog's sweep: a stray directory, or "
-            "nftables elements of no sandbox",
-        ),
+        # Issue 14, item 7 (fixed): children of the killed pool (crun create, nft) finished
+        # their half of a create after the watchdog's sweep.
         at=0.3,
         rounds=0,
         hold=6,
@@ -92,12 +83,8 @@ EVERY_FAULT = [
     case(
         "service",
         "kill-service",
-        # A race (about one run in three), hence not strict.
-        pytest.mark.xfail(
-            strict=False,
-            reason="issue 14, item 9: adoption leases a sandbox the killed instance made "
-            "but never handed to its caller",
-        ),
+        # Issue 14, item 9 (fixed): adoption leased a sandbox the killed instance made but
+        # never handed to its caller.
         when="first-acquired",
         at=0.1,
         on_shutdown="leave",
@@ -129,17 +116,9 @@ SEEDS_THAT_FAILED = [
     pytest.param(1, 0, id="1-0-service-release-during-outage"),
     # Item 5: a client whose session expired never opened a new one.
     pytest.param(1, 12, id="1-12-service-stop-client-7.5s"),
-    pytest.param(
-        1, 9,
-        # Its failures are races (which requests were in flight at the kill), hence not strict.
-        marks=pytest.mark.xfail(
-            strict=False,
-            reason="issue 14, items 9 and 5, and releases dropped during the outage: a "
-            "sandbox never handed to its caller adopted as leased, a session not adopted "
-            "never replaced",
-        ),
-        id="1-9-service-kill-service-slow-watchdog",
-    ),
+    # Items 9 and 5, and releases dropped during the outage (fixed): a sandbox never
+    # handed to its caller adopted as leased, a session not adopted never replaced.
+    pytest.param(1, 9, id="1-9-service-kill-service-slow-watchdog"),
 ]  # fmt: skip
 
 
