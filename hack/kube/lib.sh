@@ -7,6 +7,9 @@
 #   SANDMAN_KUBE_KWOK_NODES  number of simulated (KWOK) nodes    (10)
 #   SANDMAN_KUBE_REAL_NODE   start the real node (kubelet+containerd), 1|0 (1)
 #   SANDMAN_KUBE_BIN         where hack/kube/build put the binaries (hack/kube/.bin)
+#   SANDMAN_KUBE_CONTAINERD  the real node's runtime: "built" (containerd 2, from
+#                            hack/kube/build) or "debian" (Debian's containerd 1.6
+#                            package, if installed: only to compare)      (built)
 # and, to run a second cluster beside the first on one machine, everything
 # else the two would share (give each cluster its own value of every one):
 #   SANDMAN_KUBE_NET         first two octets of the cluster's addresses (10.213):
@@ -38,6 +41,12 @@ KUBELET_HEALTHZ_PORT=${SANDMAN_KUBE_KUBELET_HEALTHZ_PORT:-10248}
 KWOK_PORT=${SANDMAN_KUBE_KWOK_PORT:-10249}
 KWOK_NODES=${SANDMAN_KUBE_KWOK_NODES:-10}
 REAL_NODE=${SANDMAN_KUBE_REAL_NODE:-1}
+CONTAINERD=${SANDMAN_KUBE_CONTAINERD:-built}
+case $CONTAINERD in
+built) CONTAINERD_BIN=$BIN/containerd CTR=$BIN/ctr ;;
+debian) CONTAINERD_BIN=/usr/bin/containerd CTR=/usr/bin/ctr ;;
+*) echo "kube: SANDMAN_KUBE_CONTAINERD must be built or debian, not '$CONTAINERD'" >&2; exit 1 ;;
+esac
 
 # The real node's pods live on a bridge of our own; the host side of that
 # bridge is also the node's address (kubelet refuses a loopback node IP).
@@ -62,7 +71,8 @@ log() { echo "kube: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 kubectl_admin() { "$BIN/kubectl" --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
-ctr_k8s() { ctr --address "$CTR_SOCK" --namespace k8s.io "$@"; }
+# The ctr of the containerd up started (it records which), else the configured one's.
+ctr_k8s() { "$(cat "$S/run/ctr" 2>/dev/null || echo "$CTR")" --address "$CTR_SOCK" --namespace k8s.io "$@"; }
 
 # pid_alive NAME: the process recorded for NAME still runs the binary we started.
 pid_alive() {

@@ -58,6 +58,8 @@ class KubeCluster:
     kubectl: Path
     pod_subnet: str
     """The real node's pod addresses: ``10.213.0.0/24`` unless ``SANDMAN_KUBE_NET`` says."""
+    ctr: Path
+    """The ``ctr`` of the real node's containerd (``hack/kube/build`` built both)."""
 
     @classmethod
     def from_env_file(cls, path: Path) -> KubeCluster:
@@ -76,6 +78,7 @@ class KubeCluster:
             kubectl=Path(env["SANDMAN_KUBE_KUBECTL"]),
             # Defaults: what an up from before these settings ran.
             pod_subnet=env.get("SANDMAN_KUBE_POD_SUBNET", "10.213.0.0/24"),
+            ctr=Path(env.get("SANDMAN_KUBE_CTR", "ctr")),
         )
 
 
