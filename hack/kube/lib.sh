@@ -71,8 +71,14 @@ log() { echo "kube: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 kubectl_admin() { "$BIN/kubectl" --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
-# The ctr of the containerd up started (it records which), else the configured one's.
-ctr_k8s() { "$(cat "$S/run/ctr" 2>/dev/null || echo "$CTR")" --address "$CTR_SOCK" --namespace k8s.io "$@"; }
+# The ctr of the containerd up started (it records which), else the configured
+# one's, else any (a cluster from an up of before the record: Debian's 1.6).
+ctr_k8s() {
+    local ctr
+    ctr=$(cat "$S/run/ctr" 2>/dev/null || echo "$CTR")
+    [[ -x $ctr ]] || ctr=ctr
+    "$ctr" --address "$CTR_SOCK" --namespace k8s.io "$@"
+}
 
 # pid_alive NAME: the process recorded for NAME still runs the binary we started.
 pid_alive() {
