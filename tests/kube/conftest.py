@@ -11,6 +11,9 @@ Other variables:
   ``/var/lib/sandman-kube``).
 - ``SANDMAN_KUBE_EXISTING=1``: use the cluster already started by
   ``hack/kube/up`` in that directory, and leave it running.
+- The settings of ``hack/kube/lib.sh`` (ports, ``SANDMAN_KUBE_NET``,
+  ``SANDMAN_KUBE_BRIDGE``, ``SANDMAN_KUBE_CGROUP_ROOT``, ...) are passed on to
+  ``up`` and ``down``; a second cluster beside another needs its own of each.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class KubeCluster:
     real_node: str
     kwok_nodes: int
     kubectl: Path
+    pod_subnet: str
+    """The real node's pod addresses: ``10.213.0.0/24`` unless ``SANDMAN_KUBE_NET`` says."""
+    ctr: Path
+    """The ``ctr`` of the real node's containerd (``hack/kube/build`` built both)."""
 
     @classmethod
     def from_env_file(cls, path: Path) -> KubeCluster:
@@ -70,6 +77,9 @@ class KubeCluster:
             real_node=env["SANDMAN_KUBE_REAL_NODE"],
             kwok_nodes=int(env["SANDMAN_KUBE_KWOK_NODES"]),
             kubectl=Path(env["SANDMAN_KUBE_KUBECTL"]),
+            # Defaults: what an up from before these settings ran.
+            pod_subnet=env.get("SANDMAN_KUBE_POD_SUBNET", "10.213.0.0/24"),
+            ctr=Path(env.get("SANDMAN_KUBE_CTR", "ctr")),
         )
 
 
@@ -143,9 +153,12 @@ def _leftovers(
         found.append(f"state directory {state_dir}")
     mounts = Path("/proc/self/mounts").read_text().split("\n")
     found += [f"mount {m.split()[1]}" for m in mounts if f" {state_dir}/" in m]
-    found += [f"cgroup {d}" for d in Path("/sys/fs/cgroup").glob("*/sandman-kube") if d.is_dir()]
-    if Path("/sys/class/net/sandmank8s0").exists():
-        found.append("bridge sandmank8s0")
+    # Named as hack/kube/lib.sh names them, so that they are known even if up failed.
+    cgroup_root = os.environ.get("SANDMAN_KUBE_CGROUP_ROOT", "sandman-kube")
+    found += [f"cgroup {d}" for d in Path("/sys/fs/cgroup").glob(f"*/{cgroup_root}") if d.is_dir()]
+    bridge = os.environ.get("SANDMAN_KUBE_BRIDGE", "sandmank8s0")
+    if Path(f"/sys/class/net/{bridge}").exists():
+        found.append(f"bridge {bridge}")
     # The value up saw, not the session's first: the local provider's tests switch
     # ip_forward on and back while the cluster is up (host-wide, theirs to restore).
     if ip_forward_before is not None and IP_FORWARD.read_text().strip() != ip_forward_before:

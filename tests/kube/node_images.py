@@ -11,7 +11,7 @@ def ctr(cluster: KubeCluster, *argv: str) -> str:
     """``ctr`` on the real node's containerd, in kubelet's namespace; its stdout."""
     sock = cluster.state_dir / "containerd" / "containerd.sock"
     return subprocess.run(
-        ["ctr", "--address", str(sock), "--namespace", "k8s.io", *argv],
+        [str(cluster.ctr), "--address", str(sock), "--namespace", "k8s.io", *argv],
         capture_output=True, text=True, check=True, timeout=600,
     ).stdout  # fmt: skip
 

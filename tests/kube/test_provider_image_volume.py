@@ -2,10 +2,14 @@
 hack/kube cluster, as the ordinary identity ``sandman``.
 
 The API server (1.36, ImageVolume GA) accepts such pods, and KWOK nodes make them
-Ready, since they run nothing. The real node's containerd 1.6 cannot mount image
-volumes: the sandbox fails at once with a ConfigError that says to use the init
-container, and no pod is left. It still pulls the volume's image (the kubelet does,
-before it creates the container), so a daemon image that is missing is named as such.
+Ready, since they run nothing. The real node's containerd 2 mounts the daemon image
+read-only at /.sandman: a sandbox there is created, runs commands and is deleted
+like one with the init container. Where the real node runs a containerd that cannot
+mount image volumes (``SANDMAN_KUBE_CONTAINERD=debian``: 1.6), the sandbox fails at
+once with a ConfigError that says to use the init container, and no pod is left
+(``tests/kube/test_provider_pods.py`` checks the same on recorded statuses, for
+every runtime wording). Either way the kubelet pulls the volume's image before it
+creates the container, so a daemon image that is missing is named as such.
 Every test's pods are swept as admin at the end, and any left fail it.
 """
 
@@ -17,8 +21,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+import sandman
 from sandman import errors
 from sandman.models import SandboxSpec
+from sandman.pool import PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.providers.kubernetes.pods import KWOK_NO_DELAY
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
@@ -97,6 +103,48 @@ async def test_kwok_nodes_take_an_image_volume_pod_ready_and_delete_it(
         assert await provider.list(labels={POOL: pool_name}) == []
     finally:
         await provider.aclose()
+
+
+async def test_a_sandbox_whose_daemon_is_an_image_volume_runs_on_the_real_node(
+    kube_cluster: KubeCluster, real_node: str, admin: Admin, pool_name: str
+) -> None:
+    if not await runtime_mounts_image_volumes(admin, real_node):
+        pytest.skip(f"{real_node}'s containerd cannot mount image volumes")
+    config = config_for(kube_cluster, daemon_delivery="image-volume")
+    async with sandman.kubernetes(config, pool=PoolConfig(name=pool_name)) as client:
+        async with client.sandbox(real_node_spec(kube_cluster), timeout=120) as sb:
+            pod = await admin.pod(sb.id)
+            assert pod is not None
+            assert pod["spec"]["nodeName"] == real_node
+            assert "initContainers" not in pod["spec"]
+            assert pod["spec"]["volumes"] == [{
+                "name": "sandman",
+                "image": {"reference": config.daemon_image, "pullPolicy": config.image_pull_policy},
+            }]  # fmt: skip
+
+            # The daemon runs from the volume, as PID 1, in the task image's file system.
+            result = await sb.exec(
+                "cat /proc/1/cmdline | tr '\\0' ' '; echo; busybox | head -n 1; ls /.sandman"
+            )
+            assert result.exit_code == 0, result
+            assert result.stdout.startswith("/.sandman/sandmand"), result.stdout
+            assert "BusyBox" in result.stdout
+            assert "sandmand" in result.stdout.split()
+            # The volume is the daemon image itself, read-only: nothing copied, nothing
+            # the sandbox can replace.
+            refused = await sb.exec("echo x > /.sandman/sandmand")
+            assert refused.exit_code != 0
+            assert "read-only" in refused.stderr.lower(), refused
+
+            await sb.write_file("/tmp/note.txt", b"kept between calls")
+            assert await sb.read_file("/tmp/note.txt") == b"kept between calls"
+            sandbox_id = sb.id
+
+        async def gone() -> bool:
+            return await admin.pod(sandbox_id) is None
+
+        await wait_for("the released sandbox's pod to go", 60, gone)
+    assert await admin.names(pool_name) == []
 
 
 async def test_a_runtime_that_cannot_mount_image_volumes_is_a_config_error_at_once(
