@@ -1,5 +1,6 @@
-"""deploy/ on the harness, for the tests that apply it (`test_deploy`, `test_rolling_update`):
-kubectl as the admin, kustomize overlays into scratch namespaces, and the Deployment
+"""deploy/ on the harness, for the tests that apply it (`test_deploy`, `test_rolling_update`,
+`test_network_policy`, `test_prepare`): kubectl as the admin, scratch namespaces,
+kustomize overlays into them, and the Deployment
 serving for real from the service image (`service_image` fixture in conftest).
 
 The harness has no kube-proxy and its API server listens on 127.0.0.1 only, so the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -90,6 +92,26 @@ def create_namespace(cluster: KubeCluster, namespace: str, api_key: str) -> None
             f"--from-literal=keys=tests:{api_key}")  # fmt: skip
 
 
+def delete_namespace(cluster: KubeCluster, namespace: str) -> None:
+    """Delete ``namespace`` with all it holds, and wait until it is gone."""
+    kubectl(cluster, "delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+    deadline = time.monotonic() + GONE_TIMEOUT
+    while kubectl(cluster, "get", "namespace", namespace, check=False).returncode == 0:
+        assert time.monotonic() < deadline, f"namespace {namespace} still there"
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def scratch_namespace(cluster: KubeCluster, prefix: str) -> Iterator[str]:
+    """A namespace of the test's own, deleted (and checked gone) afterwards."""
+    name = f"{prefix}-{secrets.token_hex(3)}"
+    kubectl(cluster, "create", "namespace", name)
+    try:
+        yield name
+    finally:
+        delete_namespace(cluster, name)
+
+
 @contextlib.contextmanager
 def deployed(cluster: KubeCluster, path: Path, namespace: str) -> Iterator[list[dict[str, Any]]]:
     """The overlay at `path` applied; its namespace deleted (and checked gone) afterwards."""
@@ -97,11 +119,7 @@ def deployed(cluster: KubeCluster, path: Path, namespace: str) -> Iterator[list[
         proc = kubectl(cluster, "apply", "-k", str(path), "-o", "json")
         yield json.loads(proc.stdout)["items"]
     finally:
-        kubectl(cluster, "delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
-        deadline = time.monotonic() + GONE_TIMEOUT
-        while kubectl(cluster, "get", "namespace", namespace, check=False).returncode == 0:
-            assert time.monotonic() < deadline, f"namespace {namespace} still there"
-            time.sleep(0.5)
+        delete_namespace(cluster, namespace)
 
 
 def service_pods(cluster: KubeCluster, namespace: str) -> list[dict[str, Any]]:

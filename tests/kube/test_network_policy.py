@@ -32,6 +32,7 @@ from sandman.client import AsyncSandbox
 from sandman.pool import PoolConfig
 from sandman.settings import KubernetesConfig
 from tests.kube.conftest import REPO, SETUP_TIMEOUT, KubeCluster
+from tests.kube.deployment import kubectl, scratch_namespace
 from tests.kube.support import BUSYBOX, real_node_spec
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 300)]
@@ -41,21 +42,7 @@ METADATA = "169.254.169.254"
 CONNECT_TIMEOUT = 3  # nc -w: a dropped SYN reads as blocked after this long
 CONVERGE = 60.0  # a policy (or pod) change until the node's rules follow it
 POD_READY = 120.0
-GONE = 120.0
 NODE_PORTS = range(30000, 32768)  # kube-router lets pods reach these on the node
-
-
-def kubectl(
-    cluster: KubeCluster, *argv: str, check: bool = True, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """kubectl as the cluster admin."""
-    proc = subprocess.run(
-        [str(cluster.kubectl), "--kubeconfig", str(cluster.admin_kubeconfig), *argv],
-        input=stdin, capture_output=True, text=True, check=False, timeout=150,
-    )  # fmt: skip
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(argv)} failed: {proc.stderr}")
-    return proc
 
 
 @pytest.fixture
@@ -74,16 +61,8 @@ def enforced(kube_cluster: KubeCluster, real_node: str) -> str:
 @pytest.fixture
 def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
     """A scratch namespace, deleted (and checked gone) afterwards with all it holds."""
-    name = f"sandman-netpol-test-{secrets.token_hex(3)}"
-    kubectl(kube_cluster, "create", "namespace", name)
-    try:
+    with scratch_namespace(kube_cluster, "sandman-netpol-test") as name:
         yield name
-    finally:
-        kubectl(kube_cluster, "delete", "namespace", name, "--ignore-not-found", "--wait=false")
-        deadline = time.monotonic() + GONE
-        while kubectl(kube_cluster, "get", "namespace", name, check=False).returncode == 0:
-            assert time.monotonic() < deadline, f"namespace {name} still there"
-            time.sleep(0.5)
 
 
 def plain_pod(cluster: KubeCluster, namespace: str, name: str, labels: dict[str, str]) -> None:

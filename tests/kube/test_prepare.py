@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ from tests.images import builders
 from tests.images.registry_server import REGISTRY_BINARY, Registry, push, start_registry
 from tests.kube import node_images
 from tests.kube.conftest import KubeCluster
+from tests.kube.deployment import kubectl, scratch_namespace
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
 
 NODE_STATUS_TIMEOUT = 90.0  # the kubelet reports images with its node status (~10 s)
-GONE_TIMEOUT = 120.0
 FAILURE_WITHIN = 30.0  # a missing image is reported at the first ErrImagePull
 
 
@@ -43,17 +42,6 @@ FAILURE_WITHIN = 30.0  # a missing image is reported at the first ErrImagePull
 class Pushed:
     reference: str
     layer_digest: str
-
-
-def kubectl(cluster: KubeCluster, *argv: str, check: bool = True, stdin: str = "") -> str:
-    """Run kubectl as the cluster admin; its stdout."""
-    proc = subprocess.run(
-        [str(cluster.kubectl), "--kubeconfig", str(cluster.admin_kubeconfig), *argv],
-        input=stdin, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(argv)} failed: {proc.stderr}")
-    return proc.stdout
 
 
 def node_image_names(cluster: KubeCluster) -> set[str]:
@@ -94,16 +82,8 @@ def pushed(
 
 @pytest.fixture
 def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
-    name = f"sandman-prepare-test-{secrets.token_hex(3)}"
-    kubectl(kube_cluster, "create", "namespace", name)
-    try:
+    with scratch_namespace(kube_cluster, "sandman-prepare-test") as name:
         yield name
-    finally:
-        kubectl(kube_cluster, "delete", "namespace", name, "--wait=false", "--ignore-not-found")
-        deadline = time.monotonic() + GONE_TIMEOUT
-        while kubectl(kube_cluster, "get", "namespace", name, check=False):
-            assert time.monotonic() < deadline, f"namespace {name} still there"
-            time.sleep(0.5)
 
 
 def prepare(cluster: KubeCluster, namespace: str, node: str, *images: str) -> tuple[int, str]:
@@ -118,7 +98,9 @@ def prepare(cluster: KubeCluster, namespace: str, node: str, *images: str) -> tu
 
 
 def pods_left(cluster: KubeCluster, namespace: str) -> list[Any]:
-    out = kubectl(cluster, "-n", namespace, "get", "pods", "-l", "sandman.io/prepare", "-o", "json")
+    out = kubectl(
+        cluster, "-n", namespace, "get", "pods", "-l", "sandman.io/prepare", "-o", "json"
+    ).stdout
     items: list[Any] = json.loads(out)["items"]
     return items
 
@@ -140,7 +122,7 @@ def test_prepare_pulls_onto_the_real_node_and_steering_follows(
     # The kubelet reports it in the node's status, which is what steering reads.
     deadline = time.monotonic() + NODE_STATUS_TIMEOUT
     while True:
-        nodes = json.loads(kubectl(kube_cluster, "get", "nodes", "-o", "json"))["items"]
+        nodes = json.loads(kubectl(kube_cluster, "get", "nodes", "-o", "json").stdout)["items"]
         if nodes_with_image(pushed.reference, nodes) == [real_node]:
             break
         assert time.monotonic() < deadline, "the node never reported the image"
@@ -167,7 +149,7 @@ def test_prepare_pulls_onto_the_real_node_and_steering_follows(
     try:
         deadline = time.monotonic() + 60
         where = ("-n", namespace, "get", "pod", "steered", "-o", "jsonpath={.spec.nodeName}")
-        while not (node := kubectl(kube_cluster, *where)):
+        while not (node := kubectl(kube_cluster, *where).stdout):
             assert time.monotonic() < deadline, "the steered pod was never scheduled"
             time.sleep(0.5)
         assert node == real_node
