@@ -248,6 +248,15 @@ async def watch_ready(
                 if response.status == 410:
                     version = ""
                     continue
+                if response.status == 429:
+                    # API Priority and Fairness sheds the watch while the unthrottled
+                    # controller floods the server (a 10k run died of it): wait, again.
+                    try:
+                        delay = float(response.headers.get("Retry-After", "1"))
+                    except ValueError:
+                        delay = 1.0
+                    await asyncio.sleep(delay)
+                    continue
                 response.raise_for_status()
                 async for line in response.content:  # one event a line
                     if not line.strip():
