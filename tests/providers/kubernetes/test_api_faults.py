@@ -228,3 +228,28 @@ async def test_a_429_is_waited_out_by_a_list_but_handed_to_the_pacer_by_a_create
         with pytest.raises(errors.ThrottledError):
             await api.create_pod({"metadata": {"name": "p1"}})
         assert calls[3:] == ["POST"]
+
+
+async def test_pod_pages_hand_over_one_page_at_a_time_with_the_lists_version() -> None:
+    """A reconcile of 50,000 keeps SandboxInfos, never every pod object at once: each page
+    reaches the caller before the next is asked for, and the continue token is followed."""
+    asked: list[dict[str, str]] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        asked.append(dict(request.query))
+        token = request.query.get("continue")
+        name, follow = ("b", "") if token else ("a", "next")
+        metadata = {"resourceVersion": "7", "continue": follow}
+        return web.json_response({"items": [{"metadata": {"name": name}}], "metadata": metadata})
+
+    async with loopback({"/api/v1/namespaces/ns/pods": handle}) as url, kube_api(url) as api:
+        seen = []
+        async for chunk, version in api.pod_pages("x=y", page=1):
+            seen.append(([p["metadata"]["name"] for p in chunk], version, len(asked)))
+        assert seen == [(["a"], "7", 1), (["b"], "7", 2)]
+        assert asked[0] == {"labelSelector": "x=y", "limit": "1", "resourceVersion": "0"}
+        assert asked[1] == {"labelSelector": "x=y", "limit": "1", "continue": "next"}
+        assert await api.list_pods("x=y", page=1) == (
+            [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}],
+            "7",
+        )

@@ -302,8 +302,21 @@ class KubeAPI:
     async def list_pods(
         self, selector: str, *, page: int = _PAGE, consistent: bool = False
     ) -> tuple[list[dict[str, Any]], str]:
-        """Every pod matching the label selector, ``page`` at a time; and the list's
-        resourceVersion (where a watch continues).
+        """Every pod matching the label selector; and the list's resourceVersion (where a
+        watch continues). See `pod_pages`, which callers holding thousands prefer."""
+        items: list[dict[str, Any]] = []
+        version = ""
+        async for chunk, at in self.pod_pages(selector, page=page, consistent=consistent):
+            items.extend(chunk)
+            version = at
+        return items, version
+
+    async def pod_pages(
+        self, selector: str, *, page: int = _PAGE, consistent: bool = False
+    ) -> AsyncIterator[tuple[list[dict[str, Any]], str]]:
+        """The pods matching the label selector, ``page`` at a time, each page with the
+        list's resourceVersion: a caller that keeps less than the pod (a reconcile
+        of 50,000) never holds every pod object at once.
 
         Served from the API server's watch cache as it is (``resourceVersion=0``): a
         reconcile of thousands of pods must not read them all from etcd every
@@ -311,16 +324,15 @@ class KubeAPI:
         The cache can lag seconds behind a burst of deletes, though: ``consistent``
         asks for the current state (the cache once it has caught up, or etcd).
         """
-        items: list[dict[str, Any]] = []
         params: dict[str, str | int] = {"labelSelector": selector, "limit": page}
         if not consistent:
             params["resourceVersion"] = "0"
         while True:
             body = await self.request("GET", self._pods, "list pods", params=params)
-            items.extend(body.get("items") or [])
             metadata = body.get("metadata") or {}
+            yield body.get("items") or [], str(metadata.get("resourceVersion", ""))
             if not metadata.get("continue"):
-                return items, str(metadata.get("resourceVersion", ""))
+                return
             params["continue"] = metadata["continue"]
             params.pop("resourceVersion", None)  # a continue token carries its own
 

@@ -211,8 +211,9 @@ class KubernetesProvider:
         wanted = dict(labels or {})
         pods.validate_labels(wanted)
         selector = ",".join([self._selector, *(f"{k}={v}" for k, v in wanted.items())])
-        items, _ = await self.api.list_pods(selector)
-        infos = [self._info(pod) for pod in items]
+        infos: builtins.list[SandboxInfo] = []
+        async for chunk, _ in self.api.pod_pages(selector):
+            infos.extend(self._info(pod) for pod in chunk)
         return sorted(infos, key=lambda info: info.created_at)
 
     async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:

@@ -78,10 +78,12 @@ class PodWatch:
                 logger.exception("pod waiter failed")
 
     async def _list(self) -> str:
-        items, version = await self._api.list_pods(self._selector)
+        version = ""
+        async for chunk, at in self._api.pod_pages(self._selector):
+            for pod in chunk:
+                self._dispatch("LISTED", pod)
+            version = at
         self.relists += 1
-        for pod in items:
-            self._dispatch("LISTED", pod)
         return version
 
     async def _run(self, synced: asyncio.Future[None]) -> None:
