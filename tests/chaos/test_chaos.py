@@ -3,10 +3,8 @@ ever failed in a ``benchmarks/chaos.py`` run.
 
 Each case is one iteration (see `tests.chaos.engine`): a burst on two clients, the
 fault, then the accounting, which must come out clean: nothing leaked, nothing lost,
-no untyped error, no client stuck. A case whose fault a fix still has to land for is
-``xfail(strict=True)`` naming issue 14's item: when the fix is merged it passes, and
-the mark must go. A race that fails only some runs is ``xfail(strict=False)``, to become
-a plain case once its fix is merged.
+no untyped error, no client stuck. Every case is plain: a seed that a chaos run finds
+failing is added here with its fix, never marked as expected to fail.
 
 A seed fixes the plan (scenario, fault, timing, parameters), not the interleaving of
 processes: these cases are chosen to fail, or not, whatever the interleaving.

@@ -50,9 +50,7 @@ async def health(request: Request) -> Any:
 async def ready(request: Request) -> Any:
     """Whether acquires can be served now (no key needed): the readiness probe."""
     reasons = service(request).unready()
-    if reasons:
-        return JSONResponse(ReadyOut(status="not_ready", reasons=reasons).model_dump(), 503)
-    return ReadyOut(status="ready", reasons=[])
+    return _probe(ReadyOut(status="not_ready" if reasons else "ready", reasons=reasons))
 
 
 @router.get(
@@ -63,9 +61,12 @@ async def ready(request: Request) -> Any:
 async def live(request: Request) -> Any:
     """Whether the process is worth keeping (no key needed): the liveness probe."""
     reasons = service(request).unlive()
-    if reasons:
-        return JSONResponse(LiveOut(status="stopped", reasons=reasons).model_dump(), 503)
-    return LiveOut(status="alive", reasons=[])
+    return _probe(LiveOut(status="stopped" if reasons else "alive", reasons=reasons))
+
+
+def _probe(out: ReadyOut | LiveOut) -> Any:
+    """``out`` as a probe reads it: 200 without reasons, else 503 with them."""
+    return JSONResponse(out.model_dump(), 503) if out.reasons else out
 
 
 @router.get("/metrics", include_in_schema=False)
