@@ -24,8 +24,6 @@ from pathlib import Path
 import pytest
 
 from sandman import errors
-from sandman.models import SandboxSpec
-from sandman.providers.base import SandboxInfo
 from sandman.providers.kubernetes import KubernetesProvider
 from sandman.providers.kubernetes.prepare import prepare_images
 from tests.images import builders
@@ -88,24 +86,13 @@ def private(tmp_path: Path, kube_cluster: KubeCluster, real_node: str) -> Iterat
 # authorizer lets it read a Secret only once it has seen a pod on that node name it, and
 # the kubelet gives its secret cache a moment only, then pulls without (logging "Unable to
 # retrieve pull secret"), and the registry says 401. Seen now and then with a Secret made
-# just before; the kubelet's own next attempt has it. So one 401 with a secret is retried.
+# just before; the kubelet's own next attempt has it. A create waits that out itself
+# (SECRET_SYNC_GRACE); a `prepare` that got one 401 with a secret is tried again here.
 RETRIES_ON_401 = 1
 # How the runtime relays the registry's refusal of a pull without (valid) credentials:
 # containerd 1.6 quotes its "401 Unauthorized", containerd 2 says "authorization failed:
 # no basic auth credentials".
 REFUSED = re.compile(r"401 Unauthorized|no basic auth credentials")
-
-
-async def create_with_secret(
-    provider: KubernetesProvider, spec: SandboxSpec, labels: dict[str, str]
-) -> SandboxInfo:
-    for attempt in range(RETRIES_ON_401 + 1):
-        try:
-            return await provider.create(spec, labels=labels)
-        except errors.ImageError as exc:
-            if not REFUSED.search(str(exc)) or attempt == RETRIES_ON_401:
-                raise
-    raise AssertionError("unreachable")
 
 
 @pytest.fixture
@@ -158,13 +145,13 @@ async def test_a_private_image_starts_with_its_pull_secret_and_is_refused_withou
         # The spec's own secret.
         k8s = spec.kubernetes.model_copy(update={"image_pull_secrets": [pull_secret]})
         own = spec.model_copy(update={"image": private.image("spec"), "kubernetes": k8s})
-        info = await create_with_secret(plain, own, labels)
+        info = await plain.create(own, labels=labels)
         assert info.state == "running" and info.endpoint is not None
         await plain.delete(info.id)
 
         # The pool's.
-        info = await create_with_secret(
-            pooled, spec.model_copy(update={"image": private.image("pool")}), labels
+        info = await pooled.create(
+            spec.model_copy(update={"image": private.image("pool")}), labels=labels
         )
         assert info.state == "running" and info.endpoint is not None
         await pooled.delete(info.id)

@@ -841,3 +841,19 @@ def test_a_pod_stored_without_its_image_volume_is_a_config_error() -> None:
     # The init-container delivery has no image volume to lose.
     assert pods.daemon_volume(manifest(SandboxSpec(image="x"))) is None
     pods.check_delivery(manifest(SandboxSpec(image="x")), CONFIG)
+
+
+def test_an_unauthorized_pull_is_waited_on_while_the_pods_secrets_may_be_syncing() -> None:
+    """In a pod's first seconds, the kubelet may have pulled before its cache held the pod's
+    pull secret: a 401 then waits for the kubelet's next try; any other refusal does not."""
+    for reason in ("ErrImagePull", "ImagePullBackOff"):
+        message = PERMANENT["401"] if reason == "ErrImagePull" else back_off(PERMANENT["401"])
+        pod = waiting(reason, message=message)
+        syncing = pods.start_outcome(pod, "daemon", secrets_syncing=True)
+        assert isinstance(syncing, pods.PullRetrying), syncing
+        assert syncing.detail == f"image x: {pods._UNAUTHORIZED_HINT}: {reason}: {message}"
+        assert isinstance(pods.start_outcome(pod, "daemon"), errors.ImageError)
+    missing = pods.start_outcome(
+        waiting("ErrImagePull", message=PERMANENT["404"]), "daemon", secrets_syncing=True
+    )
+    assert isinstance(missing, errors.ImageError), missing

@@ -488,13 +488,16 @@ def waiting_on(pod: Mapping[str, Any]) -> str:
 
 
 def start_outcome(
-    pod: Mapping[str, Any], readiness: str
+    pod: Mapping[str, Any], readiness: str, *, secrets_syncing: bool = False
 ) -> Started | PullRetrying | errors.SandboxError | None:
     """What a starting pod's latest state means: started, a typed failure, or wait on
     (None, or `PullRetrying` while the kubelet retries a transient pull failure).
 
     Failures are known as soon as the status says so: an image that cannot be
-    pulled does not wait out the whole deadline.
+    pulled does not wait out the whole deadline. Except, with ``secrets_syncing``
+    (a pod naming pull secrets, in its first seconds), an unauthorized pull: the
+    kubelet can pull before its cache holds a Secret made a moment before ("failed
+    to sync secret cache"), and its next try, with the secret, succeeds.
     """
     name = (pod.get("metadata") or {}).get("name", "?")
     status = pod.get("status") or {}
@@ -525,6 +528,8 @@ def start_outcome(
                 return PullRetrying(f"{which} {image}: {detail}")
             if _UNAUTHORIZED.search(_QUOTED.sub('""', waiting.get("message", ""))):
                 detail = f"{_UNAUTHORIZED_HINT}: {detail}"
+                if secrets_syncing:
+                    return PullRetrying(f"{which} {image}: {detail}")
             return errors.ImageError(f"pod {name}: {which} {image}: {detail}")
         terminated = state.get("terminated")
         if volume and (reason in _CONFIG_REASONS or terminated):

@@ -47,6 +47,10 @@ __all__ = ["KubernetesProvider"]
 
 logger = logging.getLogger(__name__)
 
+SECRET_SYNC_GRACE = 20.0
+"""Seconds after a create in which an unauthorized pull of a pod naming pull secrets
+is waited on: the kubelet's first retry comes 10 s after its first try."""
+
 
 def new_sandbox_id() -> str:
     """A fresh pod name."""
@@ -109,7 +113,10 @@ class KubernetesProvider:
             raise errors.CreateTimeout(
                 f"the pod watch did not list within {self.config.start_timeout} s"
             ) from None
-        outcome: asyncio.Future[pods.Started] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[pods.Started] = loop.create_future()
+        pull_secrets = body["spec"].get("imagePullSecrets")
+        began = loop.time()
         # The pull failure the kubelet retries, while the pod's status shows one: the
         # timeout names it (a sick registry, not a slow node).
         retrying: pods.PullRetrying | None = None
@@ -123,7 +130,8 @@ class KubernetesProvider:
                     errors.SandboxNotFound(f"pod {name} was deleted while starting")
                 )
                 return
-            result = pods.start_outcome(pod, self.config.readiness)
+            syncing = bool(pull_secrets) and loop.time() < began + SECRET_SYNC_GRACE
+            result = pods.start_outcome(pod, self.config.readiness, secrets_syncing=syncing)
             self._progress[name] = (
                 result.detail if isinstance(result, pods.PullRetrying) else pods.waiting_on(pod)
             )
