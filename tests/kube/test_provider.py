@@ -197,6 +197,11 @@ async def test_list_selects_by_label_page_by_page(
         items, version = await provider.api.list_pods(f"{POOL}={pool_name}", page=2)
         assert sorted(p["metadata"]["name"] for p in items) == sorted(e.id for e in everything)
         assert version
+        # The real API server pages it (at resourceVersion=0 it would answer all 5 at once).
+        pages = [
+            len(chunk) async for chunk, _ in provider.api.pod_pages(f"{POOL}={pool_name}", page=2)
+        ]
+        assert pages == [2, 2, 1], pages
         with pytest.raises(errors.ConfigError, match="invalid value"):
             await provider.list(labels={POOL: "not a label value"})
         # Relabelled as the identity (it may patch pods): a new list sees it.

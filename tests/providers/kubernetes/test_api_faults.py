@@ -161,14 +161,14 @@ async def test_a_tls_mismatch_is_configuration_not_throttling(server: PodServer)
         await client.aclose()
 
 
-async def test_a_consistent_list_is_not_served_from_the_cache_as_it_is(
+async def test_every_list_is_consistent_so_the_api_server_honours_its_limit(
     server: PodServer, api: KubeAPI
 ) -> None:
+    """At resourceVersion=0 the API server answers every object at once from its cache,
+    whatever the limit: 50,000 pods in one answer. Without one it pages."""
     server.listed = [pod("a", "9")]
     assert [p["metadata"]["name"] for p in (await api.list_pods("x=y"))[0]] == ["a"]
-    await api.list_pods("x=y", consistent=True)
-    # "0": whatever the watch cache holds; none: the current state.
-    assert server.listed_from == ["0", None]
+    assert server.listed_from == [None]
 
 
 def _sandbox_pod(name: str, phase: str, **status: Any) -> dict[str, Any]:
@@ -247,7 +247,7 @@ async def test_pod_pages_hand_over_one_page_at_a_time_with_the_lists_version() -
         async for chunk, version in api.pod_pages("x=y", page=1):
             seen.append(([p["metadata"]["name"] for p in chunk], version, len(asked)))
         assert seen == [(["a"], "7", 1), (["b"], "7", 2)]
-        assert asked[0] == {"labelSelector": "x=y", "limit": "1", "resourceVersion": "0"}
+        assert asked[0] == {"labelSelector": "x=y", "limit": "1"}
         assert asked[1] == {"labelSelector": "x=y", "limit": "1", "continue": "next"}
         assert await api.list_pods("x=y", page=1) == (
             [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}],

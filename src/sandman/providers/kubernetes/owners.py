@@ -222,7 +222,7 @@ async def forget(api: KubeAPI, owner: str, version: str | None, pods_selector: s
     name = lease_name(owner)
     if name is None:
         return False
-    items, _ = await api.list_pods(f"{pods_selector},{LABEL_OWNER}={owner}", consistent=True)
+    items, _ = await api.list_pods(f"{pods_selector},{LABEL_OWNER}={owner}")
     if items:
         return False
     try:

@@ -196,7 +196,7 @@ async def list_nodes(api: KubeAPI, selector: str = "") -> list[dict[str, Any]]:
     """The Ready, schedulable nodes matching the label `selector` (a cluster-scoped read,
     consistent: a node labelled a moment ago is there)."""
     try:
-        nodes = await api.list_nodes(selector, consistent=True)
+        nodes = await api.list_nodes(selector)
     except BadRequest as exc:
         raise errors.ConfigError(f"bad node selector {selector!r}: {exc.reason}") from None
     except Forbidden:
