@@ -253,3 +253,31 @@ async def test_pod_pages_hand_over_one_page_at_a_time_with_the_lists_version() -
             [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}],
             "7",
         )
+
+
+async def test_calls_wait_for_a_connection_outside_their_timeout() -> None:
+    """A pool closing 50,000 sandboxes deletes them all at once: the calls queue for a
+    connection, and that wait must not count against each call's timeout (it did, in
+    aiohttp's pool: thousands timed out, were retried, and deletes crawled at 4/s). The
+    watch's connections stay free."""
+    active, most = 0, 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal active, most
+        active += 1
+        most = max(most, active)
+        await asyncio.sleep(0.05)  # the API server's time for one delete
+        active -= 1
+        return web.json_response({"kind": "Status", "status": "Success"})
+
+    async with loopback({"/api/v1/namespaces/ns/pods/{name}": handle}) as url:
+        credentials = Credentials(
+            server=url, namespace="ns", ssl_context=ssl.create_default_context()
+        )
+        api = KubeAPI(credentials, timeout=0.3, max_connections=4)
+        try:
+            # 40 x 50 ms over 4 connections: the last would wait 0.5 s > 0.3 s for one.
+            await asyncio.gather(*(api.delete_pod(f"sb-{i}") for i in range(40)))
+        finally:
+            await api.aclose()
+    assert most == 2  # 4 connections, 2 kept for watch streams

@@ -45,6 +45,7 @@ __all__ = ["BadRequest", "Conflict", "Forbidden", "KubeAPI", "WatchExpired", "ra
 logger = logging.getLogger(__name__)
 
 _PAGE = 500
+_STREAMS = 2  # connections kept for watch streams, outside `request`'s slots
 # Waiting out 429s inside a call (not a create): how often, and at most how long each.
 _THROTTLED_RETRIES = 5
 _THROTTLED_WAIT_MAX = 10.0
@@ -149,6 +150,10 @@ class KubeAPI:
         )
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 10.0))
         self._max_connections = max_connections
+        # Calls wait here, not in aiohttp's pool, whose wait counts against the call's
+        # timeout: 50,000 deletes at once timed out by the thousand and retried, 4/s.
+        # The rest of the connections are the watch's.
+        self._slots = asyncio.Semaphore(max(1, max_connections - _STREAMS))
         self._session: aiohttp.ClientSession | None = None
         self._tls_generation = credentials.tls_generation
         # Sessions whose connections present an exec plugin's old client certificate,
@@ -223,10 +228,11 @@ class KubeAPI:
         """One API call; its JSON answer, or the Sandman error for its failure. With
         ``wait_throttled``, a 429 is waited out (its Retry-After) a few times first."""
         for attempt in range(_THROTTLED_RETRIES + 1):
-            with _transport_errors(what):
-                async with self._respond(method, url, params=params, json=body) as response:
-                    data = await response.read()
-                    status, headers = response.status, response.headers
+            async with self._slots:
+                with _transport_errors(what):
+                    async with self._respond(method, url, params=params, json=body) as response:
+                        data = await response.read()
+                        status, headers = response.status, response.headers
             if status != 429 or not wait_throttled or attempt == _THROTTLED_RETRIES:
                 break
             await asyncio.sleep(min(_retry_after(headers) or 1.0, _THROTTLED_WAIT_MAX))
