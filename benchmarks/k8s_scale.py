@@ -33,9 +33,10 @@ Last line: ``held=<n>/<N> t_all=<s> failures=<n> mib_per_1k=<x> leftover=<n>``
         .venv/bin/python benchmarks/k8s_scale.py --sandboxes 5000 --via both \\
         --admin-kubeconfig /var/lib/sandman-kube/admin.kubeconfig
 
-Not yet run at 50,000 on the harness: its API server and etcd may need room
-beyond their defaults there (``--max-requests-inflight``, etcd's
-``--quota-backend-bytes``); 5,000 needed none.
+At 50,000 (``--via pool``) the harness needed no flag beyond its own (etcd's
+``--quota-backend-bytes`` is 8 GiB there; ``--max-requests-inflight`` stayed at
+its default, with no 429): the API server grew to about 5 GiB RSS, etcd to
+about 1.8 GiB, and KWOK's 191 added nodes kept up at about 23 pods/s.
 """
 
 from __future__ import annotations
