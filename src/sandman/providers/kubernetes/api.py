@@ -152,7 +152,8 @@ class KubeAPI:
         self._max_connections = max_connections
         # Calls wait here, not in aiohttp's pool, whose wait counts against the call's
         # timeout: 50,000 deletes at once timed out by the thousand and retried, 4/s.
-        # The rest of the connections are the watch's.
+        # The rest of the connections are the watch's, and the PATCHes' (`_merge_patch`:
+        # a Lease's renewal must not queue behind a pool's worth of deletes).
         self._slots = asyncio.Semaphore(max(1, max_connections - _STREAMS))
         self._session: aiohttp.ClientSession | None = None
         self._tls_generation = credentials.tls_generation
