@@ -281,3 +281,44 @@ async def test_calls_wait_for_a_connection_outside_their_timeout() -> None:
         finally:
             await api.aclose()
     assert most == 2  # 4 connections, 2 kept for watch streams
+
+
+async def test_a_lease_renewal_does_not_queue_behind_a_pools_deletes() -> None:
+    """While every slot is taken by deletes the API server has not answered, this process's
+    owner Lease is still renewed: else other pools would judge it dead and reap its pods."""
+    answer, full = asyncio.Event(), asyncio.Event()
+    patched: list[str] = []
+    waiting = 0
+
+    async def delete(request: web.Request) -> web.StreamResponse:
+        nonlocal waiting
+        waiting += 1
+        if waiting == 2:  # both slots of 4 connections taken
+            full.set()
+        await answer.wait()
+        return web.json_response({"kind": "Status", "status": "Success"})
+
+    async def renew(request: web.Request) -> web.StreamResponse:
+        patched.append(request.match_info["name"])
+        return web.json_response({"kind": "Lease"})
+
+    routes = {
+        "/api/v1/namespaces/ns/pods/{name}": delete,
+        "/apis/coordination.k8s.io/v1/namespaces/ns/leases/{name}": renew,
+    }
+    async with loopback(routes) as url:
+        credentials = Credentials(
+            server=url, namespace="ns", ssl_context=ssl.create_default_context()
+        )
+        api = KubeAPI(credentials, timeout=30, max_connections=4)
+        try:
+            deletes = asyncio.gather(*(api.delete_pod(f"sb-{i}") for i in range(10)))
+            async with asyncio.timeout(10):
+                await full.wait()
+                await api.patch_lease("owner", {"spec": {"renewTime": "now"}})
+            assert patched == ["owner"]
+            answer.set()
+            await deletes
+        finally:
+            answer.set()
+            await api.aclose()

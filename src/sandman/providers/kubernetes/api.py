@@ -45,7 +45,7 @@ __all__ = ["BadRequest", "Conflict", "Forbidden", "KubeAPI", "WatchExpired", "ra
 logger = logging.getLogger(__name__)
 
 _PAGE = 500
-_STREAMS = 2  # connections kept for watch streams, outside `request`'s slots
+_STREAMS = 2  # connections kept outside the calls' slots: the watch, a Lease's renewal
 # Waiting out 429s inside a call (not a create): how often, and at most how long each.
 _THROTTLED_RETRIES = 5
 _THROTTLED_WAIT_MAX = 10.0
@@ -152,8 +152,7 @@ class KubeAPI:
         self._max_connections = max_connections
         # Calls wait here, not in aiohttp's pool, whose wait counts against the call's
         # timeout: 50,000 deletes at once timed out by the thousand and retried, 4/s.
-        # The rest of the connections are the watch's, and the PATCHes' (`_merge_patch`:
-        # a Lease's renewal must not queue behind a pool's worth of deletes).
+        # The rest of the connections are the watch's, and a Lease renewal's.
         self._slots = asyncio.Semaphore(max(1, max_connections - _STREAMS))
         self._session: aiohttp.ClientSession | None = None
         self._tls_generation = credentials.tls_generation
@@ -259,7 +258,7 @@ class KubeAPI:
 
     async def patch_lease(self, name: str, patch: dict[str, Any]) -> None:
         """Merge ``patch`` into the Lease (one PATCH: its renewal); SandboxNotFound if gone."""
-        await self._merge_patch(f"{self._leases}/{name}", patch, f"renew lease {name}")
+        await self._merge_patch(f"{self._leases}/{name}", patch, f"renew lease {name}", urgent=True)
 
     async def list_leases(self, selector: str) -> list[dict[str, Any]]:
         """Every Lease of the namespace matching the selector (consistent, paged: see
@@ -280,13 +279,18 @@ class KubeAPI:
             missing_ok=True,
         )  # fmt: skip
 
-    async def _merge_patch(self, url: str, patch: dict[str, Any], what: str) -> None:
+    async def _merge_patch(
+        self, url: str, patch: dict[str, Any], what: str, *, urgent: bool = False
+    ) -> None:
         body = json.dumps(patch).encode()
         headers = {"Content-Type": "application/merge-patch+json"}
-        with _transport_errors(what):
-            async with self._respond("PATCH", url, data=body, headers=headers) as response:
-                data = await response.read()
-                status, response_headers = response.status, response.headers
+        # An urgent PATCH (a Lease's renewal) does not queue for a slot behind a pool's
+        # worth of deletes: it takes one of the connections kept outside them.
+        async with contextlib.nullcontext() if urgent else self._slots:
+            with _transport_errors(what):
+                async with self._respond("PATCH", url, data=body, headers=headers) as response:
+                    data = await response.read()
+                    status, response_headers = response.status, response.headers
         raise_for_status(status, response_headers, data, what)
 
     async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
