@@ -7,6 +7,13 @@
 #   SANDMAN_KUBE_KWOK_NODES  number of simulated (KWOK) nodes    (10)
 #   SANDMAN_KUBE_REAL_NODE   start the real node (kubelet+containerd), 1|0 (1)
 #   SANDMAN_KUBE_BIN         where hack/kube/build put the binaries (hack/kube/.bin)
+#   SANDMAN_KUBE_NODE_GRACE  how long a node may miss heartbeats before the
+#                            controller-manager calls it NotReady and marks its
+#                            pods not Ready (unset: Kubernetes' default, 50s). Benchmarks
+#                            that saturate the API server raise it (10m): KWOK's
+#                            heartbeats lapse then, and KWOK never makes a pod
+#                            Ready again, so a heartbeat late under load would
+#                            strand pods for good.
 #   SANDMAN_KUBE_CONTAINERD  the real node's runtime: "built" (containerd 2, from
 #                            hack/kube/build) or "debian" (Debian's containerd 1.6
 #                            package, if installed: only to compare)      (built)
@@ -41,6 +48,8 @@ KUBELET_HEALTHZ_PORT=${SANDMAN_KUBE_KUBELET_HEALTHZ_PORT:-10248}
 KWOK_PORT=${SANDMAN_KUBE_KWOK_PORT:-10249}
 KWOK_NODES=${SANDMAN_KUBE_KWOK_NODES:-10}
 REAL_NODE=${SANDMAN_KUBE_REAL_NODE:-1}
+NODE_GRACE=${SANDMAN_KUBE_NODE_GRACE:-}
+[[ -z $NODE_GRACE || $NODE_GRACE =~ ^[0-9]+(s|m|h)$ ]] || { echo "kube: SANDMAN_KUBE_NODE_GRACE must be a duration like 40s or 10m, not '$NODE_GRACE'" >&2; exit 1; }
 CONTAINERD=${SANDMAN_KUBE_CONTAINERD:-built}
 case $CONTAINERD in
 built) CONTAINERD_BIN=$BIN/containerd CTR=$BIN/ctr ;;

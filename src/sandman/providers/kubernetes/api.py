@@ -40,7 +40,15 @@ import aiohttp
 from sandman import errors
 from sandman.providers.kubernetes.credentials import Credentials
 
-__all__ = ["BadRequest", "Conflict", "Forbidden", "KubeAPI", "WatchExpired", "raise_for_status"]
+__all__ = [
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "KubeAPI",
+    "WatchExpired",
+    "raise_for_status",
+    "retry_after",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +84,8 @@ class WatchExpired(Exception):
     """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
-def _retry_after(headers: Mapping[str, str]) -> float | None:
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds a 429's ``Retry-After`` asks for; None when absent or not a number."""
     try:
         return max(0.0, float(headers["Retry-After"]))
     except (KeyError, ValueError):
@@ -98,7 +107,7 @@ def raise_for_status(status: int, headers: Mapping[str, str], body: bytes, what:
     reason = _message(body)
     message = f"{what}: {status} {reason}"
     if status == 429 or status >= 500:
-        raise errors.ThrottledError(message, retry_after=_retry_after(headers))
+        raise errors.ThrottledError(message, retry_after=retry_after(headers))
     # "status unknown": a quota the controller has not counted yet (just made, or lagging).
     if status == 403 and ("exceeded quota" in message or "status unknown for quota" in message):
         raise errors.CapacityError(message)
@@ -235,7 +244,7 @@ class KubeAPI:
                         status, headers = response.status, response.headers
             if status != 429 or not wait_throttled or attempt == _THROTTLED_RETRIES:
                 break
-            await asyncio.sleep(min(_retry_after(headers) or 1.0, _THROTTLED_WAIT_MAX))
+            await asyncio.sleep(min(retry_after(headers) or 1.0, _THROTTLED_WAIT_MAX))
         if missing_ok and status == 404:
             return {}
         raise_for_status(status, headers, data, what)
