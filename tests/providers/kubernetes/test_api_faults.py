@@ -230,6 +230,25 @@ async def test_a_429_is_waited_out_by_a_list_but_handed_to_the_pacer_by_a_create
         assert calls[3:] == ["POST"]
 
 
+async def test_a_relabel_is_a_merge_patch_that_waits_out_a_429() -> None:
+    """An acquire's relabel on a busy cluster waits as a list does (it failed the acquire
+    before), and is sent as a JSON merge patch, so that None removes a label."""
+    got: list[tuple[int, str, dict[str, Any]]] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        got.append((len(got), request.content_type, json.loads(await request.read())))
+        if len(got) == 1:
+            return web.json_response(
+                {"kind": "Status", "code": 429}, status=429, headers={"Retry-After": "0"}
+            )
+        return web.json_response({"kind": "Pod"})
+
+    async with loopback({"/api/v1/namespaces/ns/pods/{name}": handle}) as url, kube_api(url) as api:
+        await api.patch_pod_labels("sb-1", {"sandman.io/held": "yes", "gone": None})
+    patch = {"metadata": {"labels": {"sandman.io/held": "yes", "gone": None}}}
+    assert got == [(i, "application/merge-patch+json", patch) for i in (0, 1)]
+
+
 async def test_pod_pages_hand_over_one_page_at_a_time_with_the_lists_version() -> None:
     """A reconcile of 50,000 keeps SandboxInfos, never every pod object at once: each page
     reaches the caller before the next is asked for, and the continue token is followed."""

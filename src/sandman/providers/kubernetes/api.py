@@ -231,15 +231,24 @@ class KubeAPI:
         *,
         params: Mapping[str, str | int] | None = None,
         body: dict[str, Any] | None = None,
+        merge_patch: bool = False,
         missing_ok: bool = False,
         wait_throttled: bool = True,
+        urgent: bool = False,
     ) -> dict[str, Any]:
         """One API call; its JSON answer, or the Sandman error for its failure. With
-        ``wait_throttled``, a 429 is waited out (its Retry-After) a few times first."""
+        ``wait_throttled``, a 429 is waited out (its Retry-After) a few times first.
+        ``merge_patch`` sends ``body`` as a JSON merge patch. An ``urgent`` call (a
+        Lease's renewal) does not queue for a slot behind a pool's worth of deletes: it
+        takes one of the connections kept outside them."""
+        send: dict[str, Any] = {"json": body}
+        if merge_patch:
+            send = {"data": json.dumps(body).encode(),
+                    "headers": {"Content-Type": "application/merge-patch+json"}}  # fmt: skip
         for attempt in range(_THROTTLED_RETRIES + 1):
-            async with self._slots:
+            async with contextlib.nullcontext() if urgent else self._slots:
                 with _transport_errors(what):
-                    async with self._respond(method, url, params=params, json=body) as response:
+                    async with self._respond(method, url, params=params, **send) as response:
                         data = await response.read()
                         status, headers = response.status, response.headers
             if status != 429 or not wait_throttled or attempt == _THROTTLED_RETRIES:
@@ -267,7 +276,11 @@ class KubeAPI:
 
     async def patch_lease(self, name: str, patch: dict[str, Any]) -> None:
         """Merge ``patch`` into the Lease (one PATCH: its renewal); SandboxNotFound if gone."""
-        await self._merge_patch(f"{self._leases}/{name}", patch, f"renew lease {name}", urgent=True)
+        # A 429 is not waited out here: the keeper tries again within a second.
+        await self.request(
+            "PATCH", f"{self._leases}/{name}", f"renew lease {name}", body=patch,
+            merge_patch=True, wait_throttled=False, urgent=True,
+        )  # fmt: skip
 
     async def list_leases(self, selector: str) -> list[dict[str, Any]]:
         """Every Lease of the namespace matching the selector (consistent, paged: see
@@ -288,24 +301,11 @@ class KubeAPI:
             missing_ok=True,
         )  # fmt: skip
 
-    async def _merge_patch(
-        self, url: str, patch: dict[str, Any], what: str, *, urgent: bool = False
-    ) -> None:
-        body = json.dumps(patch).encode()
-        headers = {"Content-Type": "application/merge-patch+json"}
-        # An urgent PATCH (a Lease's renewal) does not queue for a slot behind a pool's
-        # worth of deletes: it takes one of the connections kept outside them.
-        async with contextlib.nullcontext() if urgent else self._slots:
-            with _transport_errors(what):
-                async with self._respond("PATCH", url, data=body, headers=headers) as response:
-                    data = await response.read()
-                    status, response_headers = response.status, response.headers
-        raise_for_status(status, response_headers, data, what)
-
     async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
         """Merge ``labels`` into the pod's (JSON merge patch: None removes a label)."""
         patch = {"metadata": {"labels": dict(labels)}}
-        await self._merge_patch(f"{self._pods}/{name}", patch, f"relabel pod {name}")
+        url, what = f"{self._pods}/{name}", f"relabel pod {name}"
+        await self.request("PATCH", url, what, body=patch, merge_patch=True)
 
     async def delete_pod(self, name: str) -> None:
         """Delete at once (grace 0); a missing pod is fine."""
