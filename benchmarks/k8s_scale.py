@@ -47,6 +47,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import secrets
 import shutil
 import statistics
@@ -257,7 +258,7 @@ async def via_pool(kubeconfig: Path, count: int, clients: int, hold: float) -> R
     pool = Pool(provider, PoolConfig(name=name, lease=30.0), hook=on_event)
     try:
         await pool.start()
-        sessions = [pool.open_session(lease=3600) for _ in range(clients)]
+        sessions = [pool.open_session(lease=7200) for _ in range(clients)]
         # Warm: the first acquire sets up connections, the watch and the pacer.
         warm = await pool.acquire(SPEC, session=sessions[0])
         pool.release(warm.id)
@@ -315,7 +316,7 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
         # The spec puts its pods on KWOK nodes: placement is the operator's to grant.
         "SANDMAN_DEFAULT_LIMITS": json.dumps({"pod_placement": True}),
         # A burst of thousands outlasts the default cap on one acquire's wait (600 s).
-        "SANDMAN_MAX_ACQUIRE_TIMEOUT": "3600",
+        "SANDMAN_MAX_ACQUIRE_TIMEOUT": "7200",
     }
     log_file = Path(tempfile.mkdtemp(prefix="k8s-scale-")) / "serve.log"
     with log_file.open("wb") as out:
@@ -338,21 +339,27 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
 
 
 class ServiceClient:
-    """One client of the service as a trainer's worker is: its own connections, a
-    session heartbeated every 5 s, acquires over HTTP. Raw HTTP: sandboxes on KWOK
-    nodes have no daemon, which the SDK's acquire requires."""
+    """One client of the service as a trainer's worker is: a session heartbeated every
+    5 s on a connection of its own, acquires over HTTP on at most ``connections`` at
+    once (the rest wait for one). Raw HTTP: sandboxes on KWOK nodes have no daemon,
+    which the SDK's acquire requires."""
 
-    def __init__(self, url: str, key: str, acquires: int) -> None:
-        # Room for every acquire it makes at once and its heartbeat; an idle connection
-        # is dropped before uvicorn's 5 s keep-alive ends it under a reused request.
-        limits = httpx.Limits(max_connections=acquires + 2, keepalive_expiry=2.0)
+    def __init__(self, url: str, key: str, connections: int) -> None:
+        # An idle connection is dropped before uvicorn's 5 s keep-alive ends it under a
+        # reused request.
         headers = {"Authorization": f"Bearer {key}"}
+        limits = httpx.Limits(max_connections=connections, keepalive_expiry=2.0)
         self.http = httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=120)
+        # Never behind a full pool of acquires: a session not heartbeated for its lease
+        # (60 s) is closed, and its sandboxes with it.
+        self.control = httpx.AsyncClient(
+            base_url=url, headers=headers, limits=httpx.Limits(max_connections=2), timeout=30
+        )
         self.session = ""
         self._beats: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        response = await self.http.post("/v1/sessions", json={"lease_seconds": 60})
+        response = await self.control.post("/v1/sessions", json={"lease_seconds": 60})
         response.raise_for_status()
         self.session = response.json()["id"]
         self._beats = asyncio.create_task(self._beat())
@@ -361,12 +368,13 @@ class ServiceClient:
         while True:
             await asyncio.sleep(5)
             with contextlib.suppress(httpx.HTTPError):
-                await self.http.post(f"/v1/sessions/{self.session}/heartbeat")
+                await self.control.post(f"/v1/sessions/{self.session}/heartbeat")
 
     async def acquire(self) -> str:
-        body = {"spec": SPEC.model_dump(mode="json"), "session": self.session, "timeout": 3600}
+        body = {"spec": SPEC.model_dump(mode="json"), "session": self.session, "timeout": 7200}
         try:
-            response = await self.http.post("/v1/sandboxes", json=body, timeout=3700)
+            # The wait for a free connection counts too: 7300 s covers it.
+            response = await self.http.post("/v1/sandboxes", json=body, timeout=7300)
         except httpx.HTTPError as exc:
             raise errors.ProviderError(f"acquire: {exc!r}") from exc
         if response.status_code != 201:
@@ -377,9 +385,30 @@ class ServiceClient:
         if self._beats is not None:
             self._beats.cancel()
         if self.session:
-            await self.http.delete(f"/v1/sessions/{self.session}")
+            await self.control.delete(f"/v1/sessions/{self.session}")
             self.session = ""
         await self.http.aclose()
+        await self.control.aclose()
+
+
+def connections_each(count: int, clients: int) -> int:
+    """Acquire connections per client: one per acquire, within the open-files limit.
+    50,000 at once would need 50,000 sockets here and in the service (and as many of
+    loopback's 28,000 ephemeral ports); the rest of a client's acquires wait their
+    turn, which keeps thousands waiting in the service, more than its pacer needs."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    budget = max(clients, soft - 4000, soft // 2)  # the service's and the provider's own
+    return max(1, min(-(-count // clients), budget // clients))
+
+
+async def any_left(provider: KubernetesProvider, run: str) -> bool:
+    """Whether a pod of the run is left: one page of one, not a list of 50,000 every
+    second while they are being deleted (that slowed the deletes down)."""
+    pages = provider.api.pod_pages(f"{RUN_LABEL}={run}", page=1)
+    async with contextlib.aclosing(pages):
+        async for chunk, _ in pages:
+            return bool(chunk)
+    return False
 
 
 async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -> Run:
@@ -388,8 +417,9 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
     provider = KubernetesProvider(config_for(kubeconfig, name))  # to list and count
     try:
         async with service(kubeconfig, name) as (url, key, pid):
-            share = -(-count // clients)
-            sessions = [ServiceClient(url, key, share) for _ in range(clients)]
+            each = connections_each(count, clients)
+            log(f"  service: {clients} clients, at most {each} acquires in flight each")
+            sessions = [ServiceClient(url, key, each) for _ in range(clients)]
             try:
                 await asyncio.gather(*(client.open() for client in sessions))
                 await sessions[0].acquire()  # warm; released with its session
@@ -413,7 +443,7 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
                 started = time.monotonic()
                 await asyncio.gather(*(client.close() for client in sessions))
                 async with asyncio.timeout(1800):
-                    while await provider.list(labels=labels):  # noqa: ASYNC110 - the API's list
+                    while await any_left(provider, name):  # noqa: ASYNC110 - the API's list
                         await asyncio.sleep(1)
                 run.t_release = time.monotonic() - started
             finally:

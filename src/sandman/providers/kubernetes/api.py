@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -328,7 +328,7 @@ class KubeAPI:
 
     async def pod_pages(
         self, selector: str, *, page: int = _PAGE
-    ) -> AsyncIterator[tuple[list[dict[str, Any]], str]]:
+    ) -> AsyncGenerator[tuple[list[dict[str, Any]], str], None]:
         """The pods matching the label selector, ``page`` at a time, each page with the
         list's resourceVersion: a caller that keeps less than the pod (a reconcile
         of 50,000) never holds every pod object at once (see `_pages`)."""
