@@ -50,6 +50,7 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -341,8 +342,10 @@ async def service(kubeconfig: Path, run: str) -> AsyncIterator[tuple[str, str, i
 class ServiceClient:
     """One client of the service as a trainer's worker is: a session heartbeated every
     5 s on a connection of its own, acquires over HTTP on at most ``connections`` at
-    once (the rest wait for one). Raw HTTP: sandboxes on KWOK nodes have no daemon,
-    which the SDK's acquire requires."""
+    once (the rest wait their turn here: httpcore's pool looks through every waiting
+    request for each connection it frees, which at 780 waiting per client took a core
+    and sent nothing). Raw HTTP: sandboxes on KWOK nodes have no daemon, which the
+    SDK's acquire requires."""
 
     def __init__(self, url: str, key: str, connections: int) -> None:
         # An idle connection is dropped before uvicorn's 5 s keep-alive ends it under a
@@ -355,6 +358,7 @@ class ServiceClient:
         self.control = httpx.AsyncClient(
             base_url=url, headers=headers, limits=httpx.Limits(max_connections=2), timeout=30
         )
+        self._turns = asyncio.Semaphore(connections)
         self.session = ""
         self._beats: asyncio.Task[None] | None = None
 
@@ -373,8 +377,8 @@ class ServiceClient:
     async def acquire(self) -> str:
         body = {"spec": SPEC.model_dump(mode="json"), "session": self.session, "timeout": 7200}
         try:
-            # The wait for a free connection counts too: 7300 s covers it.
-            response = await self.http.post("/v1/sandboxes", json=body, timeout=7300)
+            async with self._turns:
+                response = await self.http.post("/v1/sandboxes", json=body, timeout=7300)
         except httpx.HTTPError as exc:
             raise errors.ProviderError(f"acquire: {exc!r}") from exc
         if response.status_code != 201:
@@ -496,8 +500,17 @@ def main() -> int:
         parser.error("--sandboxes, --clients and --service-clients must be >= 1, --hold >= 0")
     if args.kubeconfig is None:
         parser.error("needs a cluster: --kubeconfig or KUBECONFIG (hack/kube/up starts one)")
-    print(asyncio.run(benchmark(args)))
+    signal.signal(signal.SIGTERM, interrupted)  # the clean-up runs then too
+    try:
+        print(asyncio.run(benchmark(args)))
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc or 'SIGINT'}): cleaned up")
+        return 130
     return 0
+
+
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":
