@@ -102,8 +102,9 @@ class Run:
     def fail(self, exc: BaseException) -> None:
         self.failures += 1
         kind = type(exc).__name__
-        if kind not in self.errors:
-            log(f"  {self.via}: first {kind}: {exc}")
+        if kind not in self.errors or self.errors[kind] < 5:
+            cause = f" (from {exc.__cause__!r})" if exc.__cause__ else ""
+            log(f"  {self.via}: {time.strftime('%H:%M:%S')} {kind}: {exc}{cause}")
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
     def say(self, line: str) -> None:

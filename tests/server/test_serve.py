@@ -144,6 +144,35 @@ async def test_serve_then_sigterm_releases_everything(host: Host) -> None:
     assert await watchdogs_of(pool) == []
 
 
+async def test_an_idle_keep_alive_connection_outlives_a_clients_expiry(host: Host) -> None:
+    """A client that keeps a connection idle for its keep-alive expiry (httpx: 5 s) and
+    then reuses it gets an answer, not a reset: with uvicorn's own 5 s the two raced,
+    and the server closed the connection as the request arrived."""
+    pool = f"serve-test-{uuid.uuid4().hex[:8]}"
+    with served(host, free_port(), pool) as server:
+        await server.wait_healthy()
+        port = int(server.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"GET /v1/health HTTP/1.1\r\nHost: sandman\r\n\r\n"
+        try:
+            for idle in (0.0, 6.0):
+                await asyncio.sleep(idle)  # the idle time under test, not a wait
+                writer.write(request)
+                await writer.drain()
+                async with asyncio.timeout(10):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 200"), head
+                    length = next(
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    )
+                    await reader.readexactly(length)
+        finally:
+            writer.close()
+        assert await server.terminate() == 0, server.output()
+
+
 async def test_leave_on_shutdown_and_the_next_instance_adopts(host: Host) -> None:
     pool = f"serve-test-{uuid.uuid4().hex[:8]}"
     port = free_port()

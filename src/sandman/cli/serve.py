@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 
 PROVIDERS = ("local", "kubernetes")
 _LISTEN_BACKLOG = 65535
+# Longer than any client's idle expiry (httpx: 5 s, uvicorn's own default, so the two
+# raced: a request sent on a connection the server was closing got a reset) and than a
+# pause of the service's loop under load, after which every connection idle since
+# before it was closed at once. Load balancers keep 60 s.
+_KEEP_ALIVE = 75
 
 
 def make_provider(ctx: click.Context, name: str) -> Provider:
@@ -190,6 +195,7 @@ async def _serve(
         # of clients' connections arrive at once and overflowed uvicorn's 2048 (the
         # kernel caps the queue at net.core.somaxconn: raise that for bigger bursts).
         backlog=_LISTEN_BACKLOG,
+        timeout_keep_alive=_KEEP_ALIVE,
         # uvicorn waits this long for open requests (acquires) before the lifespan's
         # shutdown, which then gives what is still in flight its own grace.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace)),
