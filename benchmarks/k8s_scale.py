@@ -36,7 +36,9 @@ Last line: ``held=<n>/<N> t_all=<s> failures=<n> mib_per_1k=<x> leftover=<n>``
 At 50,000 (``--via pool``) the harness needed no flag beyond its own (etcd's
 ``--quota-backend-bytes`` is 8 GiB there; ``--max-requests-inflight`` stayed at
 its default, with no 429): the API server grew to about 5 GiB RSS, etcd to
-about 1.8 GiB, and KWOK's 191 added nodes kept up at about 23 pods/s.
+about 1.8 GiB, and KWOK's 191 added nodes kept up at about 23 pods/s. Through the
+service (``--via service``, 64 clients of at most 250 acquires in flight each) the
+same 50,000 were held in 2,447 s with no failure and released in 365 s, none left.
 """
 
 from __future__ import annotations
