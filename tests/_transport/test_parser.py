@@ -188,6 +188,18 @@ class Message:
 
 
 TOKEN = st.from_regex(r"\AX-[A-Za-z0-9-]{1,12}\Z")
+
+
+TOKEN_BYTES = {
+    bytes([c]) for c in b"!#$%&'*+-.^_`|~0123456789" + bytes(range(65, 91)) + bytes(range(97, 123))
+}
+
+
+def not_a_trailer(pair: bytes) -> bool:
+    """Two bytes no trailer line (nor the empty line ending them) begins with."""
+    return pair != b"\r\n" and pair[:1] not in TOKEN_BYTES
+
+
 VALUE = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=20)
 REASON = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=16)
 OWS = st.sampled_from([b"", b" ", b"  ", b"\t"])
@@ -376,9 +388,14 @@ def test_a_malformed_answer_is_refused_when_it_arrives(
         index = data.draw(st.sampled_from(message.indices("size")))
         raw = message.replaced(index, data.draw(BAD_SIZES))
     elif flaw == "chunk-end":
-        index = data.draw(st.sampled_from(message.indices("chunk-end") or message.indices("end")))
-        raw = message.replaced(index, data.draw(st.binary(min_size=2, max_size=2)).replace(
-            b"\r\n", b"\r\r"))  # fmt: skip
+        ends = message.indices("chunk-end")
+        if ends:  # any two bytes but CRLF after a chunk's data
+            index = data.draw(st.sampled_from(ends))
+            bad = data.draw(st.binary(min_size=2, max_size=2)).replace(b"\r\n", b"\r\r")
+        else:  # after the last chunk: two bytes that cannot begin a trailer line either
+            index = message.indices("end")[0]
+            bad = data.draw(st.binary(min_size=2, max_size=2).filter(not_a_trailer))
+        raw = message.replaced(index, bad)
     else:
         line = next(i for i in message.indices("header")
                     if message.parts[i][1][:15].lower() == b"content-length:")  # fmt: skip

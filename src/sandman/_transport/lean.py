@@ -34,6 +34,11 @@ _MAX_HEAD = 64 * 1024
 # A chunk size fits in 64 bits; more digits is an overflow, not a large chunk.
 _CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?", re.DOTALL)
 _STATUS_LINE = re.compile(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: |\Z)")
+# A trailer line is a header field (RFC 9110 token ":" value); a partial one must be
+# able to become one, so that a malformed tail is refused as it arrives.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_TRAILER_LINE = re.compile(_TOKEN + rb"+:[\t\x20-\x7e\x80-\xff]*")
+_TRAILER_PREFIX = re.compile(rb"\r|" + _TOKEN + rb"*|" + _TOKEN + rb"+:[\t\x20-\x7e\x80-\xff]*\r?")
 _MAX_LENGTH_DIGITS = 18  # Content-Length below 10**18
 # Unread body bytes a connection buffers before it stops reading the socket
 # (back-pressure for large downloads read slowly).
@@ -171,6 +176,8 @@ class _Connection(asyncio.Protocol):
                 if stop < 0:
                     if end - pos > _MAX_HEAD:
                         raise ValueError("chunk line too long")
+                    if state == _TRAILER and not _TRAILER_PREFIX.fullmatch(data, pos, end):
+                        raise ValueError(f"malformed trailer {data[pos : pos + 40]!r}")
                     self._rest = data[pos:]
                     return progressed
                 line = data[pos:stop]
@@ -179,6 +186,8 @@ class _Connection(asyncio.Protocol):
                     if not line:  # sandmand sends no trailers; others are skipped
                         self._state = _DONE
                         progressed = True
+                    elif not _TRAILER_LINE.fullmatch(line):
+                        raise ValueError(f"malformed trailer {line[:40]!r}")
                     continue
                 match = _CHUNK_SIZE_LINE.fullmatch(line)
                 if match is None:
