@@ -37,8 +37,9 @@ _STATUS_LINE = re.compile(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: |\Z)")
 # A trailer line is a header field (RFC 9110 token ":" value); a partial one must be
 # able to become one, so that a malformed tail is refused as it arrives.
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
-_TRAILER_LINE = re.compile(_TOKEN + rb"+:[\t\x20-\x7e\x80-\xff]*")
-_TRAILER_PREFIX = re.compile(rb"\r|" + _TOKEN + rb"*|" + _TOKEN + rb"+:[\t\x20-\x7e\x80-\xff]*\r?")
+_FIELD = _TOKEN + rb"+:[\t\x20-\x7e\x80-\xff]*"
+_TRAILER_LINE = re.compile(_FIELD)
+_TRAILER_PREFIX = re.compile(rb"\r|" + _TOKEN + rb"*|" + _FIELD + rb"\r?")
 _MAX_LENGTH_DIGITS = 18  # Content-Length below 10**18
 # Unread body bytes a connection buffers before it stops reading the socket
 # (back-pressure for large downloads read slowly).
