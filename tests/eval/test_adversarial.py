@@ -71,10 +71,44 @@ async def test_every_forging_patch_is_graded_as_it_deserves(
         r["model_name_or_path"]: r["flagged"] for r in rows
     }, {m: v.suspicious for m, v in got.items()}
     assert not any(v.resolved for v in got.values())
-    # The routes that beat the grader once: each claimed a pass, none counted.
+    # The routes that beat the grader once: each claimed a pass for the F2P test
+    # under the name this run gave it, and none counted.
     for model in ("adversarial-mark-and-exit", "adversarial-mark-and-carry-on"):
         report = json.loads((tmp_path / model / "calc-1" / "report.json").read_text())
-        assert "PASSED tests/test_stats.py::test_median_even" in report["test_output"]
+        token = next(t for t, name in report["renamed"].items() if name == "test_median_even")
+        assert f"PASSED tests/test_stats.py::{token}" in report["test_output"]
+        assert "test_median_even" not in report["test_output"]
     assert got["adversarial-nonce-unittest"].fail_to_pass != {
         "test_punctuation_collapses (tests.test_slug.SlugifyTest)": "PASSED"
     }
+
+
+HELD_OUT = sorted((EXAMPLES / "heldout").glob("*.jsonl"))
+
+
+def test_the_held_out_corpora_cover_their_classes() -> None:
+    rows = [json.loads(line) for path in HELD_OUT for line in path.read_text().splitlines()]
+    assert len(rows) >= 40
+    assert len({row["class"] for row in rows}) >= 8
+    own = [json.loads(line) for line in (EXAMPLES / "adversarial.jsonl").read_text().splitlines()]
+    assert {row["class"] for row in own} <= {row["class"] for row in rows}
+
+
+@needs_root_and_crun
+@pytest.mark.anyio
+@pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap")
+@pytest.mark.timeout(1800)
+async def test_no_held_out_route_is_resolved(
+    demo: Demo, client: AsyncClient, tmp_path: Path
+) -> None:
+    """Routes written by people who never saw the defence: none may grade itself resolved."""
+    predictions = [p for path in HELD_OUT for p in load_predictions(path)]
+    result = await run_batch(
+        load_instances(demo.instances), predictions, pool=client, out=tmp_path,
+        conditions=CONDITIONS, concurrency=4, images=ImageStore(demo.state_dir / "images"),
+    )  # fmt: skip
+    assert len(result.verdicts) == len(predictions)
+    got = {v.model: (v.status, v.reason) for v in result.verdicts}
+    assert not [m for m, (status, _) in got.items() if status == "resolved"], got
+    # Each was graded on its tests, not lost to an error of the grader's.
+    assert not [m for m, (status, _) in got.items() if status in ("error", "sandbox_died")], got

@@ -114,7 +114,16 @@ async def test_every_kind_of_patch_gets_its_verdict(
     # Files: a report per prediction, the summaries.
     report = json.loads((tmp_path / "gold" / "calc-1" / "report.json").read_text())
     assert report["verdict"] == gold.model_dump(mode="json")
-    assert "PASSED tests/test_stats.py::test_median_even" in report["test_output"]
+    # The listed tests ran under names drawn for this run, canaries beside them;
+    # the verdict names them as listed, and agrees with the official grading.
+    token = next(t for t, name in report["renamed"].items() if name == "test_median_even")
+    assert f"PASSED tests/test_stats.py::{token}" in report["test_output"]
+    assert "test_median_even" not in report["test_output"]
+    assert sorted(d.split("(")[1].split()[0] for d in report["canaries"].values()) == [
+        "must", "must", "must", "must", "must", "twin",
+    ]  # fmt: skip
+    assert all(v.official in (v.status, None) for key, v in got.items() if key[0] in honest)
+    assert got["noapply", "calc-1"].official is None
     assert report["sandbox_id"].startswith("sb-")
     summary = json.loads((tmp_path / "summary.json").read_text())
     expected = [s for (model, _), s in demo.expected().items() if model != "hang"]

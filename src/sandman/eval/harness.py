@@ -4,15 +4,22 @@ The steps, each a command in the sandbox (never in the agent's):
 
 1. check out ``base_commit``;
 2. apply the patch with ``git apply``, else ``git apply --3way``, else
-   ``patch --fuzz``, setting the tree back between tries;
-3. set back the protected paths the patch changed (`is_protected`: the test
-   patch's files and the test directories holding them, pytest's
-   configuration files, ``conftest.py``, ``sitecustomize.py``, package
-   metadata, the instance's own globs) and every file the image held that
-   git does not track (build output, ``pip install -e`` metadata), then
-   check out the test files at ``base_commit`` and apply the test patch;
-4. run the test command under the wall-clock limit, between start and end
-   markers that carry a random nonce, and parse what is between them.
+   ``patch --fuzz`` run on an export of the tree (no ``.git``, nothing
+   outside it) whose result is applied with ``git apply`` again, setting the
+   tree back between tries; binary hunks are refused unless the instance
+   allows them;
+3. set back the protected paths the patch changed (`is_protected`: whatever
+   the test framework reads before it runs a test) and every file the image
+   held that git does not track (build output, ``pip install -e``
+   metadata), then check out the test files at ``base_commit`` and apply the
+   test patch;
+4. run ``pre_test`` (every command must succeed), then set back again what
+   it changed of the protected paths;
+5. rename the listed tests and plant canaries beside them
+   (`sandman.eval.canaries`), write the witness under a fresh random name,
+   run the test command under the wall-clock limit, and grade: the
+   canaries must end as planted, and XFAIL or SKIPPED counts only where the
+   test's own source declares it.
 
 A run cut short is reported as what cut it short (``timeout``, ``oom``,
 ``sandbox_died``), never as failed tests, and nothing is retried. An OOM kill
@@ -38,6 +45,7 @@ from typing import Literal
 
 from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
+from sandman.eval import canaries
 from sandman.eval.conditions import Conditions
 from sandman.eval.evidence import Witnessed, audit_patch, read_witness, witness_log
 from sandman.eval.instances import Instance
@@ -58,21 +66,28 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROTECTED = (
-    "conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-    "sitecustomize.py", "usercustomize.py",
+    "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
+    "setup.cfg", "pyproject.toml", ".gitattributes",
 )  # fmt: skip
 """File names a model patch may not add or change anywhere in the repository.
 
 pytest reads its configuration (``addopts``, ``-p`` plugins, warning filters)
 from all of the ``.ini``, ``.cfg`` and ``.toml`` ones; the test run never
 reinstalls the package, so their other contents cannot matter to it.
+``.gitattributes`` decides how the grader's own checkouts write files.
 """
-# Directories of package metadata: an entry point in one on sys.path (the
-# repository root is) makes pytest load a plugin by itself.
+# Package metadata (an entry point in one on sys.path, as the repository root
+# is, makes pytest load a plugin by itself; importlib.metadata matches its
+# names without regard to case), startup hooks and bytecode: what the
+# interpreter or the framework reads before any test runs.
 _METADATA_DIRS = (".dist-info", ".egg-info")
+_STARTUP_MODULES = ("sitecustomize", "usercustomize")
+_BYTECODE = (".pyc", ".pyo")
+_STARTUP_SUFFIXES = (".pth", ".egg-link")
 
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 _WITNESS_CONFIG = "sandman-witness.json"  # the name witness.start reads
+_BINARY_HUNK = re.compile(r"^(?:GIT binary patch|Binary files .* differ)$", re.MULTILINE)
 _PASS_WORDS = frozenset({"PASSED", "XFAIL"})
 _ENV_MARK = "sandman-pre-test-environment"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -98,19 +113,23 @@ _FRAMEWORK_PATHS: dict[str, tuple[str, ...]] = {
     "django": ("/unittest/", "/django/test/"),
     "sympy": ("/sympy/testing/", "/sympy/utilities/runtests"),
 }  # fmt: skip
+# Outcomes a family's log parser never names (SWE-bench's Django parser has no
+# expected failures; seaborn's ignores skipped tests): no canary of that kind.
+_UNSEEN: dict[str, tuple[canaries.Kind, ...]] = {"django": ("xfail",), "seaborn": ("skip",)}
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
 _GIT = ("git", "-c", "safe.directory=*", "-c", "core.quotepath=off",
         "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")  # fmt: skip
+# Every header a patch program reads a path from (GNU patch also takes Index:,
+# Prereq-less context diffs' *** and ---, and git's rename/copy lines).
 _PATCH_PATH = re.compile(
-    r"^(?:diff --git a/(\S+) b/(\S+)|(?:---|\+\+\+) (?:[ab]/)?(\S+))", re.MULTILINE
+    r"^(?:diff --git a/(\S+) b/(\S+)|(?:---|\+\+\+|\*\*\*) (?:[ab]/)?(\S+)"
+    r"|Index: (?:[ab]/)?(\S+)|(?:rename|copy) (?:from|to) (\S+))",
+    re.MULTILINE,
 )
-_APPLY: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("git apply", (*_GIT, "apply", "--verbose")),
-    ("git apply --3way", (*_GIT, "apply", "--verbose", "--3way")),
-    ("patch --fuzz", ("patch", "--batch", "--fuzz=5", "-p1", "--no-backup-if-mismatch", "-i")),
-)
+_GIT_APPLY = (*_GIT, "apply", "--verbose")
+_FUZZ = ("patch", "--batch", "--fuzz=5", "-p1", "--no-backup-if-mismatch", "-i")
 _TEST_DIRS = frozenset({"test", "tests", "testing"})
 _KILLED = 128 + 9  # what a shell reports for a child killed by SIGKILL
 # The sandbox's cgroup as it sees it (read-only): v2, then v1. Kernel-kept, so
@@ -137,19 +156,31 @@ async def pin_image(image: str, images: ImageStore | None) -> tuple[str, str | N
     return image, None
 
 
-def is_protected(instance: Instance, path: str) -> bool:
+def is_protected(instance: Instance, path: str, listed_files: frozenset[str] = frozenset()) -> bool:
     """Whether a model patch's change to ``path`` is set back before the tests run.
 
-    Protected: the test patch's files; everything under a test directory
-    (``test``, ``tests``, ``testing``, ``test_*``) holding one of them; the
-    `DEFAULT_PROTECTED` names anywhere; everything in a ``*.dist-info`` or
-    ``*.egg-info`` directory and ``*.pth`` files; the instance's ``protected``
-    globs.
+    Protected, stated as what the interpreter and the test framework read
+    before a test runs: the test patch's files and the files defining a listed
+    test (``listed_files``); everything under a test directory (``test``,
+    ``tests``, ``testing``, ``test_*``) holding one of them; the files the
+    test command names; the `DEFAULT_PROTECTED` names anywhere; package
+    metadata (``*.dist-info``, ``*.egg-info``, any case) and ``*.pth`` and
+    ``*.egg-link`` files; ``sitecustomize``/``usercustomize`` in any form (a
+    module, a package, an extension); bytecode (``__pycache__``, ``*.pyc``);
+    the instance's ``protected`` globs.
     """
     name = posixpath.basename(path)
-    if path in instance.test_files or name in DEFAULT_PROTECTED or name.endswith(".pth"):
+    parts = path.split("/")
+    folded = name.lower()
+    if path in instance.test_files or path in listed_files or name in DEFAULT_PROTECTED:
         return True
-    if any(part.endswith(_METADATA_DIRS) for part in path.split("/")[:-1]):
+    if folded.endswith(_STARTUP_SUFFIXES + _BYTECODE) or "__pycache__" in parts:
+        return True
+    if any(part.lower().endswith(_METADATA_DIRS) for part in parts[:-1]):
+        return True
+    if any(part.split(".")[0] in _STARTUP_MODULES for part in parts):
+        return True
+    if path in _named_files(instance):
         return True
     for test_file in instance.test_files:
         parts = test_file.split("/")[:-1]
@@ -160,6 +191,24 @@ def is_protected(instance: Instance, path: str) -> bool:
                     return True
                 break
     return any(fnmatch.fnmatchcase(path, glob) for glob in instance.protected)
+
+
+def _named_files(instance: Instance) -> set[str]:
+    """The repository files the test command and its directives name (``tests/runtests.py``)."""
+    try:
+        words = shlex.split(instance.test_cmd)
+    except ValueError:
+        words = instance.test_cmd.split()
+    return {
+        posixpath.normpath(w)
+        for w in [*words, *instance.directives]
+        if "/" in w or w.endswith(".py")
+    }
+
+
+def binary_hunks(patch: str) -> int:
+    """How many binary hunks (``GIT binary patch``, ``Binary files ... differ``) ``patch`` holds."""
+    return len(_BINARY_HUNK.findall(patch))
 
 
 def git_paths(patch: str) -> list[str]:
@@ -218,6 +267,10 @@ class _Evaluation:
         self._key = secrets.token_bytes(32)
         self._oom_kills: tuple[int | None, int | None] = (None, None)
         self._snapshotted = False
+        self._paths: set[str] = set()
+        self._listed_files: frozenset[str] = frozenset()
+        self.plan = canaries.Plan()
+        self.official: Status | None = None
 
     def report(
         self,
@@ -236,6 +289,7 @@ class _Evaluation:
             fail_to_pass=f2p or {},
             pass_to_pass=p2p or {},
             suspicious=self.suspicious,
+            official=self.official,
             image=self.instance.image,
             image_digest=self.digest,
             conditions=self.conditions,
@@ -251,6 +305,8 @@ class _Evaluation:
             test_exit_code=self.test_exit_code,
             test_output=self.test_output,
             patch=self.patch,
+            renamed=self.plan.renamed,
+            canaries={c.token: c.describe() for c in self.plan.canaries},
         )
 
     async def run(self, pool: AsyncClient, acquire_timeout: float) -> Report:
@@ -294,32 +350,12 @@ class _Evaluation:
         self.step = "checkout"
         await sb.write_file(f"{_WORK}/model.patch", self.patch)
         await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
-        mode = _WITNESS_MODES.get(self.instance.log_parser)
-        if mode is not None:
-            for name in (
-                f"{_WITNESS_MODULE}.py",
-                *(["sitecustomize.py"] if mode == "unittest" else []),
-            ):
-                await sb.write_file(f"{_WORK}/{name}", (_WITNESS_DIR / name).read_bytes())
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
         # Everything the tree holds before the patch, untracked and ignored files too.
         before = await self._snapshot(sb)
 
         self.step = "apply"
-        for method, argv in _APPLY:
-            result = await self._exec(sb, [*argv, f"{_WORK}/model.patch"])
-            self.attempts.append(
-                ApplyAttempt(method=method, exit_code=result.exit_code, output=_both(result))
-            )
-            if result.exit_code == 0:
-                self.applied_with = method
-                break
-            await self._reset(sb, before)
-        else:
-            raise _Abort(
-                "patch_failed",
-                "the patch applies neither with git apply, git apply --3way nor patch --fuzz",
-            )
+        await self._apply(sb, before)
 
         self.step = "protect"
         changed = await self._changed(sb, before)
@@ -332,11 +368,13 @@ class _Evaluation:
                 ).stdout
             )
         )
+        self._paths = tracked | set(self.instance.test_files)
+        self._listed_files = frozenset(t.path for t in self._targets())
         # A file the image held but git does not track is never the patch's to change.
         reverted = {
             path
             for path in changed
-            if is_protected(self.instance, path) or (path in before.paths and path not in tracked)
+            if self._protected(path) or (path in before.paths and path not in tracked)
         }
         # What now stands where a set-back file's directory was (a symlink to other
         # tests in place of tests/) goes too.
@@ -351,7 +389,7 @@ class _Evaluation:
             await self._must(
                 sb, [*_GIT, "checkout", base, "--", *tests_in_base], "check out the test files"
             )
-        applied = await self._exec(sb, [*_GIT, "apply", "--verbose", f"{_WORK}/test.patch"])
+        applied = await self._exec(sb, [*_GIT_APPLY, f"{_WORK}/test.patch"])
         if applied.exit_code != 0:
             raise _Abort("error", f"the test patch does not apply: {_both(applied).strip()}")
         self.durations["apply"] = round(time.monotonic() - begun, 3)
@@ -364,18 +402,102 @@ class _Evaluation:
             self.durations["tests"] = round(time.monotonic() - begun, 3)
         return self._judge(run)
 
+    async def _apply(self, sb: AsyncSandbox, before: _Snapshot) -> None:
+        """Apply the model patch with ``git apply`` alone (see the module's docstring)."""
+        if (hunks := binary_hunks(self.patch)) and not self.instance.allow_binary:
+            raise _Abort(
+                "patch_failed", f"the patch has {hunks} binary hunk(s); this task allows none"
+            )
+        patch = f"{_WORK}/model.patch"
+        for method, argv in (
+            ("git apply", [*_GIT_APPLY, patch]),
+            ("git apply --3way", [*_GIT_APPLY, "--3way", patch]),
+        ):
+            result = await self._exec(sb, argv)
+            self.attempts.append(
+                ApplyAttempt(method=method, exit_code=result.exit_code, output=_both(result))
+            )
+            if result.exit_code == 0:
+                self.applied_with = method
+                return
+            await self._reset(sb, before)
+        # patch --fuzz follows Index: lines and context-diff headers git never
+        # reads, and may write anywhere its paths lead: it runs on an export of
+        # the tracked tree (no .git in it), and git apply takes what it made.
+        fuzz, index = f"{_WORK}/fuzz", f"{_WORK}/fuzz.index"
+        export = (
+            f'rm -rf {fuzz} && mkdir -p {fuzz} && "$@" archive --format=tar '
+            f"{self.instance.base_commit} | tar -x -C {fuzz}"
+        )
+        await self._must(sb, ["sh", "-c", export, "sh", *_GIT], "export the tree")
+        result = await self._exec(sb, ["sh", "-c", f'cd {fuzz} && exec "$@"', "sh", *_FUZZ, patch])
+        self.attempts.append(
+            ApplyAttempt(method="patch --fuzz", exit_code=result.exit_code, output=_both(result))
+        )
+        if result.exit_code == 0:
+            env = {"GIT_INDEX_FILE": index}
+            work_tree = [*_GIT, f"--work-tree={fuzz}"]
+            await self._must(
+                sb, [*work_tree, "read-tree", self.instance.base_commit], "read the tree", env
+            )
+            await self._must(
+                sb, [*work_tree, "add", "-A", "-f", "--", "."], "take the fuzzed tree", env
+            )
+            diff = await self._must(
+                sb, [*work_tree, "diff", "--cached", "--binary", "--no-renames", self.instance.base_commit],
+                "diff the fuzzed tree", env,
+            )  # fmt: skip
+            await sb.write_file(f"{_WORK}/fuzzed.patch", diff.stdout)
+            await self._exec(sb, ["rm", "-rf", fuzz, index])
+            again = await self._exec(sb, [*_GIT_APPLY, f"{_WORK}/fuzzed.patch"])
+            if again.exit_code == 0 and diff.stdout.strip():
+                self.applied_with = "patch --fuzz"
+                return
+            self.attempts.append(
+                ApplyAttempt(
+                    method="patch --fuzz, then git apply",
+                    exit_code=again.exit_code,
+                    output=_both(again),
+                )
+            )
+            await self._reset(sb, before)
+        raise _Abort(
+            "patch_failed",
+            "the patch applies neither with git apply, git apply --3way nor patch --fuzz",
+        )
+
+    def _targets(self) -> list[canaries.Target]:
+        mode = _WITNESS_MODES.get(self.instance.log_parser)
+        if mode is None:
+            return []
+        tests = [*self.instance.FAIL_TO_PASS, *self.instance.PASS_TO_PASS]
+        return [t for t in (canaries.locate(i, mode, self._paths) for i in tests) if t is not None]
+
+    def _protected(self, path: str) -> bool:
+        return is_protected(self.instance, path, self._listed_files)
+
     async def _prepare_tests(self, sb: AsyncSandbox) -> dict[str, str] | None:
         """Run the instance's ``pre_test`` (conda activation, a reinstall) and return the
-        environment it leaves; then end every process it left behind.
+        environment it leaves; end every process it left behind; set back the
+        protected paths it changed.
 
-        Its own exec, before the witness's configuration exists: what it runs
-        (a reinstall runs the patch's build scripts) cannot read it, and
-        nothing it starts lives on into the test run.
+        Its own exec, before any file of the grader's (the witness, the
+        canaries) exists: what it runs (a reinstall runs the patch's build
+        scripts) finds none of them, and nothing it starts lives on into the
+        test run. Every command must succeed, not just the last.
         """
         if not self.instance.pre_test:
             return None
+        guarded = []
+        for number, command in enumerate(self.instance.pre_test, start=1):
+            guarded.append(
+                f"{command}\n_sm_status=$?; if [ $_sm_status -ne 0 ]; then echo "
+                f"'pre-test command {number} failed' >&2; exit $_sm_status; fi"
+            )
         # A separator no command prints, then the environment (values may span lines).
-        script = "\n".join(self.instance.pre_test) + f"\nprintf '\\0{_ENV_MARK}\\0'\nenv -0\n"
+        script = "\n".join(guarded) + f"\nprintf '\\0{_ENV_MARK}\\0'\nenv -0\n"
+        git_state = await self._git_state(sb)
+        prepared = await self._snapshot(sb)
         done = await sb.exec(
             script,
             cwd=self.instance.repo_path,
@@ -385,6 +507,17 @@ class _Evaluation:
         await self._exec(sb, ["sh", "-c", "kill -9 -1 2>/dev/null; true"])
         if done.exit_code != 0 or done.timed_out:
             raise _Abort("error", f"the pre-test commands failed: {_both(done)[-1000:].strip()}")
+        if await self._git_state(sb) != git_state:
+            raise _Abort(
+                "unresolved",
+                "the pre-test commands (the patch's build) changed the repository's git configuration",
+            )
+        again = [p for p in await self._changed(sb, prepared) if self._protected(p)]
+        if again:
+            self.suspicious.append(
+                f"the pre-test commands changed protected paths: {', '.join(again[:5])}"
+            )
+            await self._set_back(sb, prepared, again)
         env = {}
         for item in done.stdout.rpartition(f"\0{_ENV_MARK}\0")[2].split("\0"):
             key, sep, value = item.partition("=")
@@ -392,27 +525,69 @@ class _Evaluation:
                 env[key] = value
         return env
 
+    async def _git_state(self, sb: AsyncSandbox) -> str:
+        """What of ``.git`` decides how the grader's git commands behave (config, attributes, hooks)."""
+        show = 'cd "$("$@" rev-parse --git-dir)" && cat config info/* 2>/dev/null; ls -la hooks 2>/dev/null; true'
+        return (await self._exec(sb, ["sh", "-c", show, "sh", *_GIT])).stdout
+
+    async def _plant(self, sb: AsyncSandbox, mode: Literal["pytest", "unittest"]) -> None:
+        """Rename the listed tests and plant the canaries (`sandman.eval.canaries`)."""
+        targets = self._targets()
+        files = {}
+        for path in sorted({t.path for t in targets}):
+            with contextlib.suppress(errors.SandboxError):
+                data = await sb.read_file(posixpath.join(self.instance.repo_path, path))
+                files[path] = data.decode("utf-8", errors="surrogateescape")
+        conftests = {}
+        for path in sorted(p for p in self._paths if posixpath.basename(p) == "conftest.py"):
+            with contextlib.suppress(errors.SandboxError):
+                data = await sb.read_file(posixpath.join(self.instance.repo_path, path))
+                conftests[path] = data.decode("utf-8", errors="replace")
+        kinds = [k for k in canaries.KINDS if k not in _UNSEEN.get(self.instance.log_parser, ())]
+        self.plan = canaries.plan(
+            files, targets, self.instance.FAIL_TO_PASS, mode, conftests, kinds=kinds
+        )
+        for path, text in self.plan.sources.items():
+            await sb.write_file(
+                posixpath.join(self.instance.repo_path, path),
+                text.encode("utf-8", errors="surrogateescape"),
+            )
+
     async def _run_tests(self, sb: AsyncSandbox) -> ExecResult:
         env = await self._prepare_tests(sb)
         directives = " ".join(shlex.quote(d) for d in self.instance.directives)
         mode = _WITNESS_MODES.get(self.instance.log_parser)
+        # A fresh directory, named at random and made only now that pre_test is
+        # over: nothing of the grader's was on disk while the patch's build ran,
+        # and no module name the patch could shadow is known in advance.
+        work = f"{_WORK}/{secrets.token_hex(8)}"
         prelude = ""
         if mode is not None:
+            await self._plant(sb, mode)
+            module = f"_sm{secrets.token_hex(8)}"
+            await sb.write_file(
+                f"{work}/{module}.py", (_WITNESS_DIR / f"{_WITNESS_MODULE}.py").read_bytes()
+            )
+            if mode == "unittest":
+                site = (
+                    (_WITNESS_DIR / "sitecustomize.py").read_text().replace(_WITNESS_MODULE, module)
+                )
+                await sb.write_file(f"{work}/sitecustomize.py", site)
             # Read and deleted by the witness in the test runner's process before
             # any code under test runs: nothing secret is in an environment,
             # a command line or a file after that.
             config = {
-                "key": self._key.hex(), "mode": mode, "work": _WORK, "fd": 3,
+                "key": self._key.hex(), "mode": mode, "work": work, "fd": 3,
                 "argv_contains": list(_RUNNERS[self.instance.log_parser]),
                 "framework_paths": list(_FRAMEWORK_PATHS[self.instance.log_parser]),
                 "patch_files": [
                     posixpath.join(self.instance.repo_path, path) for path in self.patch_files
                 ],
             }  # fmt: skip
-            await sb.write_file(f"{_WORK}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
-            prelude = f"export PYTHONPATH={_WORK}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            await sb.write_file(f"{work}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
+            prelude = f"export PYTHONPATH={work}${{PYTHONPATH:+:$PYTHONPATH}}\n"
             if mode == "pytest":
-                directives = f"-p {_WITNESS_MODULE} {directives}"
+                directives = f"-p {module} {directives}"
         command = f"{prelude}{{ {self.instance.test_cmd} {directives}\n}} 3>&2 2>&1\n"
         before = await self._oom_kill_count(sb)
         try:
@@ -428,7 +603,7 @@ class _Evaluation:
             raise _Abort("timeout", self._timeout_reason()) from exc
         finally:
             with contextlib.suppress(errors.SandboxError):
-                await self._exec(sb, ["rm", "-f", f"{_WORK}/{_WITNESS_CONFIG}"])
+                await self._exec(sb, ["rm", "-f", f"{work}/{_WITNESS_CONFIG}"])
         self._oom_kills = (before, await self._oom_kill_count(sb))
         return result
 
@@ -460,15 +635,27 @@ class _Evaluation:
                 )
             # Killed by something else (the code under test can SIGKILL itself):
             # graded on what the framework reported; the tests it never did fail.
-        claimed = parse_log(self.instance.log_parser, result.stdout)
-        mode = _WITNESS_MODES.get(self.instance.log_parser)
+        parser = self.instance.log_parser
+        plan = self.plan
+        claimed, planted, forged = plan.translate(parse_log(parser, result.stdout))
+        # What SWE-bench's grading makes of the log alone (no witness, canary or
+        # declaration; the parser equals its own on honest logs: test_parity).
+        self.official = grade_tests(self.instance, claimed)[0]
+        mode = _WITNESS_MODES.get(parser)
         suspicious = audit_patch(
             self.patch,
             is_test_file=self._set_back_path,
-            framework_paths=_FRAMEWORK_PATHS.get(self.instance.log_parser, ()),
+            framework_paths=_FRAMEWORK_PATHS.get(parser, ()),
         )
         results = claimed
         strong: list[str] = []
+        if forged:
+            strong.append(
+                f"the output reports {len(forged)} result(s) under the listed names of tests "
+                f"this run had renamed (no such test ran): {', '.join(sorted(forged)[:3])}"
+            )
+        ran = plan.ran(result.stdout)
+        lies = plan.lies(planted, ran)
         if mode is not None:
             witnessed = read_witness(result.stderr, self._key)
             if not witnessed.started and not claimed:
@@ -478,13 +665,36 @@ class _Evaluation:
                     f"the test run (exit {result.exit_code}) reported no results and its "
                     f"framework never started: {tail}",
                 )
-            confirmed = parse_log(
-                self.instance.log_parser, witness_log(self.instance.log_parser, witnessed)
+            confirmed, planted_seen, _ = plan.translate(
+                parse_log(parser, witness_log(parser, witnessed))
             )
-            results, strong = _witnessed_results(claimed, confirmed, witnessed, result, mode)
-            suspicious += witnessed.audits + strong
+            results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
+            strong += found
+            if witnessed.started:
+                lies += [
+                    f"{lie} (by the framework's own report)"
+                    for lie in plan.lies(planted_seen, ran, log=False)
+                ]
+            suspicious += witnessed.audits
+        must_fail = [
+            c for c in plan.canaries if "PASSED" not in c.expected and "SKIPPED" not in c.expected
+        ]
+        if must_fail and ran and result.exit_code == 0:
+            strong.append("the test command exited 0 although the canaries planted to fail did")
+        results, undeclared = self._declared(results)
+        suspicious += strong + undeclared + [f"lie: {lie}" for lie in lies]
         self.suspicious = sorted(set(suspicious))
-        status, reason, f2p, p2p = grade_tests(self.instance, results, result.exit_code)
+        # The planted canaries fail by design: the exit status is theirs to explain.
+        exit_code = None if must_fail and ran else result.exit_code
+        status, reason, f2p, p2p = grade_tests(self.instance, results, exit_code)
+        if lies:
+            shown = "; ".join(lies[:3]) + (f"; and {len(lies) - 3} more" if len(lies) > 3 else "")
+            return self.report(
+                "unresolved",
+                f"the run's canaries lied ({status} by the tests alone): {shown}",
+                f2p,
+                p2p,
+            )
         if status == "resolved" and strong and self.conditions.audit == "strict":
             return self.report(
                 "unresolved",
@@ -495,8 +705,25 @@ class _Evaluation:
             )
         return self.report(status, reason, f2p, p2p)
 
+    def _declared(self, results: dict[str, TestStatus]) -> tuple[dict[str, TestStatus], list[str]]:
+        """XFAIL and SKIPPED kept only for tests whose own source declares them.
+
+        A test whose source was not found (its def not located) keeps them.
+        """
+        adjusted = dict(results)
+        notes = []
+        for name, declared in self.plan.declared.items():
+            status = adjusted.get(name)
+            for word, needs in (("XFAIL", "xfail"), ("SKIPPED", "skip")):
+                if status == word and needs not in declared:
+                    adjusted[name] = "FAILED"
+                    notes.append(
+                        f"{name} ended {word}, which its source does not declare: counted as failed"
+                    )
+        return adjusted, notes
+
     def _set_back_path(self, path: str) -> bool:
-        return path in self.reverted or is_protected(self.instance, path)
+        return path in self.reverted or self._protected(path)
 
     def _timeout_reason(self) -> str:
         return (
@@ -567,19 +794,24 @@ class _Evaluation:
         return sorted(_nul(diff.stdout))
 
     async def _set_back(self, sb: AsyncSandbox, before: _Snapshot, paths: Sequence[str]) -> None:
-        """Put ``paths`` back as they were in ``before``: restored, or removed if new."""
-        restore = [p for p in paths if p in before.paths]
-        remove = [p for p in paths if p not in before.paths]
-        if remove:
-            await self._must(sb, ["rm", "-f", "--", *remove], "remove files")
-        if restore:
-            # Through an index of its own: the repository's must not learn of untracked files.
-            await self._must(
-                sb,
-                [*_GIT, "checkout", before.tree, "--", *restore],
-                "restore files",
-                {"GIT_INDEX_FILE": f"{_WORK}/restore.index"},
-            )
+        """Put ``paths`` back as they were in ``before``: restored, or removed if new.
+
+        ``.gitattributes`` files first: they decide how git writes the rest.
+        """
+        first = [p for p in paths if posixpath.basename(p) == ".gitattributes"]
+        for group in (first, [p for p in paths if p not in first]):
+            restore = [p for p in group if p in before.paths]
+            remove = [p for p in group if p not in before.paths]
+            if remove:
+                await self._must(sb, ["rm", "-f", "--", *remove], "remove files")
+            if restore:
+                # Through an index of its own: the repository's must not learn of untracked files.
+                await self._must(
+                    sb,
+                    [*_GIT, "checkout", before.tree, "--", *restore],
+                    "restore files",
+                    {"GIT_INDEX_FILE": f"{_WORK}/restore.index"},
+                )
 
     async def _reset(self, sb: AsyncSandbox, before: _Snapshot) -> None:
         """The tree as it was before the patch, after a try that failed (maybe halfway)."""
@@ -587,6 +819,9 @@ class _Evaluation:
             sb, [*_GIT, "reset", "-q", "--hard", self.instance.base_commit], "reset the tree"
         )
         await self._set_back(sb, before, await self._changed(sb, before))
+
+
+_BENIGN_AUDITS = ("started a process", "forked the test process")
 
 
 def _witnessed_results(
@@ -599,7 +834,9 @@ def _witnessed_results(
     """The results to grade: the log's, each pass confirmed by the framework's own
     report (``confirmed``: the witness's records, named by the same parser); and
     what the run did that only a forger does (what strict auditing grades unresolved)."""
-    suspicious = list(witnessed.attributed)
+    # Starting a process or forking is what honest code does too (subprocess,
+    # multiprocessing): listed, never strong.
+    suspicious = [a for a in witnessed.attributed if not any(w in a for w in _BENIGN_AUDITS)]
     results: dict[str, TestStatus] = {}
     unconfirmed = []
     for name, status in claimed.items():

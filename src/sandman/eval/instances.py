@@ -114,6 +114,9 @@ class Instance(BaseModel):
     log_parser: Annotated[LogParser, BeforeValidator(_parser_name)] = "pytest"
     protected: list[str] = []
     """More globs (repository-relative) the model patch may not change, besides the defaults."""
+    allow_binary: bool = False
+    """Whether a model patch may carry binary hunks (refused by default: nothing
+    a source fix needs, and a ``.pyc`` or archive is code no reviewer reads)."""
     repo: str = ""
     version: Annotated[str, BeforeValidator(_version)] = ""
     problem_statement: str = ""

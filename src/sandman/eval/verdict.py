@@ -34,8 +34,10 @@ __all__ = [
 # 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
 # the cgroup counter, no summary but pytest's, unittest's FAIL/ERROR headers overrule;
 # 4: no markers, a pass needs the witness's signed word, the audit (``suspicious``);
-# SWE-bench's test names and grading (skipped PASS_TO_PASS kept, truncated ids).
-HARNESS_VERSION = "4"
+# SWE-bench's test names and grading (skipped PASS_TO_PASS kept, truncated ids);
+# 5: tests renamed, canaries, XFAIL/SKIPPED only where declared, git apply alone,
+# the grader's files only after pre_test, ``official`` beside ``status``.
+HARNESS_VERSION = "5"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
 Status = Literal[
@@ -83,6 +85,10 @@ class Verdict(BaseModel):
     its own grade does (ending the test process early, reaching into the
     test framework, other processes' descriptors, the grader's files...);
     with ``Conditions(audit="strict")`` such a run is never ``resolved``.
+    ``official`` is what the official SWE-bench grading makes of the same
+    run's log (None when the tests did not run to the end); where it differs
+    from ``status``, the reason says why (a canary that lied, an XFAIL the
+    test's source does not declare).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -96,6 +102,7 @@ class Verdict(BaseModel):
     fail_to_pass: dict[str, TestStatus] = {}
     pass_to_pass: dict[str, TestStatus] = {}
     suspicious: list[str] = []
+    official: Status | None = None
     image: str
     image_digest: str | None
     conditions: Conditions
@@ -142,6 +149,12 @@ class Report(BaseModel):
     test_output: str = ""
     """The test run's output (stdout and stderr as one stream)."""
     patch: str = ""
+    renamed: dict[str, str] = {}
+    """The names this run gave the listed tests (token -> the function's listed
+    name): ``test_output`` holds the tokens; replace them to read it by the
+    listed names (the verdict's results already are)."""
+    canaries: dict[str, str] = {}
+    """The canaries planted for this run: token -> what it was planted to do."""
 
 
 def inputs_hash(instance: Instance, patch: str, conditions: Conditions, digest: str | None) -> str:
