@@ -92,8 +92,8 @@ class Canary:
     file and line only); the framework's own report must still."""
 
     def describe(self) -> str:
-        what = f"twin of {self.of}" if self.kind == "twin" else f"must {self.kind}"
-        return f"canary {self.token} ({what})"
+        """What it is, without its token (verdicts hold only what the inputs decide)."""
+        return f"the twin of {self.of}" if self.kind == "twin" else f"the must-{self.kind} canary"
 
 
 @dataclass
@@ -148,6 +148,15 @@ class Plan:
                 return True
         return False
 
+    def scrub(self, text: str) -> str:
+        """``text`` with this run's tokens replaced: a renamed test's by its listed
+        name, a canary's by what it is."""
+        for canary in self.canaries:
+            text = text.replace(canary.token, f"<{canary.describe()}>")
+        for tok, original in self.renamed.items():
+            text = text.replace(tok, original)
+        return text
+
     def ran(self, log: str) -> bool:
         """Whether ``log`` reports any renamed test (so the rewritten files ran)."""
         return any(tok in log for tok in self.renamed)
@@ -167,7 +176,7 @@ class Plan:
             if status not in canary.expected:
                 want = "/".join(sorted(canary.expected))
                 lies.append(
-                    f"{canary.describe()} in {canary.path}: {status}, planted to end {want}"
+                    f"{canary.describe()} in {canary.path} ended {status}, planted to end {want}"
                 )
         return lies
 

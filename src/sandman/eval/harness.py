@@ -271,6 +271,7 @@ class _Evaluation:
         self._listed_files: frozenset[str] = frozenset()
         self.plan = canaries.Plan()
         self.official: Status | None = None
+        self._work = _WORK
 
     def report(
         self,
@@ -279,16 +280,21 @@ class _Evaluation:
         f2p: dict[str, TestStatus] | None = None,
         p2p: dict[str, TestStatus] | None = None,
     ) -> Report:
+        # Tokens and the run's directory are drawn at random; a verdict holds only
+        # what its inputs decide (the report keeps them).
+        def scrub(text: str) -> str:
+            return self.plan.scrub(text).replace(self._work, f"{_WORK}/<run>")
+
         verdict = Verdict(
             instance_id=self.instance.instance_id,
             model=self.model,
             status=status,
-            reason=reason,
+            reason=scrub(reason),
             applied_with=self.applied_with,
             reverted=self.reverted,
             fail_to_pass=f2p or {},
             pass_to_pass=p2p or {},
-            suspicious=self.suspicious,
+            suspicious=sorted({scrub(item) for item in self.suspicious}),
             official=self.official,
             image=self.instance.image,
             image_digest=self.digest,
@@ -560,7 +566,7 @@ class _Evaluation:
         # A fresh directory, named at random and made only now that pre_test is
         # over: nothing of the grader's was on disk while the patch's build ran,
         # and no module name the patch could shadow is known in advance.
-        work = f"{_WORK}/{secrets.token_hex(8)}"
+        work = self._work = f"{_WORK}/{secrets.token_hex(8)}"
         prelude = ""
         if mode is not None:
             await self._plant(sb, mode)

@@ -1,0 +1,248 @@
+"""The canary plan (sandman.eval.canaries): test files in, renamed tests and planted canaries out.
+
+Pure: the rewritten files are run here with the host's pytest and unittest, so
+each planted outcome is checked against the framework itself, not against a
+copy of what the planner meant.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandman.eval import Instance
+from sandman.eval.canaries import Plan, Target, locate, plan
+from sandman.eval.harness import binary_hunks, git_paths, is_protected
+from sandman.eval.parsers import TestStatus, parse_log
+
+PYTEST_FILE = """\
+import pytest
+
+
+def helper():
+    return 2
+
+
+def test_median_even():
+    assert helper() == 2
+
+
+@pytest.mark.xfail(reason="known")
+def test_declared():
+    assert False
+
+
+def test_plain():
+    assert 1 + 1 == 2
+"""
+
+UNITTEST_FILE = '''\
+import unittest
+
+
+class SlugTest(unittest.TestCase):
+    def test_fixed(self):
+        self.assertEqual("a", "a")
+
+    def test_kept(self):
+        """A docstring line."""
+        self.assertTrue(True)
+'''
+
+
+def _draw() -> object:
+    counter = itertools.count()
+    return lambda: f"test_tok{next(counter):04d}x"
+
+
+def test_locate_reads_each_family_s_ids() -> None:
+    paths = {"tests/test_stats.py", "tests/shop_tests/tests.py", "tests/test_slug.py"}
+    assert locate("tests/test_stats.py::TestA::test_x[1-2]", "pytest", paths) == Target(
+        "tests/test_stats.py::TestA::test_x[1-2]", "tests/test_stats.py", ("TestA",), "test_x"
+    )
+    assert locate("other.py::test_x", "pytest", paths) is None  # not in the tree
+    assert locate("test_y (shop_tests.tests.Cents)", "unittest", paths) == Target(
+        "test_y (shop_tests.tests.Cents)", "tests/shop_tests/tests.py", ("Cents",), "test_y"
+    )
+    # Python 3.11's form, and a docstring line (which names no def).
+    assert locate("test_y (tests.test_slug.Case.test_y)", "unittest", paths) is not None
+    assert locate("A docstring line.", "unittest", paths) is None
+
+
+def _run_pytest(tmp_path: Path, text: str) -> dict[str, TestStatus]:
+    (tmp_path / "test_file.py").write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "no:randomly",
+         "-W", "ignore", "test_file.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return parse_log("pytest", done.stdout)
+
+
+def _pytest_plan() -> Plan:
+    targets = [
+        Target(f"test_file.py::{name}", "test_file.py", (), name)
+        for name in ("test_median_even", "test_declared", "test_plain")
+    ]
+    return plan(
+        {"test_file.py": PYTEST_FILE},
+        targets,
+        ["test_file.py::test_median_even"],
+        "pytest",
+        draw=_draw(),  # type: ignore[arg-type]
+    )
+
+
+def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Path) -> None:
+    made = _pytest_plan()
+    assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
+    assert sorted(c.kind for c in made.canaries) == [
+        "error", "fail", "pass", "skip", "twin", "xfail",
+    ]  # fmt: skip
+    results = _run_pytest(tmp_path, made.sources["test_file.py"])
+    tests, planted, forged = made.translate(results)
+    assert tests == {
+        "test_file.py::test_median_even": "PASSED",
+        "test_file.py::test_declared": "XFAIL",
+        "test_file.py::test_plain": "PASSED",
+    }
+    assert forged == []
+    assert made.lies(planted, ran=True) == []
+    assert made.declared["test_file.py::test_declared"] == frozenset({"xfail"})
+    assert "xfail" not in made.declared["test_file.py::test_plain"]
+
+
+def test_a_framework_that_passes_everything_makes_the_canaries_lie(tmp_path: Path) -> None:
+    made = _pytest_plan()
+    # What a forging plugin does: every report a pass.
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n    report = outcome.get_result()\n"
+        "    if report.when == 'call':\n        report.outcome = 'passed'\n"
+    )
+    tests, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
+    lies = made.lies(planted, ran=True)
+    assert any("must-fail" in lie and "ended PASSED" in lie for lie in lies), lies
+    assert any("the twin of test_file.py::test_median_even" in lie for lie in lies), lies
+
+
+def test_a_result_under_a_renamed_test_s_listed_name_is_forged() -> None:
+    made = _pytest_plan()
+    token = next(t for t, name in made.renamed.items() if name == "test_median_even")
+    results: dict[str, TestStatus] = {
+        "test_file.py::test_median_even": "PASSED",
+        f"test_file.py::{token}": "FAILED",
+    }
+    tests, _, forged = made.translate(results)
+    assert forged == ["test_file.py::test_median_even"]
+    assert tests == {"test_file.py::test_median_even": "FAILED"}
+    assert made.scrub(f"x {token} y") == "x test_median_even y"
+
+
+def test_unittest_canaries_end_as_planted(tmp_path: Path) -> None:
+    targets = [
+        Target(f"{name} (test_slug.SlugTest)", "test_slug.py", ("SlugTest",), name)
+        for name in ("test_fixed", "test_kept")
+    ]
+    made = plan(
+        {"test_slug.py": UNITTEST_FILE},
+        targets,
+        ["test_fixed (test_slug.SlugTest)"],
+        "unittest",
+        draw=_draw(),  # type: ignore[arg-type]
+    )
+    (tmp_path / "test_slug.py").write_text(made.sources["test_slug.py"])
+    done = subprocess.run(
+        [sys.executable, "-m", "unittest", "-v", "test_slug"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    tests, planted, _ = made.translate(parse_log("unittest", done.stderr))
+    assert made.lies(planted, ran=True) == []
+    assert tests["test_fixed (test_slug.SlugTest)"] == "PASSED"
+    assert done.returncode != 0  # the canaries that must fail did
+
+
+def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
+    made = _pytest_plan()
+    assert made.lies({}, ran=False) == []
+    assert len(made.lies({}, ran=True)) == 6 - 1  # the skip canary: pytest's log names no id
+    assert len(made.lies({}, ran=True, log=False)) == 6
+
+
+def test_a_file_that_does_not_parse_is_left_as_it_is() -> None:
+    made = plan(
+        {"t.py": "def test_x(:\n"}, [Target("t.py::test_x", "t.py", (), "test_x")], [], "pytest"
+    )
+    assert made.sources == {} and made.canaries == [] and made.left
+
+
+def test_a_test_whose_name_is_used_elsewhere_keeps_it() -> None:
+    text = "def test_x():\n    pass\n\n\nALIAS = test_x\n"
+    made = plan({"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], [], "pytest")
+    assert made.renamed == {} and any("used elsewhere" in why for why in made.left)
+
+
+def test_a_marked_scope_gets_twins_but_no_generic_canaries() -> None:
+    text = "import pytest\n\npytestmark = pytest.mark.skip\n\n\ndef test_x():\n    assert 1\n"
+    made = plan(
+        {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"], "pytest"
+    )
+    assert [c.kind for c in made.canaries] == ["twin"]
+    assert "SKIPPED" in made.canaries[0].expected  # the module declares the skip
+
+
+def _instance(**fields: object) -> Instance:
+    base: dict[str, object] = {
+        "instance_id": "x-1", "image": "img", "base_commit": "abcd", "FAIL_TO_PASS": ["t"],
+        "test_patch": "diff --git a/tests/test_a.py b/tests/test_a.py\n--- a/tests/test_a.py\n"
+        "+++ b/tests/test_a.py\n", "test_cmd": "python3 tests/runtests.py",
+    }  # fmt: skip
+    return Instance.model_validate({**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("path", "protected"),
+    [
+        ("pkg/code.py", False),
+        ("tests/test_a.py", True),
+        ("tests/helpers/data.txt", True),
+        ("tests/runtests.py", True),
+        ("pkg/conftest.py", True),
+        ("pyproject.toml", True),
+        ("pytest.toml", True),
+        ("sub/.gitattributes", True),
+        ("x.pth", True),
+        ("X.PTH", True),
+        ("Evil-1.DIST-INFO/entry_points.txt", True),
+        ("evil.Egg-Info/entry_points.txt", True),
+        ("pkg/__pycache__/code.cpython-311.pyc", True),
+        ("pkg/code.pyc", True),
+        ("sitecustomize/__init__.py", True),
+        ("usercustomize.cpython-311-x86_64-linux-gnu.so", True),
+        ("pkg/apps.py", False),
+    ],
+)
+def test_what_the_framework_reads_before_a_test_is_protected(path: str, protected: bool) -> None:
+    assert is_protected(_instance(), path) is protected
+
+
+def test_a_file_defining_a_listed_test_is_protected() -> None:
+    assert is_protected(_instance(), "pkg/tests.py", frozenset({"pkg/tests.py"}))
+
+
+def test_every_header_a_patch_program_reads_is_checked_for_git() -> None:
+    assert git_paths("Index: a/.git/config\n--- a/x\n+++ b/x\n") == [".git/config"]
+    assert git_paths("rename to .git/hooks/post-checkout\n") == [".git/hooks/post-checkout"]
+    assert git_paths("*** a/.git/HEAD\n") == [".git/HEAD"]
+    assert git_paths("diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n") == []
+
+
+def test_binary_hunks_are_counted() -> None:
+    assert binary_hunks("GIT binary patch\nliteral 3\n") == 1
+    assert binary_hunks("Binary files a/x and b/x differ\n") == 1
+    assert binary_hunks("--- a/x\n+++ b/x\n") == 0
