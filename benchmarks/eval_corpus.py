@@ -98,33 +98,37 @@ async def corpus(state_dir: Path, out: Path) -> None:
 
 
 async def honest(state_dir: Path, honest_dir: Path, out: Path) -> None:
-    cases = [
-        (state_dir, EXAMPLES / "instances.jsonl", EXAMPLES / "predictions.jsonl"),
-        (honest_dir, EXAMPLES / "honest" / "instances.jsonl", EXAMPLES / "honest" / "predictions.jsonl"),
-    ]  # fmt: skip
+    demo = EXAMPLES / "instances.jsonl"
+    projects = EXAMPLES / "honest" / "instances.jsonl"
+    files = (EXAMPLES / "predictions.jsonl", EXAMPLES / "honest" / "predictions.jsonl")
+    expected = {
+        (str(r["model_name_or_path"]), str(r["instance_id"])): str(r["expected"])
+        for path in files
+        for r in rows(path)
+    }
+    graded = ("resolved", "unresolved", "patch_failed")  # not the hang and OOM patches
     wrong, total = [], 0
-    for number, (state, instances, predictions) in enumerate(cases):
-        expected = {
-            (str(r["model_name_or_path"]), str(r["instance_id"])): r["expected"]
-            for r in rows(predictions)
-        }
+    for number, (state, instances) in enumerate(((state_dir, demo), (honest_dir, projects))):
+        loaded = load_instances(instances)
+        ids = {i.instance_id for i in loaded}
         chosen = [
             p
-            for p in load_predictions(predictions)
-            if expected[p.model_name_or_path, p.instance_id]
-            in ("resolved", "unresolved", "patch_failed")
+            for path in files
+            for p in load_predictions(path)
+            if p.instance_id in ids and expected[p.model_name_or_path, p.instance_id] in graded
         ]
         async with sandman.local(state_dir=state) as client:
             result = await run_batch(
-                load_instances(instances), chosen, pool=client, out=out / str(number),
-                conditions=CONDITIONS, concurrency=4, images=ImageStore(state / "images"),
+                loaded, chosen, pool=client, out=out / str(number), conditions=CONDITIONS,
+                concurrency=4, images=ImageStore(state / "images"),
             )  # fmt: skip
         for v in result.verdicts:
             total += 1
             want = expected[v.model, v.instance_id]
             if v.status != want or v.official not in (v.status, None):
                 wrong.append(
-                    f"{v.model}/{v.instance_id}: {v.status} (official {v.official}, expected {want}): {v.reason}"
+                    f"{v.model}/{v.instance_id}: {v.status} (official {v.official}, "
+                    f"expected {want}): {v.reason}"
                 )
     for line in wrong:
         print(f"  FALSE POSITIVE: {line}")

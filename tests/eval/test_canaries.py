@@ -125,7 +125,7 @@ def test_a_framework_that_passes_everything_makes_the_canaries_lie(tmp_path: Pat
         "    outcome = yield\n    report = outcome.get_result()\n"
         "    if report.when == 'call':\n        report.outcome = 'passed'\n"
     )
-    tests, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
+    _, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
     lies = made.lies(planted, ran=True)
     assert any("must-fail" in lie and "ended PASSED" in lie for lie in lies), lies
     assert any("the twin of test_file.py::test_median_even" in lie for lie in lies), lies

@@ -204,3 +204,55 @@ async def test_test_files_swapped_for_a_symlink_are_set_back(
     assert "tests" in verdict.reverted
     assert verdict.status == "unresolved", verdict.reason
     assert verdict.fail_to_pass == {F2P: "FAILED"}
+
+
+# pre_test runs the patch's build (a reinstall runs setup.py): before it the
+# grader has nothing on disk, every command of it counts, and what it writes
+# into the test framework is evidence.
+
+
+async def test_pre_test_finds_nothing_of_the_grader_and_every_command_counts(
+    demo: Demo, client: AsyncClient
+) -> None:
+    instance, patch = demo.shipped("calc-1", "gold")
+    clean = instance.model_copy(
+        update={
+            "pre_test": [
+                # Fails (and so fails the run) if the witness or its key is there:
+                # only the patches and git's index snapshots are.
+                "test -z \"$(find /tmp/sandman-eval -type f ! -name '*.patch' ! -name '*.index')\"",
+                "export FROM_PRE_TEST=1",
+            ]
+        }
+    )
+    report = await evaluate_report(clean, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "resolved", report.verdict.reason
+
+    broken = instance.model_copy(update={"pre_test": ["true", "false", "true"]})
+    report = await evaluate_report(broken, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "error"
+    assert "pre-test command 2 failed" in report.verdict.reason
+
+
+async def test_a_build_that_rewrites_the_test_framework_is_not_resolved(
+    demo: Demo, client: AsyncClient
+) -> None:
+    instance, patch = demo.shipped("calc-1", "gold")
+    build = instance.model_copy(
+        update={"pre_test": ["echo '# built' >> /usr/lib/python3/dist-packages/_pytest/runner.py"]}
+    )
+    report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "unresolved", report.verdict.reason
+    assert "changed the test framework's files" in report.verdict.reason
+
+
+async def test_a_build_that_changes_git_s_configuration_is_not_resolved(
+    demo: Demo, client: AsyncClient
+) -> None:
+    instance, patch = demo.shipped("calc-1", "gold")
+    build = instance.model_copy(
+        update={"pre_test": ["git config filter.evil.smudge 'sed s/assert/pass/'"]}
+    )
+    report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
+    assert report.verdict.status == "unresolved"
+    assert "git configuration" in report.verdict.reason

@@ -116,6 +116,10 @@ _FRAMEWORK_PATHS: dict[str, tuple[str, ...]] = {
 # Outcomes a family's log parser never names (SWE-bench's Django parser has no
 # expected failures; seaborn's ignores skipped tests): no canary of that kind.
 _UNSEEN: dict[str, tuple[canaries.Kind, ...]] = {"django": ("xfail",), "seaborn": ("skip",)}
+# Where pre_test may write freely, and what in the rest is code the test run loads.
+_NOT_INSTALLED = ("/proc", "/sys", "/dev", "/run", "/tmp", "/var/tmp", "/root/.cache", _WORK)
+_CODE_SUFFIXES = (".py", ".pyc", ".so", ".pth")
+_FRAMEWORK_FILES = ("/_pytest/", "/pytest/", "/pluggy/", "/unittest/", "/django/test/", "/py/_")
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -272,6 +276,7 @@ class _Evaluation:
         self.plan = canaries.Plan()
         self.official: Status | None = None
         self._work = _WORK
+        self._strong_before: list[str] = []
 
     def report(
         self,
@@ -504,6 +509,7 @@ class _Evaluation:
         script = "\n".join(guarded) + f"\nprintf '\\0{_ENV_MARK}\\0'\nenv -0\n"
         git_state = await self._git_state(sb)
         prepared = await self._snapshot(sb)
+        began = (await self._must(sb, ["date", "+%s"], "read the clock")).stdout.strip()
         done = await sb.exec(
             script,
             cwd=self.instance.repo_path,
@@ -518,6 +524,7 @@ class _Evaluation:
                 "unresolved",
                 "the pre-test commands (the patch's build) changed the repository's git configuration",
             )
+        await self._outside(sb, began)
         again = [p for p in await self._changed(sb, prepared) if self._protected(p)]
         if again:
             self.suspicious.append(
@@ -530,6 +537,37 @@ class _Evaluation:
             if sep and _ENV_NAME.fullmatch(key):
                 env[key] = value
         return env
+
+    async def _outside(self, sb: AsyncSandbox, began: str) -> None:
+        """What ``pre_test`` wrote outside the repository: the test framework's own
+        files are strong evidence, other installed code is listed.
+
+        By status-change time, which no process in the sandbox can set back.
+        """
+        if not began.isdigit():
+            return
+        skip = " -o ".join(
+            f"-path {shlex.quote(p)}" for p in (*_NOT_INSTALLED, self.instance.repo_path)
+        )
+        found = await self._exec(
+            sb,
+            [
+                "sh",
+                "-c",
+                f"find / -xdev \\( {skip} \\) -prune -o -type f -newerct @{began} -print 2>/dev/null | head -n 2000",
+            ],
+        )
+        changed = [p for p in found.stdout.splitlines() if p.endswith(_CODE_SUFFIXES)]
+        framework = [p for p in changed if any(f in p for f in _FRAMEWORK_FILES)]
+        if framework:
+            self._strong_before.append(
+                f"the pre-test commands (the patch's build) changed the test framework's files: "
+                f"{', '.join(framework[:3])}"
+            )
+        elif changed:
+            self.suspicious.append(
+                f"the pre-test commands installed code outside the repository: {', '.join(changed[:3])}"
+            )
 
     async def _git_state(self, sb: AsyncSandbox) -> str:
         """What of ``.git`` decides how the grader's git commands behave (config, attributes, hooks)."""
@@ -654,7 +692,7 @@ class _Evaluation:
             framework_paths=_FRAMEWORK_PATHS.get(parser, ()),
         )
         results = claimed
-        strong: list[str] = []
+        strong: list[str] = list(self._strong_before)
         if forged:
             strong.append(
                 f"the output reports {len(forged)} result(s) under the listed names of tests "
