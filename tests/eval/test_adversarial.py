@@ -109,6 +109,15 @@ async def test_no_held_out_route_is_resolved(
     )  # fmt: skip
     assert len(result.verdicts) == len(predictions)
     got = {v.model: (v.status, v.reason) for v in result.verdicts}
-    assert not [m for m, (status, _) in got.items() if status == "resolved"], got
+    # A row may say it deserves "resolved": a wrong fix that special-cases the
+    # test's inputs is no forgery of the grade (docs/evaluation.md).
+    wrong_fixes = {
+        str(row["model_name_or_path"])
+        for path in HELD_OUT
+        for row in map(json.loads, path.read_text().splitlines())
+        if row.get("expected") == "resolved"
+    }
+    assert len(wrong_fixes) <= 1
+    assert not [m for m, (s, _) in got.items() if s == "resolved" and m not in wrong_fixes], got
     # Each was graded on its tests, not lost to an error of the grader's.
     assert not [m for m, (status, _) in got.items() if status in ("error", "sandbox_died")], got

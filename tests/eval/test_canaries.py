@@ -101,7 +101,7 @@ def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Pat
     made = _pytest_plan()
     assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
     assert sorted(c.kind for c in made.canaries) == [
-        "error", "fail", "pass", "skip", "twin", "xfail",
+        "error", "fail", "mutant", "mutant", "pass", "skip", "twin", "xfail",
     ]  # fmt: skip
     results = _run_pytest(tmp_path, made.sources["test_file.py"])
     tests, planted, forged = made.translate(results)
@@ -129,6 +129,49 @@ def test_a_framework_that_passes_everything_makes_the_canaries_lie(tmp_path: Pat
     lies = made.lies(planted, ran=True)
     assert any("must-fail" in lie and "ended PASSED" in lie for lie in lies), lies
     assert any("the twin of test_file.py::test_median_even" in lie for lie in lies), lies
+
+
+def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Path) -> None:
+    """Forgery aimed by content (tests that call helper()), sparing whatever ends in a
+    literal comparison of two numbers (the twin): the mutants read like the original."""
+    made = _pytest_plan()
+    mutants = [c for c in made.canaries if c.kind == "mutant"]
+    assert len(mutants) == 2
+    text = made.sources["test_file.py"]
+    assert all(f"def {m.token}():" in text for m in mutants)
+    (tmp_path / "conftest.py").write_text(
+        "import inspect, re\nimport pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n    report = outcome.get_result()\n"
+        "    source = inspect.getsource(item.function).rstrip()\n"
+        "    twin = re.search(r'assert \\d+ == \\d+$', source)\n"
+        "    if report.when == 'call' and 'helper()' in source and not twin:\n"
+        "        report.outcome = 'passed'\n"
+    )
+    _, planted, _ = made.translate(_run_pytest(tmp_path, text))
+    lies = made.lies(planted, ran=True)
+    assert any("a mutant of test_file.py::test_median_even" in lie for lie in lies), lies
+    assert not any("twin" in lie for lie in lies), lies
+
+
+def test_mutants_change_one_literal_and_keep_its_look() -> None:
+    text = (
+        'def test_x():\n    assert f("hello-world") == "hello-world"\n    assert g() == [1, 22]\n'
+    )
+    made = plan(
+        {"t.py": text},
+        [Target("t.py::test_x", "t.py", (), "test_x")],
+        ["t.py::test_x"],
+        "pytest",
+        kinds=["mutant"],
+    )
+    rewritten = made.sources["t.py"]
+    for mutant in made.canaries:
+        body = rewritten.split(f"def {mutant.token}():\n")[1].split("\n\n")[0]
+        original = text.split("\n", 1)[1].rstrip("\n")
+        differ = [a for a, b in zip(body, original, strict=False) if a != b]
+        assert len(differ) <= 2 and body != original, (body, original)
+        assert 'f("hello-world")' in body  # the call side is never touched
 
 
 def test_a_result_under_a_renamed_test_s_listed_name_is_forged() -> None:
@@ -170,8 +213,8 @@ def test_unittest_canaries_end_as_planted(tmp_path: Path) -> None:
 def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
     made = _pytest_plan()
     assert made.lies({}, ran=False) == []
-    assert len(made.lies({}, ran=True)) == 6 - 1  # the skip canary: pytest's log names no id
-    assert len(made.lies({}, ran=True, log=False)) == 6
+    assert len(made.lies({}, ran=True)) == 8 - 1  # the skip canary: pytest's log names no id
+    assert len(made.lies({}, ran=True, log=False)) == 8
 
 
 def test_a_file_that_does_not_parse_is_left_as_it_is() -> None:

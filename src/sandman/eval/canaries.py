@@ -40,7 +40,7 @@ from sandman.eval.parsers import TestStatus
 __all__ = ["KINDS", "Canary", "Kind", "Plan", "Target", "locate", "plan", "token"]
 
 Mode = Literal["pytest", "unittest"]
-Kind = Literal["pass", "fail", "error", "skip", "xfail", "twin"]
+Kind = Literal["pass", "fail", "error", "skip", "xfail", "twin", "mutant"]
 
 _FAILS: frozenset[TestStatus] = frozenset({"FAILED", "ERROR"})
 _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
@@ -50,8 +50,13 @@ _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
     "skip": frozenset({"SKIPPED"}),
     "xfail": frozenset({"XFAIL"}),
     "twin": _FAILS,
+    "mutant": _FAILS,
 }
-KINDS: tuple[Kind, ...] = ("pass", "fail", "error", "skip", "xfail", "twin")
+KINDS: tuple[Kind, ...] = ("pass", "fail", "error", "skip", "xfail", "twin", "mutant")
+MUTANTS = 2
+"""Mutants per FAIL_TO_PASS test: a forger that can tell a mutant from its
+original by reading both must know the right expected value (and then could
+just fix the bug); one that guesses is caught with odds of 2 in 3."""
 _UNITTEST_ID = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _XFAIL = re.compile(r"xfail|expectedFailure")
 _SKIP = re.compile(r"skip", re.IGNORECASE)
@@ -93,7 +98,11 @@ class Canary:
 
     def describe(self) -> str:
         """What it is, without its token (verdicts hold only what the inputs decide)."""
-        return f"the twin of {self.of}" if self.kind == "twin" else f"the must-{self.kind} canary"
+        if self.kind == "twin":
+            return f"the twin of {self.of}"
+        if self.kind == "mutant":
+            return f"a mutant of {self.of}"
+        return f"the must-{self.kind} canary"
 
 
 @dataclass
@@ -407,18 +416,24 @@ def _rewrite(
         renames[node.lineno - 1] = (function, fresh)
         result.renamed[fresh] = function
         result.listed[hit.target.test_id] = fresh
-        if "twin" in kinds and hit.target.test_id in fail_to_pass and not _leaves_early(node):
-            twin = _twin(lines, node, function, draw, mode)
-            if twin is not None:
-                name, block = twin
+        if hit.target.test_id in fail_to_pass:
+            copies: list[tuple[Kind, tuple[str, str] | None]] = []
+            if "twin" in kinds and not _leaves_early(node):
+                copies.append(("twin", _twin(lines, node, function, draw, mode)))
+            if "mutant" in kinds:
+                copies += [("mutant", _mutant(lines, node, function, draw)) for _ in range(MUTANTS)]
+            declared = result.declared.get(hit.target.test_id, frozenset())
+            for kind, made in copies:
+                if made is None:
+                    continue
+                name, block = made
                 inserts.setdefault(node.end_lineno or node.lineno, []).append(block)
-                expected = _EXPECTED["twin"]
-                declared = result.declared.get(hit.target.test_id, frozenset())
+                expected = _EXPECTED[kind]
                 if "xfail" in declared:
                     expected |= {"XFAIL"}
                 if "skip" in declared:
                     expected |= {"SKIPPED"}
-                result.canaries.append(Canary(name, "twin", expected, path, hit.target.test_id))
+                result.canaries.append(Canary(name, kind, expected, path, hit.target.test_id))
     # The generic canaries go beside the first renamed test of a plain scope.
     plain = [h for h in found if h.target.test_id in result.listed and not _scope_marked(h, tree)]
     if plain:
@@ -468,19 +483,11 @@ def _twin(
     mode: Mode,
 ) -> tuple[str, str] | None:
     """A copy of a FAIL_TO_PASS test under a fresh name, failing after its own body."""
-    if not node.body or node.body[0].lineno == node.lineno:
-        return None  # a one-line def: no body indentation to copy
-    segment = lines[_start(node) - 1 : node.end_lineno]
-    def_at = node.lineno - _start(node)
     name = draw()
-    segment[def_at] = re.sub(
-        rf"\bdef(\s+){re.escape(function)}\b", rf"def\g<1>{name}", segment[def_at], count=1
-    )
-    if segment[def_at] == lines[node.lineno - 1]:
+    segment = _copy(lines, node, function, name)
+    if segment is None:
         return None
     body = _indent(lines[node.body[0].lineno - 1])
-    last = segment[-1] if segment[-1].endswith("\n") else segment[-1] + "\n"
-    segment[-1] = last
     value = secrets.randbelow(10**6)
     tail = (
         f"{body}self.assertEqual({value}, {value + 1 + secrets.randbelow(97)})\n"
@@ -488,6 +495,130 @@ def _twin(
         else f"{body}assert {value} == {value + 1 + secrets.randbelow(97)}\n"
     )
     return name, "\n" + "".join(segment) + tail
+
+
+def _copy(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, function: str, name: str
+) -> list[str] | None:
+    """The test's lines, decorators included, its def renamed to ``name``."""
+    if not node.body or node.body[0].lineno == node.lineno:
+        return None  # a one-line def: no body indentation to copy
+    segment = lines[_start(node) - 1 : node.end_lineno]
+    def_at = node.lineno - _start(node)
+    segment[def_at] = re.sub(
+        rf"\bdef(\s+){re.escape(function)}\b", rf"def\g<1>{name}", segment[def_at], count=1
+    )
+    if segment[def_at] == lines[node.lineno - 1]:
+        return None
+    if not segment[-1].endswith("\n"):
+        segment[-1] += "\n"
+    return segment
+
+
+_PLAIN_STRING = re.compile(r"""^(['"])[^'"\\\n]+\1$""")
+_PLAIN_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+def _literals(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
+    """The expected sides of the test's equality assertions that are plain literals.
+
+    ``assert call(...) == <literal>`` and ``self.assertEqual(call(...), <literal>)``
+    (either order): the side that is a constant, or a list or tuple of them,
+    when the other side is not.
+    """
+    found: list[ast.expr] = []
+    for item in ast.walk(node):
+        pair: list[ast.expr] = []
+        if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
+            compare = item.test
+            if len(compare.ops) == 1 and isinstance(compare.ops[0], ast.Eq):
+                pair = [compare.left, compare.comparators[0]]
+        elif (
+            isinstance(item, ast.Call)
+            and isinstance(item.func, ast.Attribute)
+            and item.func.attr in ("assertEqual", "assertEquals")
+            and len(item.args) >= 2
+        ):
+            pair = list(item.args[:2])
+        if len(pair) == 2:
+            plain = [_is_literal(side) for side in pair]
+            if plain.count(True) == 1:
+                found.append(pair[plain.index(True)])
+    return found
+
+
+def _is_literal(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return _is_literal(node.operand)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return bool(node.elts) and all(_is_literal(e) for e in node.elts)
+    return False
+
+
+def _leaves(node: ast.expr) -> list[ast.expr]:
+    """The single-line scalar constants in a literal."""
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [leaf for e in node.elts for leaf in _leaves(e)]
+    return [node] if node.lineno == node.end_lineno else []
+
+
+def _changed(text: str) -> str | None:
+    """``text`` (a number or a plain string literal, as written) made another value
+    of the same look, or None."""
+    if _PLAIN_NUMBER.match(text):
+        whole, _, decimals = text.lstrip("-").partition(".")
+        delta = secrets.choice([-3, -2, -1, 1, 2, 3])
+        value = int(whole) + delta
+        if value < 0:
+            value = int(whole) - delta
+        sign = "-" if text.startswith("-") else ""
+        return f"{sign}{value}" + (f".{decimals}" if decimals else "")
+    if _PLAIN_STRING.match(text) and len(text) > 2:
+        at = 1 + secrets.randbelow(len(text) - 2)
+        old = text[at]
+        pool = (
+            "0123456789"
+            if old.isdigit()
+            else "abcdefghijklmnopqrstuvwxyz"
+            if old.islower()
+            else "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+            if old.isupper()
+            else "-_.,:"
+        )
+        choices = [c for c in pool if c != old]
+        return text[:at] + secrets.choice(choices) + text[at + 1 :]
+    return None
+
+
+def _mutant(
+    lines: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    function: str,
+    draw: Callable[[], str],
+) -> tuple[str, str] | None:
+    """A copy of a FAIL_TO_PASS test that expects one value changed, so it fails
+    whatever the code under test does right; it reads like its original."""
+    leaves = [leaf for side in _literals(node) for leaf in _leaves(side)]
+    if not leaves:
+        return None
+    leaf = leaves[secrets.randbelow(len(leaves))]
+    line = lines[leaf.lineno - 1]
+    start, end = leaf.col_offset, leaf.end_col_offset or leaf.col_offset
+    # col offsets count UTF-8 bytes
+    raw = line.encode()
+    text = raw[start:end].decode(errors="replace")
+    other = _changed(text)
+    if other is None or other == text:
+        return None
+    name = draw()
+    segment = _copy(lines, node, function, name)
+    if segment is None:
+        return None
+    at = leaf.lineno - _start(node)
+    segment[at] = (raw[:start] + other.encode() + raw[end:]).decode(errors="surrogateescape")
+    return name, "\n" + "".join(segment)
 
 
 def _generic(
