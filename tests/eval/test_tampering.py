@@ -256,3 +256,19 @@ async def test_a_build_that_changes_git_s_configuration_is_not_resolved(
     report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
     assert report.verdict.status == "unresolved"
     assert "git configuration" in report.verdict.reason
+
+
+async def test_a_new_top_level_module_that_shadows_an_installed_one_is_set_back(
+    demo: Demo, client: AsyncClient
+) -> None:
+    # pytest/ at the root comes first on sys.path under `python3 -m pytest`;
+    # a new module of the project's own does not shadow anything and stays.
+    instance, gold = demo.shipped("calc-1", "gold")
+    shadow = diff("pytest/__init__.py", None, "raise SystemExit('shadowed')\n")
+    own = diff("calc_extra.py", None, "VALUE = 1\n")
+    report = await evaluate_report(
+        instance, gold + shadow + own, pool=client, conditions=CONDITIONS
+    )
+    assert report.verdict.status == "resolved", report.verdict.reason
+    assert "pytest/__init__.py" in report.verdict.reverted
+    assert "calc_extra.py" not in report.verdict.reverted

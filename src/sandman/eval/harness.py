@@ -277,6 +277,7 @@ class _Evaluation:
         self.official: Status | None = None
         self._work = _WORK
         self._strong_before: list[str] = []
+        self._before = _Snapshot("", frozenset())
 
     def report(
         self,
@@ -363,7 +364,7 @@ class _Evaluation:
         await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
         # Everything the tree holds before the patch, untracked and ignored files too.
-        before = await self._snapshot(sb)
+        before = self._before = await self._snapshot(sb)
 
         self.step = "apply"
         await self._apply(sb, before)
@@ -597,8 +598,49 @@ class _Evaluation:
                 text.encode("utf-8", errors="surrogateescape"),
             )
 
+    async def _unshadow(self, sb: AsyncSandbox, env: dict[str, str] | None) -> None:
+        """Set back what the patch added at the repository's root that shadows a
+        module importable from outside it (``pytest/``, ``django/``, ``typing.py``).
+
+        The root comes first on ``sys.path`` under ``python -m``: a new
+        top-level name there replaces the framework or the standard library.
+        The names are the test interpreter's own (after ``pre_test``), the
+        repository taken off its path.
+        """
+        added: dict[str, list[str]] = {}
+        existed = {p.split("/")[0] for p in self._before.paths}
+        for path in self.patch_files:
+            first = path.split("/")[0]
+            if first in existed:
+                continue
+            name = first if "/" in path else first.split(".")[0]
+            if "/" in path or first.endswith((".py", ".pyc", ".so")):
+                added.setdefault(name, []).append(path)
+        if not added:
+            return
+        listing = (
+            "import pkgutil, sys; repo = sys.argv[1]; "
+            "sys.path = [p for p in sys.path if p and not p.startswith(repo)]; "
+            "print('\\n'.join({m.name for m in pkgutil.iter_modules()} | set(sys.builtin_module_names)))"
+        )
+        found = await sb.exec(
+            ["python3", "-I", "-c", listing, self.instance.repo_path],
+            cwd="/",
+            env=env,
+            timeout=_STEP_TIMEOUT,
+            max_output=_MAX_OUTPUT,
+        )
+        importable = set(found.stdout.split()) if found.exit_code == 0 else set()
+        shadows = sorted(p for name, paths in added.items() if name in importable for p in paths)
+        if shadows:
+            logger.info("%s: shadowing %s", self.instance.instance_id, shadows)
+            await self._set_back(sb, self._before, shadows)
+            self.reverted = sorted({*self.reverted, *shadows})
+            self.patch_files = sorted(set(self.patch_files) - set(shadows))
+
     async def _run_tests(self, sb: AsyncSandbox) -> ExecResult:
         env = await self._prepare_tests(sb)
+        await self._unshadow(sb, env)
         directives = " ".join(shlex.quote(d) for d in self.instance.directives)
         mode = _WITNESS_MODES.get(self.instance.log_parser)
         # A fresh directory, named at random and made only now that pre_test is

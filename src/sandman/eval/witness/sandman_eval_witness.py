@@ -209,6 +209,21 @@ class _Witness:
                     signal=int(sig),
                     patch=self.patch_frame() or "",
                 )
+        elif (
+            event == "object.__setattr__"
+            and str(args[1]) == "__code__"
+            and not _same_code(getattr(args[0], "__code__", None), args[2])
+        ):
+            # A function's code replaced at run time (a test's expected values
+            # swapped in its constants): no honest test run does it, from
+            # whatever file or thread.
+            self.emit(
+                "audit",
+                event=event,
+                what="replaced a function's code",
+                target=str(getattr(args[0], "__qualname__", "?")),
+                patch=self.patch_frame() or "(not on the stack)",
+            )
         elif event == "object.__setattr__":
             target = args[0]
             module = getattr(target, "__module__", "") or ""
@@ -242,6 +257,15 @@ _WHAT = {
     "os.posix_spawn": "started a process",
     "ctypes.dlsym": "called C functions directly",
 }
+
+
+def _same_code(old: Any, new: Any) -> bool:
+    """Whether only a code object's flags changed (``types.coroutine`` does that)."""
+    names = ("co_code", "co_consts", "co_names", "co_varnames")
+    try:
+        return all(getattr(old, n) == getattr(new, n) for n in names)
+    except Exception:
+        return False
 
 
 def _proc_reason(path: str, writing: bool) -> Optional[str]:
