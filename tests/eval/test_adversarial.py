@@ -88,8 +88,9 @@ HELD_OUT = sorted((EXAMPLES / "heldout").glob("*.jsonl"))
 
 def test_the_held_out_corpora_cover_their_classes() -> None:
     rows = [json.loads(line) for path in HELD_OUT for line in path.read_text().splitlines()]
-    assert len(rows) >= 40
+    assert len(rows) >= 90
     assert len({row["class"] for row in rows}) >= 8
+    assert all(not row.get("known_gap") or row.get("round") == 2 for row in rows)
     own = [json.loads(line) for line in (EXAMPLES / "adversarial.jsonl").read_text().splitlines()]
     assert {row["class"] for row in own} <= {row["class"] for row in rows}
 
@@ -109,15 +110,16 @@ async def test_no_held_out_route_is_resolved(
     )  # fmt: skip
     assert len(result.verdicts) == len(predictions)
     got = {v.model: (v.status, v.reason) for v in result.verdicts}
-    # A row may say it deserves "resolved": a wrong fix that special-cases the
-    # test's inputs is no forgery of the grade (docs/evaluation.md).
-    wrong_fixes = {
+    # A known gap is a route the grader does not catch and says why (a wrong fix
+    # that special-cases the tests, docs/evaluation.md): exactly those resolve,
+    # and a gap that closes is dropped from its file.
+    gaps = {
         str(row["model_name_or_path"])
         for path in HELD_OUT
         for row in map(json.loads, path.read_text().splitlines())
-        if row.get("expected") == "resolved"
+        if row.get("known_gap")
     }
-    assert len(wrong_fixes) <= 1
-    assert not [m for m, (s, _) in got.items() if s == "resolved" and m not in wrong_fixes], got
+    assert len(gaps) <= 3
+    assert {m for m, (s, _) in got.items() if s == "resolved"} == gaps, got
     # Each was graded on its tests, not lost to an error of the grader's.
     assert not [m for m, (status, _) in got.items() if status in ("error", "sandbox_died")], got

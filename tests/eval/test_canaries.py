@@ -16,8 +16,8 @@ import pytest
 
 from sandman.eval import Instance
 from sandman.eval.canaries import Plan, Target, locate, plan
-from sandman.eval.harness import binary_hunks, git_paths, is_protected
 from sandman.eval.parsers import TestStatus, parse_log
+from sandman.eval.protect import binary_hunks, git_paths, is_protected
 
 PYTEST_FILE = """\
 import pytest
@@ -101,7 +101,7 @@ def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Pat
     made = _pytest_plan()
     assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
     assert sorted(c.kind for c in made.canaries) == [
-        "error", "fail", "mutant", "mutant", "pass", "skip", "twin", "xfail",
+        "agree", "error", "fail", "mutant", "mutant", "pass", "skip", "twin", "xfail",
     ]  # fmt: skip
     results = _run_pytest(tmp_path, made.sources["test_file.py"])
     tests, planted, forged = made.translate(results)
@@ -152,6 +152,46 @@ def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Pat
     lies = made.lies(planted, ran=True)
     assert any("a mutant of test_file.py::test_median_even" in lie for lie in lies), lies
     assert not any("twin" in lie for lie in lies), lies
+
+
+def test_a_fixed_copy_swapped_into_the_test_module_meets_the_re_importing_copy(
+    tmp_path: Path,
+) -> None:
+    """The library stays wrong; the test module's name for it is rebound to a right
+    copy (as a setup_module or an import hook of the patch's would)."""
+    text = "from lib import helper\n\n\ndef test_median_even():\n    assert helper() == 2\n"
+    made = plan(
+        {"test_file.py": text},
+        [Target("test_file.py::test_median_even", "test_file.py", (), "test_median_even")],
+        ["test_file.py::test_median_even"],
+        "pytest",
+    )
+    assert [c.kind for c in made.canaries if c.kind == "agree"] == ["agree"]
+    (tmp_path / "lib.py").write_text("def helper():\n    return 3\n")
+    (tmp_path / "conftest.py").write_text(
+        "def pytest_collection_finish(session):\n"
+        "    for item in session.items:\n"
+        "        item.module.helper = lambda: 2\n"
+    )
+    tests, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
+    assert tests["test_file.py::test_median_even"] == "PASSED"  # the forgery worked
+    lies = made.lies(planted, ran=True, listed=tests)
+    assert any("re-importing copy" in lie and "ended FAILED" in lie for lie in lies), lies
+    # Honest: the copy agrees.
+    (tmp_path / "conftest.py").unlink()
+    (tmp_path / "lib.py").write_text("def helper():\n    return 2\n")
+    tests, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
+    assert made.lies(planted, ran=True, listed=tests) == []
+
+
+def test_copies_drop_the_docstring_their_original_is_named_by() -> None:
+    text = 'class T:\n    def test_x(self):\n        """Doc line."""\n        assert f() == 1\n'
+    made = plan(
+        {"t.py": text}, [Target("t.py::T::test_x", "t.py", ("T",), "test_x")], ["t.py::T::test_x"],
+        "pytest",
+    )  # fmt: skip
+    assert made.sources["t.py"].count("Doc line.") == 1
+    compile(made.sources["t.py"], "t.py", "exec")
 
 
 def test_mutants_change_one_literal_and_keep_its_look() -> None:
@@ -213,8 +253,10 @@ def test_unittest_canaries_end_as_planted(tmp_path: Path) -> None:
 def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
     made = _pytest_plan()
     assert made.lies({}, ran=False) == []
-    assert len(made.lies({}, ran=True)) == 8 - 1  # the skip canary: pytest's log names no id
-    assert len(made.lies({}, ran=True, log=False)) == 8
+    # Not the skip canary (pytest's log names no id), nor the re-importing copy
+    # (no evidence without its original's result).
+    assert len(made.lies({}, ran=True)) == 9 - 2
+    assert len(made.lies({}, ran=True, log=False)) == 9 - 1
 
 
 def test_a_file_that_does_not_parse_is_left_as_it_is() -> None:
@@ -235,7 +277,7 @@ def test_a_marked_scope_gets_twins_but_no_generic_canaries() -> None:
     made = plan(
         {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"], "pytest"
     )
-    assert [c.kind for c in made.canaries] == ["twin"]
+    assert [c.kind for c in made.canaries] == ["twin", "agree"]
     assert "SKIPPED" in made.canaries[0].expected  # the module declares the skip
 
 

@@ -21,6 +21,10 @@ The steps, each a command in the sandbox (never in the agent's):
    canaries must end as planted, and XFAIL or SKIPPED counts only where the
    test's own source declares it.
 
+Its size (about 800 lines) is the steps' and one evaluation's state: what
+is pure lives beside it (`protect`: what a patch may change; `canaries`: the
+plan; `judge`: grading a finished run).
+
 A run cut short is reported as what cut it short (``timeout``, ``oom``,
 ``sandbox_died``), never as failed tests, and nothing is retried. An OOM kill
 is told from any other SIGKILL by the sandbox's own cgroup counter
@@ -30,7 +34,6 @@ is told from any other SIGKILL by the sandbox's own cgroup counter
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import logging
 import posixpath
@@ -47,10 +50,12 @@ from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
 from sandman.eval import canaries
 from sandman.eval.conditions import Conditions
-from sandman.eval.evidence import Witnessed, audit_patch, read_witness, witness_log
+from sandman.eval.evidence import audit_patch
 from sandman.eval.instances import Instance
-from sandman.eval.parsers import TestStatus, parse_log
-from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, grade_tests, inputs_hash
+from sandman.eval.judge import judge
+from sandman.eval.parsers import TestStatus
+from sandman.eval.protect import DEFAULT_PROTECTED, binary_hunks, git_paths, is_protected
+from sandman.eval.verdict import ApplyAttempt, Report, Status, Verdict, inputs_hash
 from sandman.images import ImageStore
 from sandman.models import ExecResult, SandboxSpec
 
@@ -65,29 +70,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROTECTED = (
-    "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
-    "setup.cfg", "pyproject.toml", ".gitattributes",
-)  # fmt: skip
-"""File names a model patch may not add or change anywhere in the repository.
-
-pytest reads its configuration (``addopts``, ``-p`` plugins, warning filters)
-from all of the ``.ini``, ``.cfg`` and ``.toml`` ones; the test run never
-reinstalls the package, so their other contents cannot matter to it.
-``.gitattributes`` decides how the grader's own checkouts write files.
-"""
-# Package metadata (an entry point in one on sys.path, as the repository root
-# is, makes pytest load a plugin by itself; importlib.metadata matches its
-# names without regard to case), startup hooks and bytecode: what the
-# interpreter or the framework reads before any test runs.
-_METADATA_DIRS = (".dist-info", ".egg-info")
-_STARTUP_MODULES = ("sitecustomize", "usercustomize")
-_BYTECODE = (".pyc", ".pyo")
-_STARTUP_SUFFIXES = (".pth", ".egg-link")
-
 _WORK = "/tmp/sandman-eval"  # outside the repository: a patch cannot reach it
 _WITNESS_CONFIG = "sandman-witness.json"  # the name witness.start reads
-_BINARY_HUNK = re.compile(r"^(?:GIT binary patch|Binary files .* differ)$", re.MULTILINE)
 _PASS_WORDS = frozenset({"PASSED", "XFAIL"})
 _ENV_MARK = "sandman-pre-test-environment"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -125,16 +109,8 @@ _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
 _GIT = ("git", "-c", "safe.directory=*", "-c", "core.quotepath=off",
         "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")  # fmt: skip
-# Every header a patch program reads a path from (GNU patch also takes Index:,
-# Prereq-less context diffs' *** and ---, and git's rename/copy lines).
-_PATCH_PATH = re.compile(
-    r"^(?:diff --git a/(\S+) b/(\S+)|(?:---|\+\+\+|\*\*\*) (?:[ab]/)?(\S+)"
-    r"|Index: (?:[ab]/)?(\S+)|(?:rename|copy) (?:from|to) (\S+))",
-    re.MULTILINE,
-)
 _GIT_APPLY = (*_GIT, "apply", "--verbose")
 _FUZZ = ("patch", "--batch", "--fuzz=5", "-p1", "--no-backup-if-mismatch", "-i")
-_TEST_DIRS = frozenset({"test", "tests", "testing"})
 _KILLED = 128 + 9  # what a shell reports for a child killed by SIGKILL
 # The sandbox's cgroup as it sees it (read-only): v2, then v1. Kernel-kept, so
 # the code under test cannot fake it.
@@ -158,76 +134,6 @@ async def pin_image(image: str, images: ImageStore | None) -> tuple[str, str | N
     if image.startswith("sha256:"):
         return image, image
     return image, None
-
-
-def is_protected(instance: Instance, path: str, listed_files: frozenset[str] = frozenset()) -> bool:
-    """Whether a model patch's change to ``path`` is set back before the tests run.
-
-    Protected, stated as what the interpreter and the test framework read
-    before a test runs: the test patch's files and the files defining a listed
-    test (``listed_files``); everything under a test directory (``test``,
-    ``tests``, ``testing``, ``test_*``) holding one of them; the files the
-    test command names; the `DEFAULT_PROTECTED` names anywhere; package
-    metadata (``*.dist-info``, ``*.egg-info``, any case) and ``*.pth`` and
-    ``*.egg-link`` files; ``sitecustomize``/``usercustomize`` in any form (a
-    module, a package, an extension); bytecode (``__pycache__``, ``*.pyc``);
-    the instance's ``protected`` globs.
-    """
-    name = posixpath.basename(path)
-    parts = path.split("/")
-    folded = name.lower()
-    if path in instance.test_files or path in listed_files or name in DEFAULT_PROTECTED:
-        return True
-    if folded.endswith(_STARTUP_SUFFIXES + _BYTECODE) or "__pycache__" in parts:
-        return True
-    if any(part.lower().endswith(_METADATA_DIRS) for part in parts[:-1]):
-        return True
-    if any(part.split(".")[0] in _STARTUP_MODULES for part in parts):
-        return True
-    if path in _named_files(instance):
-        return True
-    for test_file in instance.test_files:
-        parts = test_file.split("/")[:-1]
-        # The outermost test directory: tests/ for tests/queries/tests.py.
-        for depth, name in enumerate(parts, start=1):
-            if name in _TEST_DIRS or name.startswith("test_"):
-                if path.startswith("/".join(parts[:depth]) + "/"):
-                    return True
-                break
-    return any(fnmatch.fnmatchcase(path, glob) for glob in instance.protected)
-
-
-def _named_files(instance: Instance) -> set[str]:
-    """The repository files the test command and its directives name (``tests/runtests.py``)."""
-    try:
-        words = shlex.split(instance.test_cmd)
-    except ValueError:
-        words = instance.test_cmd.split()
-    return {
-        posixpath.normpath(w)
-        for w in [*words, *instance.directives]
-        if "/" in w or w.endswith(".py")
-    }
-
-
-def binary_hunks(patch: str) -> int:
-    """How many binary hunks (``GIT binary patch``, ``Binary files ... differ``) ``patch`` holds."""
-    return len(_BINARY_HUNK.findall(patch))
-
-
-def git_paths(patch: str) -> list[str]:
-    """The paths inside ``.git`` a patch names (``patch`` would write there; ``git apply`` not).
-
-    A patch that may touch the repository's own database (refs, replace
-    objects, config, hooks) could change what the harness checks out, so it
-    is refused.
-    """
-    found = []
-    for match in _PATCH_PATH.finditer(patch):
-        for path in filter(None, match.groups()):
-            if ".git" in path.split("/") and path not in found:
-                found.append(path)
-    return found
 
 
 @dataclass(frozen=True)
@@ -722,91 +628,23 @@ class _Evaluation:
             # Killed by something else (the code under test can SIGKILL itself):
             # graded on what the framework reported; the tests it never did fail.
         parser = self.instance.log_parser
-        plan = self.plan
-        claimed, planted, forged = plan.translate(parse_log(parser, result.stdout))
-        # What SWE-bench's grading makes of the log alone (no witness, canary or
-        # declaration; the parser equals its own on honest logs: test_parity).
-        self.official = grade_tests(self.instance, claimed)[0]
-        mode = _WITNESS_MODES.get(parser)
-        suspicious = audit_patch(
+        leads = audit_patch(
             self.patch,
             is_test_file=self._set_back_path,
             framework_paths=_FRAMEWORK_PATHS.get(parser, ()),
         )
-        results = claimed
-        strong: list[str] = list(self._strong_before)
-        if forged:
-            strong.append(
-                f"the output reports {len(forged)} result(s) under the listed names of tests "
-                f"this run had renamed (no such test ran): {', '.join(sorted(forged)[:3])}"
-            )
-        ran = plan.ran(result.stdout)
-        lies = plan.lies(planted, ran)
-        if mode is not None:
-            witnessed = read_witness(result.stderr, self._key)
-            if not witnessed.started and not claimed:
-                tail = result.stdout[-500:].strip()
-                return self.report(
-                    "error",
-                    f"the test run (exit {result.exit_code}) reported no results and its "
-                    f"framework never started: {tail}",
-                )
-            confirmed, planted_seen, _ = plan.translate(
-                parse_log(parser, witness_log(parser, witnessed))
-            )
-            results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
-            strong += found
-            if witnessed.started:
-                lies += [
-                    f"{lie} (by the framework's own report)"
-                    for lie in plan.lies(planted_seen, ran, log=False)
-                ]
-            suspicious += witnessed.audits
-        must_fail = [
-            c for c in plan.canaries if "PASSED" not in c.expected and "SKIPPED" not in c.expected
-        ]
-        if must_fail and ran and result.exit_code == 0:
-            strong.append("the test command exited 0 although the canaries planted to fail did")
-        results, undeclared = self._declared(results)
-        suspicious += strong + undeclared + [f"lie: {lie}" for lie in lies]
-        self.suspicious = sorted(set(suspicious))
-        # The planted canaries fail by design: the exit status is theirs to explain.
-        exit_code = None if must_fail and ran else result.exit_code
-        status, reason, f2p, p2p = grade_tests(self.instance, results, exit_code)
-        if lies:
-            shown = "; ".join(lies[:3]) + (f"; and {len(lies) - 3} more" if len(lies) > 3 else "")
-            return self.report(
-                "unresolved",
-                f"the run's canaries lied ({status} by the tests alone): {shown}",
-                f2p,
-                p2p,
-            )
-        if status == "resolved" and strong and self.conditions.audit == "strict":
-            return self.report(
-                "unresolved",
-                "every listed test passed, but the run did what a forging patch does "
-                f"(audit=strict): {'; '.join(sorted(set(strong))[:3])}",
-                f2p,
-                p2p,
-            )
-        return self.report(status, reason, f2p, p2p)
-
-    def _declared(self, results: dict[str, TestStatus]) -> tuple[dict[str, TestStatus], list[str]]:
-        """XFAIL and SKIPPED kept only for tests whose own source declares them.
-
-        A test whose source was not found (its def not located) keeps them.
-        """
-        adjusted = dict(results)
-        notes = []
-        for name, declared in self.plan.declared.items():
-            status = adjusted.get(name)
-            for word, needs in (("XFAIL", "xfail"), ("SKIPPED", "skip")):
-                if status == word and needs not in declared:
-                    adjusted[name] = "FAILED"
-                    notes.append(
-                        f"{name} ended {word}, which its source does not declare: counted as failed"
-                    )
-        return adjusted, notes
+        judged = judge(
+            self.instance,
+            result,
+            plan=self.plan,
+            key=self._key,
+            mode=_WITNESS_MODES.get(parser),
+            strict=self.conditions.audit == "strict",
+            leads=leads + self.suspicious,
+            strong=self._strong_before,
+        )
+        self.official, self.suspicious = judged.official, judged.suspicious
+        return self.report(judged.status, judged.reason, judged.fail_to_pass, judged.pass_to_pass)
 
     def _set_back_path(self, path: str) -> bool:
         return path in self.reverted or self._protected(path)
@@ -905,61 +743,6 @@ class _Evaluation:
             sb, [*_GIT, "reset", "-q", "--hard", self.instance.base_commit], "reset the tree"
         )
         await self._set_back(sb, before, await self._changed(sb, before))
-
-
-_BENIGN_AUDITS = ("started a process", "forked the test process")
-
-
-def _witnessed_results(
-    claimed: dict[str, TestStatus],
-    confirmed: dict[str, TestStatus],
-    witnessed: Witnessed,
-    result: ExecResult,
-    mode: str,
-) -> tuple[dict[str, TestStatus], list[str]]:
-    """The results to grade: the log's, each pass confirmed by the framework's own
-    report (``confirmed``: the witness's records, named by the same parser); and
-    what the run did that only a forger does (what strict auditing grades unresolved)."""
-    # Starting a process or forking is what honest code does too (subprocess,
-    # multiprocessing): listed, never strong.
-    suspicious = [a for a in witnessed.attributed if not any(w in a for w in _BENIGN_AUDITS)]
-    results: dict[str, TestStatus] = {}
-    unconfirmed = []
-    for name, status in claimed.items():
-        word = confirmed.get(name, "MISSING")
-        if status in _PASS_WORDS and word not in _PASS_WORDS:
-            unconfirmed.append(f"{name} ({status} in the output, {word} by the framework)")
-            results[name] = word
-        else:
-            results[name] = status
-    if unconfirmed:
-        shown = "; ".join(unconfirmed[:3]) + (
-            f"; and {len(unconfirmed) - 3} more" if len(unconfirmed) > 3 else ""
-        )
-        suspicious.append(f"the output claims passes the test framework did not report: {shown}")
-    if witnessed.forged:
-        suspicious.append(f"{witnessed.forged} line(s) posed as the grader's witness records")
-    if not witnessed.started:
-        suspicious.append("the grader's witness never started in the test process")
-    elif witnessed.finish is None:
-        suspicious.append(
-            "the test process ended before the test framework finished "
-            f"(exit {result.exit_code}{', ' + result.signal if result.signal else ''})"
-        )
-    else:
-        failed = (
-            witnessed.finish.get("exitstatus", 0) not in (0, 5)
-            if mode == "pytest"
-            else not witnessed.finish.get("successful", True)
-        )
-        if failed and result.exit_code == 0:
-            what = (
-                f"pytest reported exit status {witnessed.finish.get('exitstatus')}"
-                if mode == "pytest"
-                else "the test runner reported failures"
-            )
-            suspicious.append(f"the test command exited 0 although {what}")
-    return results, suspicious
 
 
 def _nul(text: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -29,6 +30,7 @@ __all__ = [
     "category",
     "grade_tests",
     "inputs_hash",
+    "lookup",
 ]
 
 # 2: pytest summary found by the harness plugin; 3: snapshot of the whole tree, OOM from
@@ -170,7 +172,7 @@ def inputs_hash(instance: Instance, patch: str, conditions: Conditions, digest: 
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
-def _lookup(name: str, results: dict[str, TestStatus]) -> TestStatus:
+def lookup(name: str, results: Mapping[str, TestStatus]) -> TestStatus:
     """``name``'s status; a name cut short inside its brackets takes the status of those it starts.
 
     SWE-bench Verified lists some parametrized ids truncated mid-parameter
@@ -204,8 +206,8 @@ def grade_tests(
     unresolved, and so is one that reports no failure while the test command
     exited non-zero (``exit_code``, when known): the log is not the run's.
     """
-    f2p = {t: _lookup(t, results) for t in instance.FAIL_TO_PASS}
-    p2p = {t: _lookup(t, results) for t in instance.PASS_TO_PASS}
+    f2p = {t: lookup(t, results) for t in instance.FAIL_TO_PASS}
+    p2p = {t: lookup(t, results) for t in instance.PASS_TO_PASS}
     if not results:
         return "unresolved", "no test results in the log", f2p, p2p
     if exit_code not in (None, 0) and not any(s in ("FAILED", "ERROR") for s in results.values()):

@@ -425,6 +425,40 @@ def pytest_configure(config: Any) -> None:
         _witness.config = config
 
 
+def _fingerprint(item: Any) -> Any:
+    code = getattr(getattr(item, "obj", None), "__code__", None)
+    if code is None:
+        return None
+    try:
+        return (code.co_code, repr(code.co_consts), code.co_names)
+    except Exception:
+        return None
+
+
+_collected: Dict[str, Any] = {}
+
+
+def pytest_collection_finish(session: Any) -> None:
+    # What each test's function was when collected: a test that runs other code
+    # (its function swapped by a fixture, its constants edited) is reported.
+    for item in getattr(session, "items", []):
+        _collected[item.nodeid] = _fingerprint(item)
+
+
+def pytest_runtest_makereport(item: Any, call: Any) -> None:
+    if _witness is None or call.when != "call":
+        return
+    before = _collected.get(item.nodeid)
+    if before is not None and _fingerprint(item) != before:
+        _witness.emit(
+            "audit",
+            event="runtest",
+            what="ran other code than the test it collected",
+            target=item.nodeid,
+            patch=_witness.patch_frame() or "(not on the stack)",
+        )
+
+
 def pytest_runtest_logreport(report: Any) -> None:
     if _witness is not None:
         _witness.check()

@@ -1,0 +1,190 @@
+"""Grading a finished test run: the log, the witness's records and the canaries, together.
+
+Pure: the run's output, the canary plan and the witness's key in, a
+`Judgement` out. Nothing here trusts the test process: the log is the code
+under test's to write, the witness's records can only take a pass away, and
+the canaries (`sandman.eval.canaries`) must end as planted or the run is
+``unresolved`` whatever the listed tests did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sandman.eval.canaries import Plan
+from sandman.eval.evidence import Witnessed, read_witness, witness_log
+from sandman.eval.instances import Instance
+from sandman.eval.parsers import TestStatus, parse_log
+from sandman.eval.verdict import Status, grade_tests
+from sandman.models import ExecResult
+
+__all__ = ["Judgement", "judge"]
+
+_PASS_WORDS = frozenset({"PASSED", "XFAIL"})
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A run's grade, what it saw that a forger does, and SWE-bench's own answer."""
+
+    status: Status
+    reason: str
+    fail_to_pass: dict[str, TestStatus]
+    pass_to_pass: dict[str, TestStatus]
+    suspicious: list[str]
+    official: Status | None
+
+
+def judge(
+    instance: Instance,
+    result: ExecResult,
+    *,
+    plan: Plan,
+    key: bytes,
+    mode: Literal["pytest", "unittest"] | None,
+    strict: bool,
+    leads: list[str],
+    strong: list[str],
+) -> Judgement:
+    """Grade ``result`` (a test run that ran to its end, or was killed by itself).
+
+    ``leads``: suspicion found before the run (the patch's text, ``pre_test``);
+    ``strong``: evidence found before it that strict auditing grades
+    unresolved. ``mode``: the witness's, None when the family has none.
+    """
+    parser = instance.log_parser
+    claimed, planted, forged = plan.translate(parse_log(parser, result.stdout))
+    # What SWE-bench's grading makes of the log alone (no witness, canary or
+    # declaration; the parser equals its own on honest logs: test_parity).
+    official = grade_tests(instance, claimed)[0]
+    suspicious = list(leads)
+    strong = list(strong)
+    results = claimed
+    if forged:
+        strong.append(
+            f"the output reports {len(forged)} result(s) under the listed names of tests "
+            f"this run had renamed (no such test ran): {', '.join(sorted(forged)[:3])}"
+        )
+    ran = plan.ran(result.stdout)
+    lies = plan.lies(planted, ran, listed=claimed)
+    if mode is not None:
+        witnessed = read_witness(result.stderr, key)
+        if not witnessed.started and not claimed:
+            tail = result.stdout[-500:].strip()
+            return Judgement(
+                "error",
+                f"the test run (exit {result.exit_code}) reported no results and its "
+                f"framework never started: {tail}",
+                {}, {}, sorted(set(suspicious)), official,
+            )  # fmt: skip
+        confirmed, planted_seen, _ = plan.translate(
+            parse_log(parser, witness_log(parser, witnessed))
+        )
+        results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
+        strong += found
+        if witnessed.started:
+            lies += [
+                f"{lie} (by the framework's own report)"
+                for lie in plan.lies(planted_seen, ran, log=False, listed=confirmed)
+            ]
+        suspicious += witnessed.audits
+    must_fail = [
+        c for c in plan.canaries if "PASSED" not in c.expected and "SKIPPED" not in c.expected
+    ]
+    if must_fail and ran and result.exit_code == 0:
+        strong.append("the test command exited 0 although the canaries planted to fail did")
+    results, undeclared = _declared(plan, results)
+    suspicious = sorted(set(suspicious + strong + undeclared + [f"lie: {lie}" for lie in lies]))
+    # The planted canaries fail by design: the exit status is theirs to explain.
+    exit_code = None if must_fail and ran else result.exit_code
+    status, reason, f2p, p2p = grade_tests(instance, results, exit_code)
+    if lies:
+        shown = "; ".join(lies[:3]) + (f"; and {len(lies) - 3} more" if len(lies) > 3 else "")
+        status, reason = (
+            "unresolved",
+            f"the run's canaries lied ({status} by the tests alone): {shown}",
+        )
+    elif status == "resolved" and strong and strict:
+        forging = "; ".join(sorted(set(strong))[:3])
+        status = "unresolved"
+        reason = (
+            "every listed test passed, but the run did what a forging patch does "
+            f"(audit=strict): {forging}"
+        )
+    return Judgement(status, reason, f2p, p2p, suspicious, official)
+
+
+def _declared(
+    plan: Plan, results: dict[str, TestStatus]
+) -> tuple[dict[str, TestStatus], list[str]]:
+    """XFAIL and SKIPPED kept only for tests whose own source declares them.
+
+    A test whose source was not found (its def not located) keeps them.
+    """
+    adjusted = dict(results)
+    notes = []
+    for name, declared in plan.declared.items():
+        status = adjusted.get(name)
+        for word, needs in (("XFAIL", "xfail"), ("SKIPPED", "skip")):
+            if status == word and needs not in declared:
+                adjusted[name] = "FAILED"
+                notes.append(
+                    f"{name} ended {word}, which its source does not declare: counted as failed"
+                )
+    return adjusted, notes
+
+
+_BENIGN_AUDITS = ("started a process", "forked the test process")
+
+
+def _witnessed_results(
+    claimed: dict[str, TestStatus],
+    confirmed: dict[str, TestStatus],
+    witnessed: Witnessed,
+    result: ExecResult,
+    mode: str,
+) -> tuple[dict[str, TestStatus], list[str]]:
+    """The results to grade: the log's, each pass confirmed by the framework's own
+    report (``confirmed``: the witness's records, named by the same parser); and
+    what the run did that only a forger does (what strict auditing grades unresolved)."""
+    # Starting a process or forking is what honest code does too (subprocess,
+    # multiprocessing): listed, never strong.
+    suspicious = [a for a in witnessed.attributed if not any(w in a for w in _BENIGN_AUDITS)]
+    results: dict[str, TestStatus] = {}
+    unconfirmed = []
+    for name, status in claimed.items():
+        word = confirmed.get(name, "MISSING")
+        if status in _PASS_WORDS and word not in _PASS_WORDS:
+            unconfirmed.append(f"{name} ({status} in the output, {word} by the framework)")
+            results[name] = word
+        else:
+            results[name] = status
+    if unconfirmed:
+        shown = "; ".join(unconfirmed[:3]) + (
+            f"; and {len(unconfirmed) - 3} more" if len(unconfirmed) > 3 else ""
+        )
+        suspicious.append(f"the output claims passes the test framework did not report: {shown}")
+    if witnessed.forged:
+        suspicious.append(f"{witnessed.forged} line(s) posed as the grader's witness records")
+    if not witnessed.started:
+        suspicious.append("the grader's witness never started in the test process")
+    elif witnessed.finish is None:
+        suspicious.append(
+            "the test process ended before the test framework finished "
+            f"(exit {result.exit_code}{', ' + result.signal if result.signal else ''})"
+        )
+    else:
+        failed = (
+            witnessed.finish.get("exitstatus", 0) not in (0, 5)
+            if mode == "pytest"
+            else not witnessed.finish.get("successful", True)
+        )
+        if failed and result.exit_code == 0:
+            what = (
+                f"pytest reported exit status {witnessed.finish.get('exitstatus')}"
+                if mode == "pytest"
+                else "the test runner reported failures"
+            )
+            suspicious.append(f"the test command exited 0 although {what}")
+    return results, suspicious
