@@ -99,15 +99,31 @@ def _report(
 
 
 async def run(requests: int, clients: int, state: Path, png: Path, pacing: PacingConfig) -> str:
+    """The embedded burst. Closes all it opened, whatever happens: the clients, the
+    pool, the provider (its disk filesystem, a btrfs mounted from an image file in
+    ``state``, is unmounted: removing the directory alone would leave it mounted,
+    its space kept) and the cgroup parent."""
     config = LocalConfig(state_dir=state, cgroup_parent=new_cgroup_parent())
     provider = LocalProvider(config)
+    try:
+        return await _burst(provider, requests, clients, png, pacing)
+    finally:
+        try:
+            for info in await provider.list():  # counted as leftover already; not kept
+                await provider.delete(info.id)
+        finally:
+            await provider.aclose()
+            remove_cgroup_parent(config.cgroup_parent)
+
+
+async def _burst(
+    provider: LocalProvider, requests: int, clients: int, png: Path, pacing: PacingConfig
+) -> str:
+    state = provider.config.state_dir
     await provider.images.import_archive(busybox_rootfs_tar(state / "busybox.tar"), name="busybox")
     pool = Pool(provider, PoolConfig(name=f"burst-{uuid.uuid4().hex[:6]}", pacing=pacing))
-    await pool.start()
-    sessions = [AsyncClient(InProcessBackend(pool, own_pool=False)) for _ in range(clients)]
     usable: list[float] = []
     failures: list[str] = []
-    started = time.monotonic()
 
     async def one(client: AsyncClient) -> None:
         try:
@@ -119,12 +135,16 @@ async def run(requests: int, clients: int, state: Path, png: Path, pacing: Pacin
             failures.append(repr(exc))
 
     share = _shares(requests, clients)
-    await asyncio.gather(*(one(c) for c, n in zip(sessions, share, strict=True) for _ in range(n)))
-    for client in sessions:
-        await client.aclose()
-    await pool.aclose()
+    async with pool:
+        sessions = [AsyncClient(InProcessBackend(pool, own_pool=False)) for _ in range(clients)]
+        try:
+            started = time.monotonic()
+            burst = (one(c) for c, n in zip(sessions, share, strict=True) for _ in range(n))
+            await asyncio.gather(*burst)
+        finally:
+            for client in sessions:
+                await client.aclose()
     leftover = len(await provider.list())
-    remove_cgroup_parent(config.cgroup_parent)
 
     usable.sort()
     title = f"{requests} sandboxes, {clients} clients, one embedded pool"
@@ -226,13 +246,32 @@ async def run_processes(
     if via_proxy:
         command.append("--via-proxy")
     env = {**os.environ, "SANDMAN_API_KEY": api_key}
-    procs = [
-        Client(i, await asyncio.create_subprocess_exec(
-            *command, "--requests", str(n), *(["--hold"] if i == victim_index else []), env=env,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        ), n)
-        for i, n in enumerate(share)
-    ]  # fmt: skip
+    procs: list[Client] = []
+    try:
+        for i, n in enumerate(share):
+            process = await asyncio.create_subprocess_exec(
+                *command, "--requests", str(n), *(["--hold"] if i == victim_index else []),
+                env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            procs.append(Client(i, process, n))
+        return await _watch(procs, url, api_key, requests, clients, png, victim_index,
+                            via_proxy=via_proxy, lease=lease, provider=provider)  # fmt: skip
+    finally:
+        # Cut short (an error, ^C): no client process outlives the run. Each would read
+        # EOF as its "go" and start a burst of its own.
+        for c in procs:
+            if c.process.returncode is None:
+                c.process.kill()
+                await c.process.wait()
+
+
+async def _watch(
+    procs: list[Client], url: str, api_key: str, requests: int, clients: int, png: Path,
+    victim_index: int | None, *, via_proxy: bool, lease: float, provider: LocalProvider | None,
+) -> str:  # fmt: skip
+    """Start the client processes' burst, follow it (killing the victim mid-burst), and
+    report once all of them exited and the victim's lease passed."""
+    kill = victim_index is not None
     killed_at: float | None = None
     held_at_kill: list[str] = []
 
@@ -248,14 +287,18 @@ async def run_processes(
             held_at_kill.extend(client.acquired)
 
     readers = [asyncio.create_task(c.read(on_line)) for c in procs]
-    await asyncio.gather(*(c.ready.wait() for c in procs))
-    started = time.monotonic()
-    for c in procs:
-        assert c.process.stdin is not None
-        c.process.stdin.write(b"go\n")
-        await c.process.stdin.drain()
-    await asyncio.gather(*(c.process.wait() for c in procs))
-    await asyncio.gather(*readers)
+    try:
+        await asyncio.gather(*(c.ready.wait() for c in procs))
+        started = time.monotonic()
+        for c in procs:
+            assert c.process.stdin is not None
+            c.process.stdin.write(b"go\n")
+            await c.process.stdin.drain()
+        await asyncio.gather(*(c.process.wait() for c in procs))
+        await asyncio.gather(*readers)
+    finally:
+        for reader in readers:
+            reader.cancel()
 
     survivors = [c for c in procs if not c.killed]
     failures = [f for c in survivors for f in c.failures]
@@ -324,6 +367,9 @@ def main() -> int:
                         help="(service mode) commands go through the service's proxy route")  # fmt: skip
     parser.add_argument("--lease", type=float, default=10.0,
                         help="(--serve) the session lease: how long a killed client's sandboxes stay")  # fmt: skip
+    parser.add_argument("--state-dir", type=Path,
+                        help="(embedded) the provider's state dir, kept after the run "
+                             "(default: a fresh one under /tmp, removed)")  # fmt: skip
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -345,12 +391,14 @@ def main() -> int:
             kill=args.kill, via_proxy=args.via_proxy, lease=args.lease, provider=None,
         )))  # fmt: skip
         return 0
-    state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+    # A directory given is the caller's to remove (a test looks at the mounts under it).
+    state = args.state_dir or Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
     pacing = PacingConfig(rate=args.rate, window=args.window)
     try:
         print(asyncio.run(run(args.requests, args.clients, state, args.png.resolve(), pacing)))
     finally:
-        shutil.rmtree(state, ignore_errors=True)
+        if args.state_dir is None:
+            shutil.rmtree(state, ignore_errors=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from sandman.pool.events import EventHook, PoolEvent
 from sandman.pool.pacing import Pacer, PacingConfig
 from sandman.pool.pool import Pool, PoolConfig, PoolHealth
 from sandman.pool.records import Record
+from sandman.pool.tally import Tally
 
 __all__ = [
     "EventHook",
@@ -14,4 +15,5 @@ __all__ = [
     "PoolEvent",
     "PoolHealth",
     "Record",
+    "Tally",
 ]

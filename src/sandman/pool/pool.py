@@ -34,8 +34,9 @@ import contextlib
 import logging
 import secrets
 import time
+import weakref
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
@@ -44,7 +45,8 @@ from sandman.models import SandboxSpec
 from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
-from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record
+from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record, State
+from sandman.pool.tally import HELD, Tally
 from sandman.providers.base import (
     BackendOwners,
     KeepsOwners,
@@ -196,6 +198,7 @@ class Pool:
         self._hook = hook
         self._pacer: Pacer[_Request] = Pacer(self.config.pacing, time.monotonic())
         self._records: dict[str, Record] = {}
+        self._tallies: weakref.WeakSet[Tally] = weakref.WeakSet()  # kept by their readers
         # Lost and deleted, kept (a bounded few) until their holders are told.
         self._lost: OrderedDict[str, Record] = OrderedDict()
         # Session -> the labels of one of its sandboxes that another live process of this
@@ -522,9 +525,11 @@ class Pool:
         finally:
             if not request.future.done():
                 request.future.cancel()
-            # Dropped before any create if it was still queued.
+            # Dropped before any create if it was still queued; no longer a waiter
+            # either way (a create under way for it hands its sandbox on by itself).
             if self._pacer.cancel(request):
                 self._wake.set()
+            self._drop_waiting(request)
 
     def _whereabouts(self, request: _Request) -> str:
         """Where a request that timed out had got to, for its error: the pacer's queue
@@ -610,6 +615,18 @@ class Pool:
             stopped=stopped,
         )
 
+    def tally(self, key: Callable[[Record], str | None]) -> Tally:
+        """A live count of the sandboxes held (from the recorded intent until released,
+        failed or lost) by ``key(record)``, None for one not counted: kept up to date as
+        sandboxes come and go, so reading it never scans the records. Kept only as long
+        as the caller keeps it."""
+        tally = Tally(key)
+        for record in self._records.values():
+            if record.state in HELD:
+                tally.held(record)
+        self._tallies.add(tally)
+        return tally
+
     def warm(self, spec: SandboxSpec, count: int) -> None:
         """Keep ``count`` ready spares of ``spec``; an acquire they serve costs only the hand-over."""
         self._check_open()
@@ -639,7 +656,7 @@ class Pool:
             self._release(record, reason="session gone before hand-over")
             return
         record.session = session_id
-        record.state = "leased"
+        self._set_state(record, "leased")
         record.stamp("handed_out")
         session.sandboxes.add(record.id)
         self._emit("sandbox.leased", record)
@@ -682,7 +699,7 @@ class Pool:
         record.stamp("queued", request.queued_at)
         record.stamp("create_called")
         # The intent is recorded before the backend is called.
-        self._records[record.id] = record
+        self._add(record)
         self._emit("create.started", record)
         started = request.creating_since = time.monotonic()
         request.creating = record.id
@@ -692,7 +709,7 @@ class Pool:
             )
             self._contact = time.monotonic()
             record.info = info
-            record.state = "starting"
+            self._set_state(record, "starting")
             self._watch(info)
             record.stamp("accepted")
             record.stamp("running")
@@ -706,7 +723,7 @@ class Pool:
         except Exception as exc:  # noqa: BLE001 - whatever a provider raises fails this create
             self._failed(request, record, exc)
             return
-        record.state = "ready"
+        self._set_state(record, "ready")
         record.stamp("daemon_ready")
         self._pacer.on_ready(time.monotonic(), time.monotonic() - started)
         self._wake.set()
@@ -729,6 +746,7 @@ class Pool:
         retryable = getattr(exc, "retryable", False) or kind in ("throttled", "capacity")
         request.attempts += 1
         if request.future.done() and not request.warm:
+            self._drop_waiting(request)
             return
         if retryable and request.attempts <= self.config.retry_limit and not self._closed:
             self._pacer.enqueue(_WARM_CLIENT if request.warm else request.session, request)
@@ -740,10 +758,14 @@ class Pool:
             request.future.set_exception(exc)
 
     def _drop_waiting(self, request: _Request) -> None:
+        """Take ``request`` off its spec's waiters; a spec nobody waits on has no entry
+        (specs often carry a task id: one entry per spec ever seen would grow forever)."""
         queue = self._waiting.get(request.key)
         if queue is not None:
             with contextlib.suppress(ValueError):
                 queue.remove(request)
+            if not queue:
+                del self._waiting[request.key]
 
     def _deliver(self, record: Record, request: _Request) -> None:
         """Hand a ready sandbox to its requester, else the next waiter, else the spares, else delete."""
@@ -766,6 +788,8 @@ class Pool:
                 and other.session in self._sessions
                 and self._pacer.cancel(other)
             ):
+                if not queue:
+                    del self._waiting[request.key]
                 self._lease(record, other.session)
                 other.future.set_result(record)
                 self._emit("sandbox.handed_over", record, from_session=request.session)
@@ -773,12 +797,38 @@ class Pool:
             if not other.future.done():
                 queue.appendleft(other)
                 break
+        if request.key in self._waiting and not queue:
+            del self._waiting[request.key]
         _, target = self._warm.get(request.key, (record.spec, 0))
         if len(self._idle.get(request.key, ())) < target:
             record.session = None
             self._idle.setdefault(request.key, deque()).append(record.id)
             return
         self._release(record, reason="caller gave up")
+
+    # -- internals: the records ----------------------------------------------------
+
+    def _add(self, record: Record) -> None:
+        self._records[record.id] = record
+        if record.state in HELD:
+            for tally in self._tallies:
+                tally.held(record)
+
+    def _set_state(self, record: Record, state: State) -> None:
+        """Every change of a recorded sandbox's state, so that the tallies follow it."""
+        was_held = record.state in HELD
+        record.state = state
+        if was_held and state not in HELD:
+            for tally in self._tallies:
+                tally.let_go(record.id)
+        elif state in HELD and not was_held:
+            for tally in self._tallies:
+                tally.held(record)
+
+    def _forget(self, record: Record) -> None:
+        self._records.pop(record.id, None)
+        for tally in self._tallies:
+            tally.let_go(record.id)
 
     # -- internals: release and delete ---------------------------------------------
 
@@ -801,7 +851,7 @@ class Pool:
             return
         if record.session is not None and (session := self._sessions.get(record.session)):
             session.sandboxes.discard(record.id)
-        record.state = state
+        self._set_state(record, state)
         record.stamp("released")
         self._emit("sandbox.released", record, reason=reason)
         self._spawn(self._delete(record), f"sandman-delete-{record.id}")
@@ -810,7 +860,7 @@ class Pool:
         backoff = self.config.delete_backoff
         lost = record.state == "lost"  # stays so: its holder is told why, not "gone"
         if not lost:
-            record.state = "releasing"
+            self._set_state(record, "releasing")
         while True:
             try:
                 await self.provider.delete(record.id)
@@ -822,9 +872,9 @@ class Pool:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.delete_backoff_max)
         record.stamp("gone")
-        self._records.pop(record.id, None)
+        self._forget(record)
         if not lost:
-            record.state = "gone"
+            self._set_state(record, "gone")
         elif record.session is not None and not record.release_requested:
             self._remember_lost(record)
         self._emit("delete.complete", record)
@@ -872,7 +922,7 @@ class Pool:
         spares = self._idle.get(_key(record.spec))
         if spares is not None and record.id in spares:
             spares.remove(record.id)  # or the warm count would take it for a spare
-        record.state = "lost"
+        self._set_state(record, "lost")
         record.stamp("lost")
         self._emit("sandbox.lost", record, reason=lost.reason, detail=lost.detail)
         self._spawn(self._delete(record), f"sandman-delete-{record.id}")
@@ -1110,7 +1160,7 @@ class Pool:
             expires_at=expires,
             info=info,
         )
-        self._records[info.id] = record
+        self._add(record)
         return record
 
     def _orphan(self, info: SandboxInfo, *, expires: float = 0.0, reason: str = "orphan") -> None:
