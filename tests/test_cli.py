@@ -4,6 +4,7 @@ import asyncio
 import json
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable
 from pathlib import Path
@@ -15,9 +16,11 @@ import sandman
 from sandman.cli import build as _build
 from sandman.client import AsyncClient, InProcessBackend
 from sandman.pool import Pool, PoolConfig
+from sandman.pool.records import LABEL_EXPIRES
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.providers.local.fresh import fresh_local_provider
 from tests.server.conftest import KEY_A, KEY_B, serve
+from tests.server.test_serve import Host, free_port, served
 from tests.support import eventually
 
 
@@ -48,6 +51,7 @@ def test_images_run_ls_gc(busybox_tar: Path) -> None:
         )
         assert imported.exit_code == 0, imported.output
         listed = runner.invoke(_build(), [*base, "images", "ls"])
+        assert listed.output.splitlines()[0].split() == ["ID", "SIZE", "NAMES"]
         assert "bb:latest" in listed.output
 
         ran = runner.invoke(_build(), [*base, "run", "bb", "--", "sh", "-c", "echo hi; exit 3"])
@@ -57,12 +61,15 @@ def test_images_run_ls_gc(busybox_tar: Path) -> None:
         assert missing.exit_code == 1
         assert "error:" in missing.output and "hint: import it first" in missing.output
 
-        assert runner.invoke(_build(), [*base, "ls"]).output == ""  # run released its sandbox
+        # run released its sandbox
+        empty = "no sandboxes (`sandman create IMAGE` makes one)\n"
+        assert runner.invoke(_build(), [*base, "ls"]).output == empty
         reaped = runner.invoke(_build(), [*base, "gc", "--all"])
         assert reaped.exit_code == 0 and "reaped 0" in reaped.output
         removed = runner.invoke(_build(), [*base, "images", "rm", "bb"])
         assert removed.exit_code == 0
-        assert "bb:latest" not in runner.invoke(_build(), [*base, "images", "ls"]).output
+        none = runner.invoke(_build(), [*base, "images", "ls"]).output
+        assert none.startswith("no images (`sandman images import ARCHIVE`")
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
@@ -130,6 +137,7 @@ async def _exec_cp_round(
     (tree / "sub" / "deep.txt").write_text("deep")
     copied = await _cli(*root, "cp", *options, str(tree), f"{sid}:{box}/tree")
     assert copied.exit_code == 0, copied.output
+    assert copied.output == f"copied {tree}/ -> {box}/tree/ (1 file, 4 bytes)\n"
     assert await sandbox.read_file(f"{box}/tree/sub/deep.txt") == b"deep"
 
     await sandbox.write_file(f"{box}/down.bin", b"\x00\xff", mode=0o640)
@@ -160,12 +168,23 @@ async def test_exec_cp_ls_rm_against_a_service(tmp_path: Path) -> None:
             await _exec_cp_round(sandbox, box, tmp_path / "direct", *key)
             await _exec_cp_round(sandbox, box, tmp_path / "proxied", *key, "--via-proxy")
 
+            timed = await _cli("exec", *key, "--timeout", "1", sandbox.id, "--", "sleep", "10")
+            assert timed.exit_code == 124, timed.output
+            assert timed.stderr == "timed out after 1 s; killed\n"
+            ran = await _cli("run", *key, "--timeout", "0.5", "task", "--", "sleep", "10")
+            assert ran.exit_code == 124 and ran.stderr == "timed out after 0.5 s; killed\n"
+
             env = {"SANDMAN_URL": served.url, "SANDMAN_API_KEY": KEY_A}
             listed = await _cli("ls", env=env)
             assert listed.exit_code == 0 and sandbox.id in listed.output
-            assert "leased" in listed.output
+            header, *rows = listed.output.splitlines()
+            assert header.split() == ["ID", "STATE", "IMAGE", "AGE", "SESSION"]
+            assert [sandbox.id, "leased", "task"] in [row.split()[:3] for row in rows]
             other = await _cli("ls", "--url", served.url, "--api-key", KEY_B)
-            assert other.exit_code == 0 and other.output == ""  # another tenant's: not shown
+            # another tenant's: not shown
+            assert (
+                other.exit_code == 0 and other.output == "no sandboxes (of this API key's tenant)\n"
+            )
             foreign = await _cli("exec", "--url", served.url, "--api-key", KEY_B, sandbox.id,
                                  "--", "true")  # fmt: skip
             assert foreign.exit_code == 1 and "hint: `sandman ls`" in foreign.output
@@ -173,6 +192,10 @@ async def test_exec_cp_ls_rm_against_a_service(tmp_path: Path) -> None:
             removed = await _cli("rm", *key, sandbox.id)
             assert removed.exit_code == 0 and f"released {sandbox.id}" in removed.output
             await eventually(lambda: served.provider.live == 0)
+            twice = await _cli("rm", *key, sandbox.id)
+            assert twice.exit_code == 0 and twice.output.startswith(
+                f"{sandbox.id} was already gone"
+            )
             again = await _cli("exec", *key, sandbox.id, "--", "true")
             assert again.exit_code == 1 and "error:" in again.output
             unknown = await _cli("rm", *key, "no-such-sandbox")
@@ -193,6 +216,103 @@ async def test_exec_cp_ls_rm_on_the_local_provider(busybox_tar: Path, tmp_path: 
             removed = await _cli(*options, "rm", sandbox.id)
             assert removed.exit_code == 0 and f"deleted {sandbox.id}" in removed.output
             assert await provider.list() == []
+            twice = await _cli(*options, "rm", sandbox.id)
+            assert twice.exit_code == 0 and twice.output == f"{sandbox.id} was already gone\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["run", "--memory", "lots", "busybox", "--", "true"],
+         "Invalid value for '--memory': 'lots' is not a size (try 512Mi)"),
+        (["run", "--cpu", "0", "busybox", "--", "true"],
+         "Invalid value for '--cpu': must be more than 0, not 0"),
+        (["shell", "--memory", "1Mi", "busybox"],
+         "Invalid value for '--memory': must be at least 16Mi, not 1Mi"),
+        (["create", "--pids", "3", "busybox"], "Invalid value for '--pids': must be at least 16, not 3"),
+        (["create", "--disk", "5 gigs", "busybox"],
+         "Invalid value for '--disk': '5 gigs' is not a size (try 512Mi)"),
+        (["create", "--ttl", "soon", "busybox"],
+         "Invalid value for '--ttl': 'soon' is not a duration (try 30m, 2h or 3600)"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_one_line_naming_its_option(args: list[str], said: str) -> None:
+    result = CliRunner().invoke(_build(), args)
+    assert result.exit_code == 2, result.output
+    assert f"Error: {said}\n" in result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+
+
+def test_a_short_api_key_is_said_in_plain_words() -> None:
+    result = CliRunner().invoke(
+        _build(), ["serve", "--port", "0"], env={"SANDMAN_API_KEYS": "x:abc"}
+    )
+    assert result.exit_code == 1
+    first = result.output.splitlines()[0]
+    assert first == (
+        "error: SANDMAN_API_KEYS: tenant x's key has 3 characters; use at least 16 "
+        "(e.g. openssl rand -hex 16)"
+    )
+    bad = CliRunner().invoke(
+        _build(), ["serve", "--port", "0"], env={"SANDMAN_API_KEYS": f"Team A:{KEY_A}"}
+    )
+    assert bad.exit_code == 1 and "tenant name 'Team A' is refused" in bad.output
+    assert KEY_A not in bad.output
+
+
+def test_create_refuses_a_service() -> None:
+    result = CliRunner().invoke(_build(), ["create", "busybox"], env={"SANDMAN_URL": "http://x"})
+    assert result.exit_code == 2 and "create makes a sandbox on this machine" in result.output
+
+
+@needs_root_and_crun
+@pytest.mark.anyio
+async def test_create_makes_a_sandbox_that_outlives_the_command(busybox_tar: Path) -> None:
+    async with fresh_local_provider(busybox_tar) as provider:
+        options = ["--state-dir", str(provider.config.state_dir)]
+        env = {"SANDMAN_CGROUP_PARENT": provider.config.cgroup_parent}
+        before = time.time()
+        made = await _cli(*options, "create", "busybox", "--memory", "64Mi", "--ttl", "2h",
+                          env=env)  # fmt: skip
+        assert made.exit_code == 0, made.output
+        sandbox_id = made.stdout.strip()
+        assert made.stderr == (
+            f"sandbox {sandbox_id} is ready for 2h; `sandman rm {sandbox_id}` deletes it\n"
+        )
+        info = await provider.inspect(sandbox_id)
+        assert info.state == "running"
+        expires = float(info.labels[LABEL_EXPIRES])
+        assert before + 7200 - 5 <= expires <= time.time() + 7200 + 5
+        # Another command, another event loop: the sandbox is still there.
+        ran = await _cli(*options, "exec", sandbox_id, "--", "sh", "-c", "echo hi", env=env)
+        assert ran.exit_code == 0 and ran.stdout == "hi\n", ran.output
+        listed = await _cli(*options, "ls", env=env)
+        assert listed.output.splitlines()[1].split()[:3] == [sandbox_id, "running", "busybox"]
+        # Not yet past its TTL: gc leaves it.
+        reaped = await _cli(*options, "gc", env=env)
+        assert reaped.exit_code == 0 and "reaped 0" in reaped.output
+        removed = await _cli(*options, "rm", sandbox_id, env=env)
+        assert removed.output == f"deleted {sandbox_id}\n"
+        missing = await _cli(*options, "create", "no-such-image", env=env)
+        assert missing.exit_code == 1 and "hint: import it first" in missing.output
+        assert await provider.list() == []
+
+
+@needs_root_and_crun
+@pytest.mark.anyio
+async def test_serve_gives_its_sandboxes_the_lifetime_asked_for(busybox_tar: Path) -> None:
+    async with fresh_local_provider(busybox_tar) as provider:
+        pool = f"serve-life-{uuid.uuid4().hex[:8]}"
+        with served(
+            Host(provider.config, provider), free_port(), pool, "--lifetime", "90m"
+        ) as server:
+            await server.wait_healthy()
+            async with sandman.connect(server.url, api_key=KEY_A) as client:
+                before = time.time()
+                sb = await client.acquire("busybox", memory="64Mi", pids=64, timeout=60)
+                assert before + 5400 - 5 <= sb.expires_at <= time.time() + 5400 + 5
+                await sb.release()
+            assert await server.terminate() == 0, server.output()
 
 
 def test_bench_outside_a_checkout_is_a_clear_error(tmp_path: Path) -> None:

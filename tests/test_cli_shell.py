@@ -169,7 +169,8 @@ def _listed(state: Path) -> str:
 
 
 def _assert_released(state: Path, sandbox_id: str) -> None:
-    until("`sandman ls` to be empty", lambda: _listed(state) == "", 30, lambda: _listed(state))
+    empty = "no sandboxes (`sandman create IMAGE` makes one)\n"
+    until("`sandman ls` to be empty", lambda: _listed(state) == empty, 30, lambda: _listed(state))
     until(
         "nothing of the sandbox left",
         lambda: not _leftovers(state, sandbox_id),

@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     field_validator,
 )
 
@@ -36,6 +37,8 @@ __all__ = [
     "SessionInfo",
     "SessionRunResult",
     "check_object_name",
+    "explain",
+    "parse_bytes",
 ]
 
 Encoding = Literal["utf-8", "base64"]
@@ -59,6 +62,11 @@ def _parse_bytes(value: object) -> object:
     """Accept 512 * 2**20, "512Mi", "1G", "1.5Gi" (Kubernetes-style quantities)."""
     if not isinstance(value, str):
         return value
+    return parse_bytes(value)
+
+
+def parse_bytes(value: str) -> int:
+    """Bytes of a quantity such as ``"512Mi"``, ``"1G"``, ``"1.5Gi"``; ValueError if it is none."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", value)
     if match is None:
         raise ValueError(f"not a byte quantity: {value!r} (try 512Mi or 2Gi)")
@@ -66,6 +74,56 @@ def _parse_bytes(value: object) -> object:
 
 
 Bytes = Annotated[int, BeforeValidator(_parse_bytes)]
+
+
+def _quantity(value: object, field: str) -> str:
+    """A bound as a person writes it: 16Mi for a byte field's 16777216."""
+    if field in _BYTE_FIELDS and isinstance(value, int) and value >= 2**10:
+        for unit in ("Ti", "Gi", "Mi", "Ki"):
+            if value % _UNITS[unit.lower()] == 0:
+                return f"{value // _UNITS[unit.lower()]}{unit}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_BYTE_FIELDS = frozenset({"memory", "disk", "memory_request", "ephemeral_storage"})
+
+# Pydantic's error types, in plain words: the bound (``ctx``) is filled in.
+_PLAIN: dict[str, str] = {
+    "greater_than": "must be more than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "too_short": "has {actual_length} characters; use at least {min_length}",
+    "too_long": "has {actual_length} characters; use at most {max_length}",
+    "string_too_short": "must have at least {min_length} character(s)",
+    "extra_forbidden": "is not a setting here",
+    "missing": "is required",
+}
+
+
+def explain(exc: ValidationError) -> list[tuple[str, str]]:
+    """Each problem of ``exc`` as (field, what is wrong in plain words), e.g.
+    ``("cpu", "must be more than 0, not 0")``: no validator jargon, and the value
+    given only where it helps (never a secret's)."""
+    problems: list[tuple[str, str]] = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        name = str(error["loc"][-1]) if error["loc"] else ""
+        ctx = error.get("ctx") or {}
+        template = _PLAIN.get(error["type"])
+        if template is not None:
+            words = template.format(**{k: _quantity(v, name) for k, v in ctx.items()})
+            given = error.get("input")
+            if error["type"].startswith(("greater", "less")) and not isinstance(given, str):
+                words += f", not {_quantity(given, name)}"
+        elif error["type"] == "value_error":
+            words = str(ctx.get("error", error["msg"]))
+        else:
+            words = error["msg"].removeprefix("Input ")
+            words = words[:1].lower() + words[1:]
+        problems.append((field, words))
+    return problems
+
 
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 

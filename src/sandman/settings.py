@@ -63,6 +63,11 @@ class LocalConfig(BaseModel):
     192.168.0.0/16, the shared 100.64.0.0/10, and 0.0.0.0/8, 127.0.0.0/8, multicast and
     reserved (``providers.local.network.DEFAULT_EGRESS_DENY``); ``[]`` denies none. The
     host's own addresses and other sandboxes are unreachable whatever this says."""
+    beyond_host: Literal["warn", "refuse"] = "warn"
+    """A spec asking for more memory than this host has, or more CPUs than it has (where
+    such a limit limits nothing): ``warn`` logs a warning once per size and creates the
+    sandbox; ``refuse`` fails its create with a `ConfigError` (``SANDMAN_BEYOND_HOST`` for
+    the CLI and ``sandman serve``)."""
     egress_allow: list[IPv4Network] = Field(default_factory=list)
     """Exceptions to ``egress_deny``, e.g. a package mirror or the DNS resolver an image's
     /etc/resolv.conf names (``["10.0.0.2/32"]``). Applies to sandboxes created after."""

@@ -24,6 +24,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import TrialPaths
 
+from sandman.errors import ConfigError
 from sandman.integrations._client import close_loop_clients
 from sandman.integrations.harbor import SandmanEnvironment
 from sandman.providers.local import LocalProvider
@@ -163,6 +164,30 @@ def test_a_task_without_an_image_is_refused(
     assert ran.returncode != 0
     assert "runs prebuilt images, it does not build them" in said, said
     assert leftovers(busybox_provider) == []
+
+
+def test_the_state_dir_option_picks_the_embedded_pool_s_directory(
+    busybox_provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without SANDMAN_STATE_DIR the default state directory would not have the image.
+    monkeypatch.delenv("SANDMAN_STATE_DIR")
+    state = busybox_provider.config.state_dir
+    result, _ = trial(
+        tmp_path / "trials", "-p", task(tmp_path), "--environment-kwarg", f"state_dir={state}"
+    )
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"] == {"reward": 1.0}
+    [config] = (tmp_path / "trials").glob("*/config.json")
+    assert json.loads(config.read_text())["environment"]["kwargs"] == {"state_dir": str(state)}
+    assert leftovers(busybox_provider) == []
+
+
+@pytest.mark.anyio
+async def test_a_state_dir_with_a_service_is_refused(tmp_path: Path) -> None:
+    env = environment(tmp_path)
+    env.options = SandmanEnvironment.parse_options({"url": "http://x", "state_dir": "/var/x"})
+    with pytest.raises(ConfigError, match="state_dir /var/x is the embedded pool's"):
+        await env.start(force_build=False)
 
 
 def test_an_unknown_option_is_refused(busybox_provider: LocalProvider, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output
 
 from sandman.errors import SandboxNotFound
 from sandman.integrations import minisweagent as mini
+from sandman.integrations._client import ENV_API_KEY, ENV_STATE_DIR, ENV_URL, close_shared
 from sandman.providers.local import LocalProvider
 from tests.integrations.conftest import assert_gone, leftovers
 
@@ -125,6 +127,28 @@ def test_a_released_sandbox_ends_the_run(local_provider: LocalProvider) -> None:
     env.cleanup()
     with pytest.raises(SandboxNotFound):
         env.execute({"command": "true"})
+
+
+def test_the_exit_is_quiet_when_the_service_is_already_gone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("prometheus_client")  # the server extra
+    from tests.server.conftest import KEY_A, serve
+
+    monkeypatch.delenv(ENV_STATE_DIR, raising=False)
+    with serve() as served:
+        monkeypatch.setenv(ENV_URL, served.url)
+        monkeypatch.setenv(ENV_API_KEY, KEY_A)
+        env = mini.SandmanEnvironment(image="task", interpreter=["sh", "-c"], timeout=2)
+        assert env.execute({"command": "true"})["returncode"] == 0
+    # The run's end stopped the service first; then the process exits (atexit: close_shared).
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        close_shared()
+    said = [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == []
+    assert "the service was not reached at close" in caplog.text
+    del env
 
 
 def test_unknown_settings_are_refused(local_provider: LocalProvider) -> None:

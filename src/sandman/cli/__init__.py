@@ -1,7 +1,9 @@
 """The ``sandman`` command line.
 
 Only this package (and the server) read the environment: ``SANDMAN_STATE_DIR``,
-``SANDMAN_URL``, ``SANDMAN_API_KEY`` and, for ``serve``, ``SANDMAN_API_KEYS``.
+``SANDMAN_URL``, ``SANDMAN_API_KEY``, the local provider's ``SANDMAN_RUNTIME``,
+``SANDMAN_CGROUP_PARENT`` and ``SANDMAN_BEYOND_HOST`` and, for ``serve``,
+``SANDMAN_API_KEYS``.
 Errors are one readable line and a hint; ``--debug`` shows the traceback.
 
 One module per command group; each exposes click commands that `build`

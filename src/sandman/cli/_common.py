@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import click
 from pydantic import ValidationError
 
 from sandman import errors
+from sandman.models import SandboxSpec, explain, parse_bytes
 from sandman.settings import LocalConfig
 
 if TYPE_CHECKING:
@@ -100,12 +101,12 @@ def run_async(ctx: click.Context, coro: Coroutine[Any, Any, T]) -> T:
 
 
 def local_config(ctx: click.Context) -> LocalConfig:
-    """The local provider's settings: the root's --state-dir, and ``SANDMAN_RUNTIME`` and
-    ``SANDMAN_CGROUP_PARENT`` from the environment."""
+    """The local provider's settings: the root's --state-dir, and ``SANDMAN_RUNTIME``,
+    ``SANDMAN_CGROUP_PARENT`` and ``SANDMAN_BEYOND_HOST`` from the environment."""
     values: dict[str, object] = {}
     if ctx.obj["state_dir"]:
         values["state_dir"] = Path(ctx.obj["state_dir"])
-    for field in ("runtime", "cgroup_parent"):
+    for field in ("runtime", "cgroup_parent", "beyond_host"):
         if os.environ.get(f"SANDMAN_{field.upper()}"):
             values[field] = os.environ[f"SANDMAN_{field.upper()}"]
     try:
@@ -182,3 +183,84 @@ async def daemon_client(
     if info.state != "running" or info.endpoint is None:
         raise errors.SandboxNotFound(f"sandbox {sandbox_id} is {info.state}, not running")
     return info.endpoint.client()
+
+
+class Size(click.ParamType[int]):
+    """A byte quantity: ``512Mi``, ``2Gi``, ``1G`` or bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a size (try 512Mi)", param, ctx)
+
+
+class Duration(click.ParamType[float]):
+    """Seconds, or a number with a unit: ``90s``, ``30m``, ``2h``, ``1d``."""
+
+    name = "duration"
+    _UNITS: ClassVar[dict[str, int]] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip().lower()
+        number, unit = text.rstrip("smhd"), text[len(text.rstrip("smhd")) :]
+        try:
+            seconds = float(number) * self._UNITS[unit]
+        except (KeyError, ValueError):
+            self.fail(f"{value!r} is not a duration (try 30m, 2h or 3600)", param, ctx)
+        if seconds <= 0:
+            self.fail(f"{value!r} is not a duration: it must be more than 0", param, ctx)
+        return seconds
+
+
+def limit_options(command: F) -> F:
+    """Add --cpu, --memory and --network: a sandbox's limits (checked by `spec_of`)."""
+    command = click.option(
+        "--network", type=click.Choice(["none", "isolated", "egress"]), default="none"
+    )(command)
+    command = click.option(
+        "--memory", type=Size(), default="1Gi", show_default=True, help="e.g. 512Mi, 2Gi."
+    )(command)
+    return click.option("--cpu", type=float, default=1.0, show_default=True, help="Cores.")(command)
+
+
+# The option (or argument) of each spec field the commands set.
+_OPTION_OF = {"image": "IMAGE", "cpu": "--cpu", "memory": "--memory", "pids": "--pids",
+              "disk": "--disk", "network": "--network"}  # fmt: skip
+
+
+def spec_of(image: str, **fields: Any) -> SandboxSpec:
+    """The spec the options describe (None: the default); a bad value is the usage
+    error of its option (``Invalid value for '--cpu': must be more than 0, not 0``)."""
+    try:
+        return SandboxSpec(image=image, **{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        field, words = explain(exc)[0]
+        option = _OPTION_OF.get(field.split(".")[0], field)
+        raise click.BadParameter(words, param_hint=f"'{option}'") from None
+
+
+def echo_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, empty: str) -> None:
+    """``rows`` under ``header`` in aligned columns; ``empty`` alone when there are none."""
+    if not rows:
+        click.echo(empty)
+        return
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def age(seconds: float) -> str:
+    """``42s``, ``7m``, ``3h``, ``2d``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"

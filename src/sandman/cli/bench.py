@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "handover": "handover.py",
     "runtimes": "runtimes.py",
     "eval-determinism": "eval_determinism.py",
+    "eval-corpus": "eval_corpus.py",
     "chaos": "chaos.py",
     "k8s-burst": "k8s_burst.py",
     "k8s-scale": "k8s_scale.py",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from sandman.cli._common import local_config, run_async
+from sandman.cli._common import echo_table, local_config, run_async
 from sandman.images import ImageStore
 
 
@@ -49,9 +49,12 @@ def images_pull(ctx: click.Context, reference: str, insecure: bool) -> None:
 @click.pass_context
 def images_ls(ctx: click.Context) -> None:
     """List imported images."""
-    for image in run_async(ctx, _store(ctx).list()):
-        names = ", ".join(image.names) or "<none>"
-        click.echo(f"{image.short_id}  {image.size / 2**20:8.1f} MiB  {names}")
+    rows = [
+        (image.short_id, f"{image.size / 2**20:.1f} MiB", ", ".join(image.names) or "<none>")
+        for image in run_async(ctx, _store(ctx).list())
+    ]
+    empty = "no images (`sandman images import ARCHIVE` or `sandman images pull REF` adds one)"
+    echo_table(("ID", "SIZE", "NAMES"), rows, empty=empty)
 
 
 @images.command("rm")

@@ -1,5 +1,7 @@
-"""Sandbox commands: ``run``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
+"""Sandbox commands: ``run``, ``create``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
 
+``create`` makes a sandbox of the local provider that outlives the command
+(until ``rm``, or ``gc`` past its ``--ttl``).
 ``exec``, ``cp``, ``ls`` and ``rm`` act on the local provider's sandboxes, or,
 with ``--url`` (``SANDMAN_URL``), on the tenant's sandboxes at a service; ``gc``
 on the local provider's, or with ``--kubernetes`` on a namespace's pods.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import secrets
 import signal
 import sys
 import tarfile
@@ -17,19 +20,27 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+import anyio
 import click
 
 from sandman import errors
 from sandman.cli._common import (
+    Duration,
+    Size,
+    age,
     client_options,
     daemon_client,
+    echo_table,
+    limit_options,
     local_config,
     open_client,
     remote_backend,
     run_async,
+    spec_of,
     via_proxy_option,
 )
 from sandman.daemon import DaemonClient
+from sandman.models import SandboxSpec
 from sandman.pool import owner as owners
 from sandman.pool.records import LABEL_EXPIRES
 from sandman.providers.base import BackendOwners, KeepsOwners, Provider, SandboxInfo
@@ -40,9 +51,7 @@ from sandman.settings import KubernetesConfig
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("image")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.option("--cpu", type=float, default=1.0, show_default=True)
-@click.option("--memory", default="1Gi", show_default=True)
-@click.option("--network", type=click.Choice(["none", "isolated", "egress"]), default="none")
+@limit_options
 @click.option("--timeout", type=float, default=None, help="Seconds the command may run.")
 @client_options
 @click.pass_context
@@ -51,26 +60,108 @@ def run(
     image: str,
     command: tuple[str, ...],
     cpu: float,
-    memory: str,
+    memory: int,
     network: str,
     timeout: float | None,
     url: str | None,
     api_key: str | None,
 ) -> None:
     """Run one command in a fresh sandbox, print its output, release it: run IMAGE -- CMD..."""
+    spec = spec_of(image, cpu=cpu, memory=memory, network=network)
 
     async def go() -> int:
         client = open_client(ctx, url, api_key)
-        async with (
-            client,
-            client.sandbox(image, cpu=cpu, memory=memory, network=network, timeout=600) as sb,
-        ):
+        async with client, client.sandbox(spec, timeout=600) as sb:
             result = await sb.exec(list(command), timeout=timeout)
         sys.stdout.write(result.stdout)
         sys.stderr.write(result.stderr)
+        if result.timed_out:
+            _timed_out(timeout)
+            return 124  # as timeout(1) does, and exec
         return result.exit_code
 
     sys.exit(run_async(ctx, go()))
+
+
+def _timed_out(timeout: float | None) -> None:
+    click.echo(f"timed out after {timeout or 0:g} s; killed", err=True)
+
+
+@click.command()
+@click.argument("image")
+@limit_options
+@click.option("--pids", type=int, default=None, help="Most tasks at once (default 1024).")
+@click.option(
+    "--disk", type=Size(), default=None, help="What it may write, e.g. 5Gi (default: the host's)."
+)
+@click.option(
+    "--ttl",
+    type=Duration(),
+    default="1h",
+    show_default=True,
+    help="Its lifetime (30m, 2h, 1d): past it, `sandman gc` deletes it.",
+)
+@click.option(
+    "--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait until ready."
+)
+@click.option("--url", envvar="SANDMAN_URL", hidden=True)
+@click.pass_context
+def create(
+    ctx: click.Context,
+    image: str,
+    cpu: float,
+    memory: int,
+    network: str,
+    pids: int | None,
+    disk: int | None,
+    ttl: float,
+    timeout: float,
+    url: str | None,
+) -> None:
+    """Make a sandbox that outlives this command and print its id: create IMAGE.
+
+    Use it with `sandman exec ID -- CMD`, `cp`, and `rm ID` when done; past its
+    --ttl, `sandman gc` deletes it. A sandbox of this machine's local provider:
+    a service's sandboxes live as long as the client session that holds them.
+    """
+    if url:
+        raise click.UsageError(
+            "create makes a sandbox on this machine; a service's sandboxes live only as long "
+            "as the session of the client holding them: use the SDK (sandman.connect), "
+            "`sandman run --url` or `sandman shell --url` (unset SANDMAN_URL for a local one)"
+        )
+    spec = spec_of(image, cpu=cpu, memory=memory, network=network, pids=pids, disk=disk)
+
+    async def go() -> str:
+        provider = LocalProvider(local_config(ctx))
+        try:
+            return await _create(provider, spec, ttl, timeout)
+        finally:
+            await provider.aclose()
+
+    sandbox_id = run_async(ctx, go())
+    click.echo(sandbox_id)
+    click.echo(f"sandbox {sandbox_id} is ready for {age(ttl)}; `sandman rm {sandbox_id}` "
+               "deletes it", err=True)  # fmt: skip
+
+
+async def _create(provider: LocalProvider, spec: SandboxSpec, ttl: float, timeout: float) -> str:
+    """A ready sandbox of ``spec`` expiring in ``ttl`` seconds; nothing left on failure."""
+    sandbox_id = f"sb-{secrets.token_hex(6)}"
+    labels = {LABEL_EXPIRES: f"{time.time() + ttl:.0f}"}
+    try:
+        async with asyncio.timeout(timeout):
+            info = await provider.create(spec, sandbox_id=sandbox_id, labels=labels)
+            if info.endpoint is not None:
+                async with info.endpoint.client() as daemon:
+                    await daemon.wait_ready(timeout)
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await provider.delete(sandbox_id)
+        if isinstance(exc, TimeoutError) and not isinstance(exc, errors.SandboxError):
+            raise errors.CreateTimeout(f"sandbox {sandbox_id} not ready in {timeout:g} s") from None
+        raise
+    return sandbox_id
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True})
@@ -125,6 +216,7 @@ def exec_command(
             async for event in events:
                 if event.event == "exit":
                     if event.timed_out:
+                        _timed_out(timeout)
                         return 124  # as timeout(1) does
                     if event.exit_code is not None:
                         return event.exit_code
@@ -212,7 +304,8 @@ async def _upload(daemon: DaemonClient, local: Path, remote: str) -> str:
     is_dir, data, mode = await asyncio.to_thread(_pack, local)
     if is_dir:
         result = await daemon.upload_archive(remote, data)
-        return f"copied {local}/ -> {remote}/ ({result.model_dump_json()})"
+        files = f"{result.files} file" + ("s" if result.files != 1 else "")
+        return f"copied {local}/ -> {remote}/ ({files}, {result.bytes} bytes)"
     target = remote
     if remote.endswith("/") or (
         await daemon.exists(remote) and (await daemon.stat(remote)).type == "directory"
@@ -257,19 +350,23 @@ def list_sandboxes(ctx: click.Context, url: str | None, api_key: str | None) -> 
             finally:
                 await backend.aclose()
 
+        rows = []
         for item in run_async(ctx, listed()):
             timeline = item.get("timeline")
             since = min(timeline.values()) if isinstance(timeline, dict) and timeline else now
-            click.echo(
-                f"{item['id']}  {item['state']!s:<9}  {item['image']!s:<24}  "
-                f"{now - since:8.0f}s  session={item.get('session') or '-'}"
-            )
+            rows.append((str(item["id"]), str(item["state"]), str(item["image"]),
+                         age(now - since), str(item.get("session") or "-")))  # fmt: skip
+        header = ("ID", "STATE", "IMAGE", "AGE", "SESSION")
+        echo_table(header, rows, empty="no sandboxes (of this API key's tenant)")
         return
     infos = run_async(ctx, LocalProvider(local_config(ctx)).list())
-    for info in infos:
-        pool = info.labels.get("sandman.io/pool", "-")
-        age = now - info.created_at
-        click.echo(f"{info.id}  {info.state:<8}  {info.image:<24}  {age:8.0f}s  pool={pool}")
+    rows = [
+        (info.id, info.state, info.image, age(now - info.created_at),
+         info.labels.get("sandman.io/pool", "-"))
+        for info in infos
+    ]  # fmt: skip
+    header = ("ID", "STATE", "IMAGE", "AGE", "POOL")
+    echo_table(header, rows, empty="no sandboxes (`sandman create IMAGE` makes one)")
 
 
 @click.command("rm")
@@ -284,7 +381,11 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
             backend = remote_backend(url, api_key)
             try:
                 for sandbox_id in ids:
-                    await backend.describe(sandbox_id)  # an unknown id is an error here
+                    # An unknown id is an error here; one released is listed a while.
+                    state = (await backend.describe(sandbox_id)).get("state")
+                    if state in _ENDED:
+                        click.echo(f"{sandbox_id} was already gone ({state})")
+                        continue
                     await backend.release(sandbox_id)
                     click.echo(f"released {sandbox_id}")
             finally:
@@ -293,12 +394,21 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
         provider = LocalProvider(local_config(ctx))
         try:
             for sandbox_id in ids:
-                await provider.delete(sandbox_id)
-                click.echo(f"deleted {sandbox_id}")
+                try:
+                    await provider.inspect(sandbox_id)
+                    there = True
+                except errors.SandboxNotFound:
+                    there = False
+                await provider.delete(sandbox_id)  # also what a half-made one left
+                click.echo(f"deleted {sandbox_id}" if there else f"{sandbox_id} was already gone")
         finally:
             await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
 
     run_async(ctx, go())
+
+
+_ENDED = ("releasing", "gone", "failed", "lost")
+"""States of a service's sandbox that a release has nothing left to do for."""
 
 
 @click.command()
@@ -457,4 +567,4 @@ def reap_reason(
     return None
 
 
-COMMANDS: list[click.Command] = [run, exec_command, copy, list_sandboxes, remove, gc]
+COMMANDS: list[click.Command] = [run, create, exec_command, copy, list_sandboxes, remove, gc]

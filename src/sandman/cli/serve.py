@@ -21,7 +21,8 @@ import click
 from pydantic import ValidationError
 
 from sandman import errors
-from sandman.cli._common import fail, local_config
+from sandman.cli._common import Duration, fail, local_config
+from sandman.models import explain
 
 if TYPE_CHECKING:
     from sandman.pool.watchdog import Watchdog
@@ -61,6 +62,30 @@ def make_provider(ctx: click.Context, name: str) -> Provider:
     return KubernetesProvider(config)
 
 
+def check_api_keys(raw: str) -> None:
+    """Each ``tenant:KEY`` of ``SANDMAN_API_KEYS`` whose key is refused, said plainly
+    ("tenant x's key has 3 characters; use at least 16"), without the key."""
+    from sandman.server import ApiKey
+
+    for item in raw.split(","):
+        tenant, sep, key = (part.strip() for part in item.partition(":"))
+        if not sep:
+            continue  # the settings say how keys are written
+        try:
+            ApiKey(tenant=tenant, key=key)
+        except ValidationError as exc:
+            problems = dict(explain(exc))
+            if "key" in problems:
+                raise errors.ConfigError(
+                    f"SANDMAN_API_KEYS: tenant {tenant}'s key {problems['key']} "
+                    "(e.g. openssl rand -hex 16)"
+                ) from None
+            raise errors.ConfigError(
+                f"SANDMAN_API_KEYS: tenant name {tenant!r} is refused: use at most 63 of "
+                "lowercase letters, digits, '.', '_' and '-'"
+            ) from None
+
+
 def default_pool_name() -> str:
     """Stable across restarts on one machine, so the next instance finds what was left."""
     host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname().lower())
@@ -97,6 +122,13 @@ def default_pool_name() -> str:
     show_default=True,
     help="Seconds a silent client session keeps its sandboxes.",
 )
+@click.option(
+    "--lifetime",
+    type=Duration(),
+    default="6h",
+    show_default=True,
+    help="Hard lifetime of every sandbox (30m, 2h, 1d): past it, it is deleted, held or not.",
+)
 @click.option("--anonymous-tenant", help="Requests without an API key act as this tenant.")
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
@@ -109,6 +141,7 @@ def serve(
     on_shutdown: str | None,
     adopt: bool,
     lease: float,
+    lifetime: float,
     anonymous_tenant: str | None,
     log_level: str,
 ) -> None:
@@ -117,6 +150,7 @@ def serve(
 
     debug: bool = ctx.obj["debug"]
     try:
+        check_api_keys(os.environ.get("SANDMAN_API_KEYS", ""))
         release = None if on_shutdown is None else on_shutdown == "release"
         settings = ServerSettings.from_env(
             os.environ, release_on_shutdown=release, anonymous_tenant=anonymous_tenant
@@ -135,6 +169,7 @@ def serve(
                 host=host,
                 port=port,
                 lease=lease,
+                lifetime=lifetime,
                 adopt=adopt,
                 pool_name=pool_name or default_pool_name(),
                 log_level=log_level,
@@ -152,6 +187,7 @@ async def _serve(
     host: str,
     port: int,
     lease: float,
+    lifetime: float,
     adopt: bool,
     pool_name: str,
     log_level: str,
@@ -181,10 +217,11 @@ async def _serve(
             service_of(app).stop_accepting()
             self.handle_exit(sig, None)
 
-    pool = Pool(provider, PoolConfig(name=pool_name, lease=lease, adopt_orphans=adopt))
+    config = PoolConfig(name=pool_name, lease=lease, lifetime=lifetime, adopt_orphans=adopt)
+    pool = Pool(provider, config)
     app = create_app(pool, settings)
     watchdog = _watchdog(ctx, provider, pool_name) if settings.release_on_shutdown else None
-    config = uvicorn.Config(
+    server_config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -200,7 +237,7 @@ async def _serve(
         # shutdown, which then gives what is still in flight its own grace.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace)),
     )
-    server = Server(config)
+    server = Server(server_config)
     mode = "release" if settings.release_on_shutdown else "leave"
     click.echo(
         f"sandman: pool {pool_name} on the {provider.name} provider, "

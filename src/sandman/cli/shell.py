@@ -25,7 +25,14 @@ from typing import Any
 import click
 
 from sandman import errors
-from sandman.cli._common import client_options, open_client, run_async, via_proxy_option
+from sandman.cli._common import (
+    client_options,
+    limit_options,
+    open_client,
+    run_async,
+    spec_of,
+    via_proxy_option,
+)
 from sandman.client import AsyncSandbox
 
 # Looked for in this order when --shell is not given.
@@ -157,9 +164,7 @@ async def _interact(sb: AsyncSandbox, process_id: str, fd_in: int, fd_out: int) 
 
 @click.command()
 @click.argument("image")
-@click.option("--cpu", type=float, default=1.0, show_default=True)
-@click.option("--memory", default="1Gi", show_default=True)
-@click.option("--network", type=click.Choice(["none", "isolated", "egress"]), default="none")
+@limit_options
 @click.option(
     "--shell", "shell_path", help="Shell to run (default: bash if present, else /bin/sh)."
 )
@@ -170,7 +175,7 @@ def shell(
     ctx: click.Context,
     image: str,
     cpu: float,
-    memory: str,
+    memory: int,
     network: str,
     shell_path: str | None,
     url: str | None,
@@ -178,6 +183,7 @@ def shell(
     via_proxy: bool,
 ) -> None:
     """An interactive shell in a fresh sandbox; exiting the shell releases it."""
+    spec = spec_of(image, cpu=cpu, memory=memory, network=network)
     if via_proxy and not url:
         raise click.UsageError("--via-proxy needs --url (or SANDMAN_URL): it is a service's route")
     if not sys.stdin.isatty():
@@ -188,10 +194,7 @@ def shell(
 
     async def go() -> int:
         client = open_client(ctx, url, api_key, via_proxy=via_proxy)
-        async with (
-            client,
-            client.sandbox(image, cpu=cpu, memory=memory, network=network, timeout=600) as sb,
-        ):
+        async with client, client.sandbox(spec, timeout=600) as sb:
             path = await _pick_shell(sb, shell_path)
             size = os.get_terminal_size(fd_in)
             env = {"TERM": os.environ.get("TERM", "xterm")}

@@ -11,10 +11,12 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
+from pydantic import ValidationError
+
 from sandman import errors
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, explain
 from sandman.pool.events import EventHook, PoolEvent, emit
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
@@ -178,6 +180,15 @@ class AsyncSandbox:
     expose = _guarded(DaemonClient.expose)
 
 
+def _spec(image: str, fields: dict[str, Any]) -> SandboxSpec:
+    """The spec of ``image`` and ``fields``; a `ConfigError` (not pydantic's) if one is bad."""
+    try:
+        return SandboxSpec(image=image, **fields)
+    except ValidationError as exc:
+        problems = "; ".join(f"{field}: {words}" for field, words in explain(exc))
+        raise errors.ConfigError(f"invalid sandbox spec: {problems}") from None
+
+
 class AsyncClient:
     """Sandboxes for one client session, from a backend (``sandman.local()`` for the embedded pool).
 
@@ -307,9 +318,10 @@ class AsyncClient:
         ``cpu``, ``memory``, ``pids``, ``network``, ``env``...) or a whole spec.
         ``timeout`` bounds the wait: CreateTimeout after it. If the client's
         session turns out to be over, a new one replaces it and the acquire is
-        tried once more in it, within the same ``timeout``.
+        tried once more in it, within the same ``timeout``. A bad value
+        (``memory="lots"``, ``cpu=0``) is a `ConfigError` naming each field.
         """
-        full = image if isinstance(image, SandboxSpec) else SandboxSpec(image=image, **spec)
+        full = image if isinstance(image, SandboxSpec) else _spec(image, spec)
         session = await self._ensure_session()
         loop = asyncio.get_running_loop()
         started = loop.time()

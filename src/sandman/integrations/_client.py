@@ -42,6 +42,7 @@ from typing import Any, ParamSpec, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from sandman.client import AsyncClient, connect, local
+from sandman.errors import ConfigError
 
 __all__ = [
     "ENV_API_KEY",
@@ -73,11 +74,16 @@ def resolve_url(url: str | None = None) -> str | None:
     return url or os.environ.get(ENV_URL) or None
 
 
-def _key(url: str | None) -> _Key:
+def _key(url: str | None, state_dir: str | None = None) -> _Key:
     resolved = resolve_url(url)
     if resolved is not None:
+        if state_dir:
+            raise ConfigError(
+                f"state_dir {state_dir} is the embedded pool's, but the sandboxes come from "
+                f"the service at {resolved} (url, or {ENV_URL}): give one of them"
+            )
         return ("service", resolved)
-    return ("local", os.environ.get(ENV_STATE_DIR, ""))
+    return ("local", state_dir or os.environ.get(ENV_STATE_DIR, ""))
 
 
 def _new_client(key: _Key) -> AsyncClient:
@@ -172,18 +178,50 @@ def shared_client(url: str | None = None) -> BackgroundClient:
         return client
 
 
+class _ServiceGone(logging.Filter):
+    """Drops the remote client's warnings that the service was not reached, counting them."""
+
+    # sandman.client.remote's: the service ends a session itself once its lease passes.
+    MESSAGES = (
+        "could not close session %s: %s",
+        "release of %s deferred, the service is not reached: %s",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg in self.MESSAGES:
+            self.dropped += 1
+            return False
+        return True
+
+
 def close_shared() -> None:
-    """Close every `shared_client`: their sandboxes are released. Runs at exit too."""
+    """Close every `shared_client`: their sandboxes are released. Runs at exit too.
+
+    A service already gone is no news then (a run's end often stops both): it
+    releases the session's sandboxes itself once the lease passes, so that is
+    logged at DEBUG, not as a warning."""
     with _shared_lock:
         clients = list(_shared.values())
         _shared.clear()
-    for client in clients:
-        try:
-            client.close()
-        except Exception:
-            # At interpreter exit Python 3.12 refuses new threads, which some
-            # teardown steps need; the pool's watchdog deletes what is left.
-            logger.debug("closing %r failed", client, exc_info=True)
+    quiet = _ServiceGone()
+    remote = logging.getLogger("sandman.client.remote")
+    remote.addFilter(quiet)
+    try:
+        for client in clients:
+            try:
+                client.close()
+            except Exception:
+                # At interpreter exit Python 3.12 refuses new threads, which some
+                # teardown steps need; the pool's watchdog deletes what is left.
+                logger.debug("closing %r failed", client, exc_info=True)
+    finally:
+        remote.removeFilter(quiet)
+    if quiet.dropped:
+        logger.debug("the service was not reached at close: it ends the sessions itself")
 
 
 def _forget_shared() -> None:
@@ -232,8 +270,9 @@ _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = 
 )
 
 
-async def loop_client(url: str | None = None) -> AsyncClient:
-    """The running event loop's `AsyncClient` for ``url`` (see `resolve_url`), made on first use.
+async def loop_client(url: str | None = None, *, state_dir: str | None = None) -> AsyncClient:
+    """The running event loop's `AsyncClient` for ``url`` (see `resolve_url`), made on first use;
+    without a service, the embedded pool on ``state_dir`` (default ``SANDMAN_STATE_DIR``).
 
     It is closed, releasing its sandboxes, when the loop ends through
     ``asyncio.run`` (which cancels the tasks left, among them the one that
@@ -245,7 +284,7 @@ async def loop_client(url: str | None = None) -> AsyncClient:
         entry = _per_loop[loop] = _LoopClients()
     if entry.guard is None or entry.guard.done():  # new, or cancelled by someone else
         entry.guard = loop.create_task(entry.close_at_end(), name="sandman-close-at-loop-end")
-    key = _key(url)
+    key = _key(url, state_dir)
     async with entry.lock:
         client = entry.clients.get(key)
         if client is None:

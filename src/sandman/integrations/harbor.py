@@ -9,9 +9,9 @@ Each trial's environment is a sandbox of the task's ``[environment].docker_image
 from one pool per process (paced creation, readiness, cleanup), from the
 service at ``url`` or ``$SANDMAN_URL`` (key: ``$SANDMAN_API_KEY``, never an
 option, so never in a trial's ``config.json``), else the embedded local pool
-(on ``$SANDMAN_STATE_DIR``, default the local provider's). Options
-(`SandmanHarborOptions`): ``url``, ``acquire_timeout``; anything else is
-refused before a trial starts.
+(on the ``state_dir`` option, else ``$SANDMAN_STATE_DIR``, else the local
+provider's default). Options (`SandmanHarborOptions`): ``url``, ``state_dir``,
+``acquire_timeout``; anything else is refused before a trial starts.
 
 What the task asks for maps to the sandbox: ``cpus`` (fractions too) and
 ``memory_mb`` are hard limits, ``storage_mb`` what it may write, ``workdir``
@@ -60,6 +60,9 @@ class SandmanHarborOptions(EnvironmentOptions):
 
     url: str | None = None
     """The Sandman service; default ``$SANDMAN_URL``, else an embedded local pool."""
+    state_dir: str | None = None
+    """The embedded local pool's state directory (its images and sandboxes); default
+    ``$SANDMAN_STATE_DIR``, else the local provider's. Refused with a service."""
     acquire_timeout: float | None = Field(default=None, gt=0)
     """Seconds to wait for a sandbox before the trial fails (`CreateTimeout`)."""
 
@@ -129,7 +132,7 @@ class SandmanEnvironment(BaseEnvironment):
                 "sandman runs the prebuilt image %s: --force-build has nothing to build",
                 self.task_env_config.docker_image,
             )
-        client = await loop_client(self.options.url)
+        client = await loop_client(self.options.url, state_dir=self.options.state_dir)
         sandbox = await client.acquire(self._spec(), timeout=self.options.acquire_timeout)
         self.logger.debug("sandman: sandbox %s for %s", sandbox.id, self.session_id)
         try:

@@ -13,8 +13,10 @@ from sandman.providers.local import disk
 
 __all__ = [
     "Finding",
+    "beyond_host",
     "check_capacity",
     "check_host",
+    "host_size",
     "memory_for",
     "prepare_cgroups",
     "raise_open_files",
@@ -263,3 +265,20 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
         )
     )
     return findings
+
+
+def host_size() -> tuple[int, int]:
+    """This host's memory in bytes and its CPU count."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return memory, os.cpu_count() or 1
+
+
+def beyond_host(memory: int, cpu: float, host_memory: int, host_cpus: int) -> str | None:
+    """What of a spec's ``memory`` (bytes) and ``cpu`` (cores) this host cannot give, in
+    words, or None when both fit."""
+    beyond = []
+    if memory > host_memory:
+        beyond.append(f"memory {memory / 2**30:.1f} GiB > the host's {host_memory / 2**30:.1f} GiB")
+    if cpu > host_cpus:
+        beyond.append(f"cpu {cpu:g} > the host's {host_cpus} CPUs")
+    return "; ".join(beyond) or None

@@ -50,7 +50,12 @@ from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInf
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
-from sandman.providers.local.host import prepare_cgroups, raise_open_files
+from sandman.providers.local.host import (
+    beyond_host,
+    host_size,
+    prepare_cgroups,
+    raise_open_files,
+)
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.settings import LocalConfig
@@ -115,6 +120,7 @@ class LocalProvider:
             global_args=global_args,
         )
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
+        self._warned_beyond: set[str] = set()
         self.network = NetworkManager(
             state_dir=state,
             subnet=self.config.subnet,
@@ -197,6 +203,25 @@ class LocalProvider:
 
     # -- create -------------------------------------------------------------
 
+    def _check_fits(self, spec: SandboxSpec) -> None:
+        """Refuse, or warn of, limits beyond the host's (`LocalConfig.beyond_host`)."""
+        memory, cpus = host_size()
+        beyond = beyond_host(spec.memory, spec.cpu, memory, cpus)
+        if beyond is None:
+            return
+        if self.config.beyond_host == "refuse":
+            raise errors.ConfigError(
+                f"the spec asks for more than this host has: {beyond} "
+                "(LocalConfig.beyond_host is 'refuse')"
+            )
+        if beyond not in self._warned_beyond:
+            self._warned_beyond.add(beyond)
+            logger.warning(
+                "a spec asks for more than this host has: %s; creating it anyway, its limit "
+                "limits nothing (LocalConfig.beyond_host='refuse' refuses such specs)",
+                beyond,
+            )
+
     async def create(
         self,
         spec: SandboxSpec,
@@ -205,6 +230,7 @@ class LocalProvider:
         labels: Mapping[str, str] | None = None,
     ) -> SandboxInfo:
         """Start a sandbox from ``spec``; its daemon is starting when this returns."""
+        self._check_fits(spec)
         await self._prepare()
         image = await self._image(spec.image)
         sid = sandbox_id or new_sandbox_id()
