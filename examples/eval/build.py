@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from sandman.images import ImageStore
@@ -129,34 +130,48 @@ def build_tar(out: Path) -> dict[str, str]:
     return heads
 
 
-def check_instances(heads: dict[str, str]) -> None:
+def check_instances(
+    heads: dict[str, str], instances: Path = HERE / "instances.jsonl", hint: str = "update it"
+) -> None:
     """The shipped instances name the commits just made (else the recipe drifted)."""
-    for line in (HERE / "instances.jsonl").read_text().splitlines():
+    for line in instances.read_text().splitlines():
         instance = json.loads(line)
         repo = Path(instance["repo_path"]).name
         if heads.get(repo) != instance["base_commit"]:
             raise SystemExit(
                 f"{instance['instance_id']}: base_commit {instance['base_commit']} but the "
-                f"builder made {heads.get(repo)} for {repo}; update instances.jsonl"
+                f"builder made {heads.get(repo)} for {repo}; {hint}"
             )
 
 
-async def build(state_dir: Path) -> dict[str, str]:
-    """Build and import the image; what it made, as the JSON line prints it."""
+async def build(
+    state_dir: Path,
+    *,
+    make_tar: Callable[[Path], dict[str, str]] = build_tar,
+    image: str = IMAGE,
+    here: Path = HERE,
+    hint: str = "update instances.jsonl",
+) -> dict[str, str]:
+    """Build and import the image; what it made, as the JSON line prints it.
+
+    ``make_tar`` writes the rootfs tarball and returns each repository's
+    HEAD; ``here`` holds the ``instances.jsonl`` and ``predictions.jsonl``
+    that name them (the honest corpus's builder passes its own).
+    """
     work = Path(tempfile.mkdtemp(prefix="eval-image-"))
     try:
-        heads = build_tar(work / "rootfs.tar")
-        check_instances(heads)
-        image = await ImageStore(state_dir / "images").import_archive(
-            work / "rootfs.tar", name=IMAGE
+        heads = make_tar(work / "rootfs.tar")
+        check_instances(heads, here / "instances.jsonl", hint)
+        built = await ImageStore(state_dir / "images").import_archive(
+            work / "rootfs.tar", name=image
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "image": IMAGE,
-        "image_id": image.id,
-        "instances": str(HERE / "instances.jsonl"),
-        "predictions": str(HERE / "predictions.jsonl"),
+        "image": image,
+        "image_id": built.id,
+        "instances": str(here / "instances.jsonl"),
+        "predictions": str(here / "predictions.jsonl"),
         **{f"head:{name}": head for name, head in heads.items()},
     }
 

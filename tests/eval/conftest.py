@@ -52,30 +52,41 @@ class Demo:
         }
 
 
-@pytest.fixture(scope="session")
-def demo() -> Iterator[Demo]:
-    """Build the demo image (debootstrap the first time on a machine, then cached)."""
+def built(script: Path, prefix: str) -> Iterator[Demo]:
+    """The image ``script`` builds (from the cached Debian base), in a state dir of its own."""
     # Short on purpose: the daemon's socket path must fit in 108 bytes.
-    state = Path(tempfile.mkdtemp(prefix="sm-ev-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     try:
         done = subprocess.run(
-            [sys.executable, str(EXAMPLES / "build.py"), "--state-dir", str(state)],
+            [sys.executable, str(script), "--state-dir", str(state)],
             capture_output=True, text=True, timeout=1700, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
-        built = json.loads(done.stdout.splitlines()[-1])
-        yield Demo(state, built["image_id"], Path(built["instances"]), Path(built["predictions"]))
+        made = json.loads(done.stdout.splitlines()[-1])
+        yield Demo(state, made["image_id"], Path(made["instances"]), Path(made["predictions"]))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+async def local_client(state_dir: Path) -> AsyncIterator[AsyncClient]:
+    """A local pool on ``state_dir``; afterwards no sandbox may be left."""
+    async with sandman.local(state_dir=state_dir) as client:
+        yield client
+    provider = LocalProvider(LocalConfig(state_dir=state_dir))
+    left = await provider.list()
+    for info in left:
+        await provider.delete(info.id)
+    assert left == [], "the evaluation left sandboxes behind"
+
+
+@pytest.fixture(scope="session")
+def demo() -> Iterator[Demo]:
+    """Build the demo image (debootstrap the first time on a machine, then cached)."""
+    yield from built(EXAMPLES / "build.py", "sm-ev-")
 
 
 @pytest.fixture
 async def client(demo: Demo) -> AsyncIterator[AsyncClient]:
     """A local pool on the demo's state dir; afterwards no sandbox may be left."""
-    async with sandman.local(state_dir=demo.state_dir) as client:
-        yield client
-    provider = LocalProvider(LocalConfig(state_dir=demo.state_dir))
-    left = await provider.list()
-    for info in left:
-        await provider.delete(info.id)
-    assert left == [], "the evaluation left sandboxes behind"
+    async for pool in local_client(demo.state_dir):
+        yield pool

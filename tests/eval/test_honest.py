@@ -22,7 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -30,14 +29,11 @@ from typing import Any
 
 import pytest
 
-import sandman
 from sandman.client import AsyncClient
 from sandman.eval import Instance, Verdict, load_instances, load_predictions, report_path, run_batch
 from sandman.eval.verdict import Report
 from sandman.images import ImageStore
-from sandman.providers.local import LocalProvider
-from sandman.settings import LocalConfig
-from tests.eval.conftest import CONDITIONS, EXAMPLES, Demo
+from tests.eval.conftest import CONDITIONS, EXAMPLES, Demo, built, local_client
 from tests.eval.test_parity import _official
 from tests.providers.local.conftest import needs_root_and_crun
 
@@ -65,29 +61,14 @@ def test_the_shipped_corpus_is_what_its_script_writes() -> None:
 @pytest.fixture(scope="session")
 def honest() -> Iterator[Demo]:
     """Build the honest image (from the cached Debian base and sdists) into its own state dir."""
-    state = Path(tempfile.mkdtemp(prefix="sm-eh-", dir="/tmp"))
-    try:
-        done = subprocess.run(
-            [sys.executable, str(HONEST / "build.py"), "--state-dir", str(state)],
-            capture_output=True, text=True, timeout=1700, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        built = json.loads(done.stdout.splitlines()[-1])
-        yield Demo(state, built["image_id"], Path(built["instances"]), Path(built["predictions"]))
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    yield from built(HONEST / "build.py", "sm-eh-")
 
 
 @pytest.fixture
 async def honest_client(honest: Demo) -> AsyncIterator[AsyncClient]:
     """A local pool on the honest image's state dir; afterwards no sandbox may be left."""
-    async with sandman.local(state_dir=honest.state_dir) as client:
-        yield client
-    provider = LocalProvider(LocalConfig(state_dir=honest.state_dir))
-    left = await provider.list()
-    for info in left:
-        await provider.delete(info.id)
-    assert left == [], "the evaluation left sandboxes behind"
+    async for pool in local_client(honest.state_dir):
+        yield pool
 
 
 # -- the official grading of a run's output -----------------------------------------------

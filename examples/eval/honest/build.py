@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from sandman.images import ImageStore
-
 HERE = Path(__file__).resolve().parent
 IMAGE = "sandman-eval-honest:1"
 
@@ -190,36 +188,12 @@ def build_tar(out: Path) -> dict[str, str]:
     return heads
 
 
-def check_instances(heads: dict[str, str]) -> None:
-    """The shipped instances name the commits just made (else the recipe drifted)."""
-    for line in (HERE / "instances.jsonl").read_text().splitlines():
-        instance = json.loads(line)
-        repo = Path(instance["repo_path"]).name
-        if heads.get(repo) != instance["base_commit"]:
-            raise SystemExit(
-                f"{instance['instance_id']}: base_commit {instance['base_commit']} but the "
-                f"builder made {heads.get(repo)} for {repo}; run make_predictions.py"
-            )
-
-
 async def build(state_dir: Path) -> dict[str, str]:
     """Build and import the image; what it made, as the JSON line prints it."""
-    work = Path(tempfile.mkdtemp(prefix="eval-image-"))
-    try:
-        heads = build_tar(work / "rootfs.tar")
-        check_instances(heads)
-        image = await ImageStore(state_dir / "images").import_archive(
-            work / "rootfs.tar", name=IMAGE
-        )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return {
-        "image": IMAGE,
-        "image_id": image.id,
-        "instances": str(HERE / "instances.jsonl"),
-        "predictions": str(HERE / "predictions.jsonl"),
-        **{f"head:{name}": head for name, head in heads.items()},
-    }
+    built: dict[str, str] = await DEMO.build(
+        state_dir, make_tar=build_tar, image=IMAGE, here=HERE, hint="run make_predictions.py"
+    )
+    return built
 
 
 def main() -> None:
