@@ -43,6 +43,10 @@ class LocalConfig(BaseModel):
     """The runtime binary; default: ``runtime`` looked up on PATH."""
     cgroup_parent: str = Field(default="/sandman", pattern=r"^/[A-Za-z0-9_./-]*$")
     """Every sandbox's cgroup is ``<cgroup_parent>/<sandbox id>`` in each hierarchy."""
+    cgroup_parent_pids: int | None = Field(default=None, ge=1)
+    """The most tasks (processes and threads) all sandboxes together may run: the
+    ``pids.max`` of ``cgroup_parent``, set when the provider starts. None: 3/4 of the
+    host's ``kernel.pid_max``, the rest left to the host."""
     daemon_path: Path | None = None
     """The sandmand binary mounted into sandboxes; default: the one built with this package."""
     stop_timeout: float = Field(default=10.0, gt=0)

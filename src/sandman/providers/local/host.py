@@ -17,7 +17,9 @@ __all__ = [
     "check_capacity",
     "check_host",
     "host_size",
+    "limit_cgroup_parent",
     "memory_for",
+    "parent_pids",
     "prepare_cgroups",
     "raise_open_files",
     "remove_cgroup_parent",
@@ -83,6 +85,48 @@ def prepare_cgroups() -> None:
         capture_output=True,
         timeout=30,
     )
+
+
+def parent_pids(configured: int | None) -> int:
+    """What the cgroup parent's ``pids.max`` is: ``configured``, else 3/4 of the host's
+    ``kernel.pid_max`` (all sandboxes together never take the host's last pids)."""
+    if configured is not None:
+        return configured
+    pid_max = _sysctl("kernel.pid_max") or 32768
+    return max(1, pid_max * 3 // 4)
+
+
+def limit_cgroup_parent(parent: str, pids: int) -> Path | None:
+    """Make the cgroup parent ``parent`` (``/a/b``) and set its ``pids.max`` to ``pids``:
+    in the v1 ``pids`` hierarchy, else in cgroup v2 where it holds the pids controller
+    (enabled down to the parent). Returns the file written; None when no pids
+    controller is mounted. Idempotent."""
+    parts = parent.strip("/").split("/")
+    v1 = CGROUP_ROOT / "pids"
+    if (v1 / "cgroup.procs").exists():
+        target = v1.joinpath(*parts)
+        target.mkdir(parents=True, exist_ok=True)
+    elif "pids" in _controllers(CGROUP_ROOT):
+        target = CGROUP_ROOT
+        for part in parts:
+            control = target / "cgroup.subtree_control"
+            if "pids" not in control.read_text().split():
+                control.write_text("+pids")
+            target = target / part
+            target.mkdir(exist_ok=True)
+    else:
+        return None
+    limit = target / "pids.max"
+    if limit.read_text().strip() != str(pids):
+        limit.write_text(str(pids))
+    return limit
+
+
+def _controllers(directory: Path) -> list[str]:
+    try:
+        return (directory / "cgroup.controllers").read_text().split()
+    except OSError:
+        return []
 
 
 def remove_cgroup_parent(parent: str) -> list[Path]:

@@ -33,7 +33,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -53,11 +52,14 @@ from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_ta
 from sandman.providers.local.host import (
     beyond_host,
     host_size,
+    limit_cgroup_parent,
+    parent_pids,
     prepare_cgroups,
     raise_open_files,
 )
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
+from sandman.providers.local.trees import remove_tree
 from sandman.settings import LocalConfig
 
 __all__ = ["LocalProvider"]
@@ -160,6 +162,7 @@ class LocalProvider:
                 raise errors.ConfigError("the local provider needs root (run `sandman doctor`)")
             if self.config.runtime == "crun":
                 await anyio.to_thread.run_sync(prepare_cgroups)
+            await self._limit_parent()
             raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
             try:
@@ -172,6 +175,22 @@ class LocalProvider:
                     f"{exc.strerror or exc}"
                 ) from exc
             self._prepared = True
+
+    async def _limit_parent(self) -> None:
+        """Cap the tasks of all sandboxes together (`LocalConfig.cgroup_parent_pids`), so
+        that together they cannot take the host's last pids."""
+        pids = parent_pids(self.config.cgroup_parent_pids)
+        try:
+            written = await anyio.to_thread.run_sync(
+                limit_cgroup_parent, self.config.cgroup_parent, pids
+            )
+        except OSError as exc:
+            raise errors.ProviderError(
+                f"cannot set pids.max={pids} on the cgroup parent {self.config.cgroup_parent}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        if written is None:
+            logger.warning("no pids cgroup controller: sandboxes together are not limited in pids")
 
     async def _image(self, ref: str) -> Image:
         # A burst resolves the same name thousands of times; a name may be
@@ -707,21 +726,6 @@ def _remove_entry(path: Path) -> None:
 
 
 def _remove_tree(directory: Path) -> None:
-    """shutil.rmtree (which follows no symlink) that goes on past entries another
-    remover took first; it would stop at the first and leave the rest behind."""
-    if sys.version_info >= (3, 12):
-
-        def onexc(function: object, path: str, exc: BaseException) -> None:
-            if not isinstance(exc, FileNotFoundError):
-                raise exc
-
-        shutil.rmtree(directory, onexc=onexc)
-    else:
-
-        def onerror(
-            function: object, path: str, info: tuple[type[BaseException], BaseException, Any]
-        ) -> None:
-            if not isinstance(info[1], FileNotFoundError):
-                raise info[1]
-
-        shutil.rmtree(directory, onerror=onerror)
+    """The tree, however deep or odd the workload made it (`trees.remove_tree`: no
+    recursion, no symlink followed); goes on past entries another remover took first."""
+    remove_tree(directory)
