@@ -88,9 +88,9 @@ HELD_OUT = sorted((EXAMPLES / "heldout").glob("*.jsonl"))
 
 def test_the_held_out_corpora_cover_their_classes() -> None:
     rows = [json.loads(line) for path in HELD_OUT for line in path.read_text().splitlines()]
-    assert len(rows) >= 90
+    assert len(rows) >= 100
     assert len({row["class"] for row in rows}) >= 8
-    assert all(not row.get("known_gap") or row.get("round") == 2 for row in rows)
+    assert all(not row.get("known_gap") or row.get("round", 1) > 1 for row in rows)
     own = [json.loads(line) for line in (EXAMPLES / "adversarial.jsonl").read_text().splitlines()]
     assert {row["class"] for row in own} <= {row["class"] for row in rows}
 

@@ -101,7 +101,7 @@ def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Pat
     made = _pytest_plan()
     assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
     assert sorted(c.kind for c in made.canaries) == [
-        "agree", "error", "fail", "mutant", "mutant", "pass", "skip", "twin", "xfail",
+        "agree", "error", "fail", "mutant", "mutant", "mutant", "mutant", "pass", "skip", "xfail",
     ]  # fmt: skip
     results = _run_pytest(tmp_path, made.sources["test_file.py"])
     tests, planted, forged = made.translate(results)
@@ -128,7 +128,7 @@ def test_a_framework_that_passes_everything_makes_the_canaries_lie(tmp_path: Pat
     _, planted, _ = made.translate(_run_pytest(tmp_path, made.sources["test_file.py"]))
     lies = made.lies(planted, ran=True)
     assert any("must-fail" in lie and "ended PASSED" in lie for lie in lies), lies
-    assert any("the twin of test_file.py::test_median_even" in lie for lie in lies), lies
+    assert any("a mutant of test_file.py::test_median_even" in lie for lie in lies), lies
 
 
 def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Pat
     literal comparison of two numbers (the twin): the mutants read like the original."""
     made = _pytest_plan()
     mutants = [c for c in made.canaries if c.kind == "mutant"]
-    assert len(mutants) == 2
+    assert len(mutants) == 4  # two, each plain and re-importing, as the original has a copy
     text = made.sources["test_file.py"]
     assert all(f"def {m.token}():" in text for m in mutants)
     (tmp_path / "conftest.py").write_text(
@@ -255,8 +255,8 @@ def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
     assert made.lies({}, ran=False) == []
     # Not the skip canary (pytest's log names no id), nor the re-importing copy
     # (no evidence without its original's result).
-    assert len(made.lies({}, ran=True)) == 9 - 2
-    assert len(made.lies({}, ran=True, log=False)) == 9 - 1
+    assert len(made.lies({}, ran=True)) == 10 - 2
+    assert len(made.lies({}, ran=True, log=False)) == 10 - 1
 
 
 def test_a_file_that_does_not_parse_is_left_as_it_is() -> None:
@@ -277,7 +277,8 @@ def test_a_marked_scope_gets_twins_but_no_generic_canaries() -> None:
     made = plan(
         {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"], "pytest"
     )
-    assert [c.kind for c in made.canaries] == ["twin", "agree"]
+    # No literal to change: the twin stands in for the mutants.
+    assert [c.kind for c in made.canaries] == ["agree", "twin"]
     assert "SKIPPED" in made.canaries[0].expected  # the module declares the skip
 
 
@@ -331,3 +332,25 @@ def test_binary_hunks_are_counted() -> None:
     assert binary_hunks("GIT binary patch\nliteral 3\n") == 1
     assert binary_hunks("Binary files a/x and b/x differ\n") == 1
     assert binary_hunks("--- a/x\n+++ b/x\n") == 0
+
+
+def test_the_witness_names_test_methods_replaced_on_an_instance() -> None:
+    import importlib.util
+    import unittest
+
+    path = Path(__file__).parents[2] / "src/sandman/eval/witness/sandman_eval_witness.py"
+    spec = importlib.util.spec_from_file_location("witness_under_test", path)
+    assert spec is not None and spec.loader is not None
+    witness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(witness)
+
+    class Case(unittest.TestCase):
+        def test_x(self) -> None:
+            pass
+
+    case = Case("test_x")
+    case.maxDiff = None  # honest tests set such values
+    assert witness._overridden(case) == []
+    case.assertEqual = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    case.failureException = unittest.case._ShouldStop  # type: ignore[attr-defined]
+    assert witness._overridden(case) == ["assertEqual", "failureException"]

@@ -444,18 +444,28 @@ def _rewrite(
         result.listed[hit.target.test_id] = fresh
         if hit.target.test_id in fail_to_pass:
             copies: list[tuple[Kind, tuple[str, str] | None]] = []
-            if "twin" in kinds and not _leaves_early(node):
+            imports = _imports(tree) if "agree" in kinds else []
+            if imports:
+                copies.append(("agree", _agree(lines, node, function, draw, imports)))
+            # Each mutant comes as its original does, plain and re-importing: the
+            # family of the original and those of the mutants are alike in shape,
+            # told apart only by the expected value (a forger must know which is right).
+            mutants = (
+                [_mutant(lines, node, function, draw, imports) for _ in range(MUTANTS)]
+                if "mutant" in kinds
+                else []
+            )
+            for forms in mutants:
+                if forms is not None:
+                    copies += [("mutant", form) for form in forms]
+            if "twin" in kinds and not any(mutants) and not _leaves_early(node):
                 copies.append(("twin", _twin(lines, node, function, draw, mode)))
-            if "mutant" in kinds:
-                copies += [("mutant", _mutant(lines, node, function, draw)) for _ in range(MUTANTS)]
-            if "agree" in kinds:
-                copies.append(("agree", _agree(lines, tree, node, function, draw)))
             declared = result.declared.get(hit.target.test_id, frozenset())
-            for kind, made in copies:
-                if made is None:
+            for kind, copy in copies:
+                if copy is None:
                     continue
-                name, block = made
-                inserts.setdefault(node.end_lineno or node.lineno, []).append(block)
+                name, source = copy
+                inserts.setdefault(node.end_lineno or node.lineno, []).append(source)
                 expected = _EXPECTED[kind]
                 if "xfail" in declared:
                     expected |= {"XFAIL"}
@@ -557,18 +567,9 @@ def _copy(
     return segment
 
 
-def _agree(
-    lines: list[str],
-    tree: ast.Module,
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
-    function: str,
-    draw: Callable[[], str],
-) -> tuple[str, str] | None:
-    """A copy of a FAIL_TO_PASS test that first imports again what its module
-    imports: it calls the library's functions even if the module's names were
-    rebound (a fixed copy swapped into the test module), and must end as its
-    original does."""
-    imports = [
+def _imports(tree: ast.Module) -> list[str]:
+    """The module's own top-level imports, as statements a function body can repeat."""
+    return [
         ast.unparse(n)
         for n in tree.body
         if (
@@ -577,16 +578,36 @@ def _agree(
         )
         and not any(alias.name == "*" for alias in n.names)
     ]
-    if not imports:
-        return None
+
+
+def _reimporting(
+    segment: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    lines: list[str],
+    imports: list[str],
+) -> list[str]:
+    """``segment`` (a copy of ``node``) with ``imports`` at the top of its body."""
+    body = _indent(lines[node.body[0].lineno - 1])
+    at = node.body[0].lineno - _start(node)
+    return [*segment[:at], *(f"{body}{line}\n" for line in imports), *segment[at:]]
+
+
+def _agree(
+    lines: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    function: str,
+    draw: Callable[[], str],
+    imports: list[str],
+) -> tuple[str, str] | None:
+    """A copy of a FAIL_TO_PASS test that first imports again what its module
+    imports: it calls the library's functions even if the module's names were
+    rebound (a fixed copy swapped into the test module), and must end as its
+    original does."""
     name = draw()
     segment = _copy(lines, node, function, name)
     if segment is None:
         return None
-    body = _indent(lines[node.body[0].lineno - 1])
-    at = node.body[0].lineno - _start(node)
-    segment[at:at] = [f"{body}{line}\n" for line in imports]
-    return name, "\n" + "".join(segment)
+    return name, "\n" + "".join(_reimporting(segment, node, lines, imports))
 
 
 _PLAIN_STRING = re.compile(r"""^(['"])[^'"\\\n]+\1$""")
@@ -671,9 +692,12 @@ def _mutant(
     node: ast.FunctionDef | ast.AsyncFunctionDef,
     function: str,
     draw: Callable[[], str],
-) -> tuple[str, str] | None:
+    imports: list[str],
+) -> list[tuple[str, str]] | None:
     """A copy of a FAIL_TO_PASS test that expects one value changed, so it fails
-    whatever the code under test does right; it reads like its original."""
+    whatever the code under test does right; it reads like its original. With
+    ``imports``, a second form of it that repeats them (as the original's
+    re-importing copy does)."""
     leaves = [leaf for side in _literals(node) for leaf in _leaves(side)]
     if not leaves:
         return None
@@ -686,13 +710,20 @@ def _mutant(
     other = _changed(text)
     if other is None or other == text:
         return None
-    name = draw()
-    segment = _copy(lines, node, function, name)
-    if segment is None:
-        return None
-    at = leaf.lineno - _start(node)
-    segment[at] = (raw[:start] + other.encode() + raw[end:]).decode(errors="surrogateescape")
-    return name, "\n" + "".join(segment)
+    changed = lines[:]
+    changed[leaf.lineno - 1] = (raw[:start] + other.encode() + raw[end:]).decode(
+        errors="surrogateescape"
+    )
+    forms = []
+    for reimport in (False, True) if imports else (False,):
+        name = draw()
+        segment = _copy(changed, node, function, name)
+        if segment is None:
+            return None
+        if reimport:
+            segment = _reimporting(segment, node, changed, imports)
+        forms.append((name, "\n" + "".join(segment)))
+    return forms
 
 
 def _generic(

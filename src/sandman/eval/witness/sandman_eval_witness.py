@@ -445,9 +445,41 @@ def pytest_collection_finish(session: Any) -> None:
         _collected[item.nodeid] = _fingerprint(item)
 
 
+def _overridden(test: Any) -> List[str]:
+    """TestCase methods a test instance holds its own versions of (assertEqual made a
+    no-op on one test): unittest's methods decide outcomes, no honest test replaces them."""
+    try:
+        import unittest
+
+        own = vars(test)
+    except Exception:
+        return []
+    return sorted(
+        name
+        for name in own
+        if name == "failureException"
+        or (not name.startswith("_") and callable(getattr(unittest.TestCase, name, None)))
+    )
+
+
+def _report_overridden(witness: "_Witness", test: Any, name: str) -> None:
+    replaced = _overridden(test)
+    if replaced:
+        witness.emit(
+            "audit",
+            event="testcase",
+            what="replaced a test's own methods on its instance",
+            target="%s: %s" % (name, ", ".join(replaced)),
+            patch=witness.patch_frame() or "(not on the stack)",
+        )
+
+
 def pytest_runtest_makereport(item: Any, call: Any) -> None:
     if _witness is None or call.when != "call":
         return
+    testcase = getattr(item, "_testcase", None)
+    if testcase is not None:
+        _report_overridden(_witness, testcase, item.nodeid)
     before = _collected.get(item.nodeid)
     if before is not None and _fingerprint(item) != before:
         _witness.emit(
@@ -508,6 +540,7 @@ def _hook_unittest(witness: _Witness) -> None:
 
         def recorded(self: Any, test: Any, *args: Any) -> Any:
             witness.check()
+            _report_overridden(witness, test, _unittest_name(test))
             witness.test(_unittest_name(test), status, _description(test))
             return original(self, test, *args)
 
