@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import ast
 import posixpath
+import random
 import re
-import secrets
 from collections.abc import Callable, Collection, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,14 +70,29 @@ _XFAIL = re.compile(r"xfail|expectedFailure")
 _SKIP = re.compile(r"skip", re.IGNORECASE)
 
 
+# What the plan draws from: the system's randomness, or the generator `plan` is
+# given (the harness seeds one from a secret of the process and the inputs, so
+# the same inputs plant the same canaries and their verdict is the same bytes).
+_RNG: ContextVar[random.Random | None] = ContextVar("sandman_canaries_rng", default=None)
+_SYSTEM = random.SystemRandom()
+
+
+def _source() -> random.Random:
+    return _RNG.get() or _SYSTEM
+
+
+def _below(n: int) -> int:
+    return _source().randrange(n)
+
+
+def _choice(items: str) -> str:
+    return _source().choice(items)
+
+
 def token(prefix: str = "test_") -> str:
     """A fresh name no patch can have guessed: ``prefix`` and 12 random letters and digits."""
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return (
-        prefix
-        + secrets.choice(alphabet[:26])
-        + "".join(secrets.choice(alphabet) for _ in range(11))
-    )
+    return prefix + _choice(alphabet[:26]) + "".join(_choice(alphabet) for _ in range(11))
 
 
 @dataclass(frozen=True)
@@ -272,6 +288,7 @@ def plan(
     conftests: Mapping[str, str] | None = None,
     draw: Callable[[], str] = token,
     kinds: Collection[Kind] = KINDS,
+    rng: random.Random | None = None,
 ) -> Plan:
     """Rename ``targets`` in ``files`` and plant canaries beside them.
 
@@ -282,7 +299,25 @@ def plan(
     `Plan.left`): the listed test is then graded by its name, as before.
     ``kinds`` are the canaries to plant (a log format that cannot show an
     outcome, as Django's parser shows no expected failure, leaves its kind out).
+    ``rng``: what to draw names and values from (default: the system's).
     """
+    reset = _RNG.set(rng) if rng is not None else None
+    try:
+        return _plan(files, targets, fail_to_pass, mode, conftests or {}, draw, kinds)
+    finally:
+        if reset is not None:
+            _RNG.reset(reset)
+
+
+def _plan(
+    files: Mapping[str, str],
+    targets: list[Target],
+    fail_to_pass: Collection[str],
+    mode: Mode,
+    conftests: Mapping[str, str],
+    draw: Callable[[], str],
+    kinds: Collection[Kind],
+) -> Plan:
     result = Plan()
     by_file: dict[str, list[Target]] = {}
     for target in targets:
@@ -526,11 +561,11 @@ def _twin(
     if segment is None:
         return None
     body = _indent(lines[node.body[0].lineno - 1])
-    value = secrets.randbelow(10**6)
+    value = _below(10**6)
     tail = (
-        f"{body}self.assertEqual({value}, {value + 1 + secrets.randbelow(97)})\n"
+        f"{body}self.assertEqual({value}, {value + 1 + _below(97)})\n"
         if mode == "unittest" and node.args.args and node.args.args[0].arg == "self"
-        else f"{body}assert {value} == {value + 1 + secrets.randbelow(97)}\n"
+        else f"{body}assert {value} == {value + 1 + _below(97)}\n"
     )
     return name, "\n" + "".join(segment) + tail
 
@@ -664,14 +699,14 @@ def _changed(text: str) -> str | None:
     of the same look, or None."""
     if _PLAIN_NUMBER.match(text):
         whole, _, decimals = text.lstrip("-").partition(".")
-        delta = secrets.choice([-3, -2, -1, 1, 2, 3])
+        delta = _below(3) + 1 if _below(2) else -(_below(3) + 1)
         value = int(whole) + delta
         if value < 0:
             value = int(whole) - delta
         sign = "-" if text.startswith("-") else ""
         return f"{sign}{value}" + (f".{decimals}" if decimals else "")
     if _PLAIN_STRING.match(text) and len(text) > 2:
-        at = 1 + secrets.randbelow(len(text) - 2)
+        at = 1 + _below(len(text) - 2)
         old = text[at]
         pool = (
             "0123456789"
@@ -683,7 +718,7 @@ def _changed(text: str) -> str | None:
             else "-_.,:"
         )
         choices = [c for c in pool if c != old]
-        return text[:at] + secrets.choice(choices) + text[at + 1 :]
+        return text[:at] + _choice("".join(choices)) + text[at + 1 :]
     return None
 
 
@@ -701,7 +736,7 @@ def _mutant(
     leaves = [leaf for side in _literals(node) for leaf in _leaves(side)]
     if not leaves:
         return None
-    leaf = leaves[secrets.randbelow(len(leaves))]
+    leaf = leaves[_below(len(leaves))]
     line = lines[leaf.lineno - 1]
     start, end = leaf.col_offset, leaf.end_col_offset or leaf.col_offset
     # col offsets count UTF-8 bytes
@@ -736,8 +771,8 @@ def _generic(
 ) -> tuple[str, list[tuple[str, Kind]]]:
     """The must-pass/fail/error/skip/xfail canaries, as a block at ``indent``."""
     this = "self" if method else ""
-    a, b = secrets.randbelow(10**6), 10**6 + secrets.randbelow(10**6)
-    c = secrets.randbelow(1000)
+    a, b = _below(10**6), 10**6 + _below(10**6)
+    c = _below(1000)
     equal = (
         f"self.assertEqual({a} + {c}, {a + c})"
         if unittest_like and method

@@ -34,9 +34,12 @@ is told from any other SIGKILL by the sandbox's own cgroup counter
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import posixpath
+import random
 import re
 import secrets
 import shlex
@@ -104,6 +107,8 @@ _UNSEEN: dict[str, tuple[canaries.Kind, ...]] = {"django": ("xfail",), "seaborn"
 _NOT_INSTALLED = ("/proc", "/sys", "/dev", "/run", "/tmp", "/var/tmp", "/root/.cache", _WORK)
 _CODE_SUFFIXES = (".py", ".pyc", ".so", ".pth")
 _FRAMEWORK_FILES = ("/_pytest/", "/pytest/", "/pluggy/", "/unittest/", "/django/test/", "/py/_")
+_PLANT_KEY = secrets.token_bytes(32)
+"""This process's secret for drawing canaries (see `_Evaluation._plant`)."""
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -495,8 +500,23 @@ class _Evaluation:
                 data = await sb.read_file(posixpath.join(self.instance.repo_path, path))
                 conftests[path] = data.decode("utf-8", errors="replace")
         kinds = [k for k in canaries.KINDS if k not in _UNSEEN.get(self.instance.log_parser, ())]
+        # Drawn from a secret of this process and the inputs: the same inputs
+        # plant the same canaries (re-grading gives the same verdict), and no
+        # patch can know them, nor carry them to another patch (any change of
+        # it draws anew).
+        seed = hmac.new(
+            _PLANT_KEY,
+            inputs_hash(self.instance, self.patch, self.conditions, self.digest).encode(),
+            hashlib.sha256,
+        ).digest()
         self.plan = canaries.plan(
-            files, targets, self.instance.FAIL_TO_PASS, mode, conftests, kinds=kinds
+            files,
+            targets,
+            self.instance.FAIL_TO_PASS,
+            mode,
+            conftests,
+            kinds=kinds,
+            rng=random.Random(seed),
         )
         for path, text in self.plan.sources.items():
             await sb.write_file(

@@ -67,7 +67,10 @@ def judge(
             f"this run had renamed (no such test ran): {', '.join(sorted(forged)[:3])}"
         )
     ran = plan.ran(result.stdout)
-    lies = plan.lies(planted, ran, listed=claimed)
+    # With the witness, a canary's outcome is the framework's own report; the
+    # log adds a lie only where it names a canary ending otherwise (a missing
+    # line there is no lie: output the code under test cut short or buried).
+    lies = plan.lies(planted, ran, listed=claimed) if mode is None else []
     if mode is not None:
         witnessed = read_witness(result.stderr, key)
         if not witnessed.started and not claimed:
@@ -83,6 +86,8 @@ def judge(
         )
         results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
         strong += found
+        logged = {token: status for token, status in planted.items() if status != "MISSING"}
+        lies += plan.lies(logged, False, listed=claimed)
         if witnessed.started:
             lies += [
                 f"{lie} (by the framework's own report)"
