@@ -1,6 +1,6 @@
 """Evidence the patch cannot predict: listed tests renamed, canaries planted beside them.
 
-(About 650 lines: one rewrite, from reading a test file to planting in it.)
+(About 800 lines: one rewrite, from reading a test file to planting its copies and canaries.)
 
 Pure: test files' text in, rewritten text and a `Plan` out; the harness reads
 and writes the files, after ``pre_test`` has finished and before the test run,
