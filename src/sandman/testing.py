@@ -1,5 +1,7 @@
 """The fake provider, for our tests and yours.
 
+(About 700 lines, one public module: users import `sandman.testing` alone.)
+
 `FakeProvider` satisfies `sandman.providers.base.Provider` without
 containers, images or root, and fails on request. Each of its sandboxes is a
 real ``sandmand`` process started on this machine, so everything the SDK

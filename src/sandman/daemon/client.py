@@ -1,4 +1,9 @@
-"""The async client of sandmand's protocol v1: commands, processes, shells, files, archives."""
+"""The async client of sandmand's protocol v1: commands, processes, shells, files, archives.
+
+One piece (about 1,000 lines) because it is one protocol's client: every
+method shares the connection, auth, error mapping and limits below, and the
+sync facade and the SDK derive from its signatures in one place.
+"""
 
 from __future__ import annotations
 

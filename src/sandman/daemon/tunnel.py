@@ -1,5 +1,8 @@
 """A sandbox's TCP ports, reached from here through its daemon.
 
+(About 700 lines, one piece: the listener, the dialer and the byte copy share
+one connection's state and its ordered shutdown.)
+
 `ExposedPort` listens on a local address (127.0.0.1 and an ephemeral port by
 default). Every connection accepted there opens a connection of its own to
 the daemon and asks it for the port (`Dialer`); once the daemon has

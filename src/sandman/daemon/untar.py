@@ -1,5 +1,8 @@
 """Unpacking, on the host, a tar stream that a sandbox produced.
 
+(About 600 lines, one piece: the parser and the descriptor-relative writer
+are one defence; split, a path could pass between them unchecked.)
+
 A sandbox is hostile: its daemon may answer a download with any bytes it
 likes. `tarfile`'s ``filter="data"`` is not a defence to lean on: on the
 Python versions this package supports, CVE-2025-4517 defeats it (a chain of

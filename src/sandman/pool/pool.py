@@ -1,6 +1,9 @@
 """The pool: between callers and a provider, it paces creation, waits for readiness,
 hands sandboxes out under leases, and keeps cleanup responsibility whatever callers do.
 
+(About 1,200 lines: one state machine over one set of records; issue 30
+asks for its reconcile and adopt decisions to move out as a pure plan.)
+
 Lifecycle of a sandbox (see `records.State`)::
 
     queued -> creating -> starting -> ready -> leased -> releasing -> gone

@@ -1,5 +1,8 @@
 """Pods as sandboxes, both ways: the manifest for a spec, and what a pod's status means.
 
+(About 700 lines, one piece: the manifest and its reading must agree field
+for field, and both are pure.)
+
 Pure: no I/O. Everything the provider must know after a restart lives on
 the pod itself: the labels (``sandman.io/pool``, ``sandman.io/session``,
 ``sandman.io/expires-at``, also an annotation), the image, and the daemon's

@@ -1,5 +1,8 @@
 """Network modes of the local provider: ``isolated`` and ``egress``.
 
+(About 750 lines, one piece: namespaces, addresses and the one nftables
+ruleset are set up and torn down together; split, a half could leak.)
+
 Each sandbox with a network gets a named network namespace ``sm-<h>`` (``h``
 is 10 hex digits of a hash of the sandbox id) and a veth pair: ``smh<h>`` on
 the host, ``eth0`` inside, with a /30 from the subnet (index ``n`` is the n-th

@@ -1,5 +1,8 @@
 """LocalProvider: sandboxes as crun (or runc) containers on this machine.
 
+(About 730 lines: the create and delete sequences, whose order is the
+leak-freedom argument; host, disk, network and trees already live apart.)
+
 On disk, under ``<state_dir>/sandboxes/<id>/``: ``meta.json`` (written
 first: the record that makes even a half-created sandbox findable; the
 directory is made under a staging name, ``.new-<id>.<random>``, and renamed
