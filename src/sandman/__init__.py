@@ -45,10 +45,12 @@ from sandman.errors import (
     SandboxError,
     SandboxLost,
     SandboxNotFound,
+    SandboxPaused,
     SandboxTimeout,
     SessionBusy,
     SessionClosed,
     SessionExpired,
+    SnapshotNotFound,
     StdinClosed,
     ThrottledError,
     Unauthorized,
@@ -67,6 +69,7 @@ from sandman.models import (
     SandboxSpec,
     SessionInfo,
     SessionRunResult,
+    Snapshot,
 )
 
 __all__ = [
@@ -108,6 +111,7 @@ __all__ = [
     "SandboxError",
     "SandboxLost",
     "SandboxNotFound",
+    "SandboxPaused",
     "SandboxSpec",
     "SandboxTimeout",
     "SessionBusy",
@@ -115,6 +119,8 @@ __all__ = [
     "SessionExpired",
     "SessionInfo",
     "SessionRunResult",
+    "Snapshot",
+    "SnapshotNotFound",
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",

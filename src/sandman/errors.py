@@ -11,6 +11,8 @@ SandboxError
 ├── SandboxNotFound             released, expired, evicted
 │   ├── SandboxLost             it died under its holder; `reason` says why (oom, killed...)
 │   └── SessionExpired          the client's session is over (the client opens a new one)
+├── SnapshotNotFound            (LookupError)  no such snapshot (deleted, expired, another tenant's)
+├── SandboxPaused               the sandbox is paused: resume it first
 ├── DaemonError                 the in-sandbox daemon answered with an error
 │   ├── DaemonUnavailable       retryable: cannot connect, connection lost
 │   ├── UntrustedDaemon         the peer at the daemon's socket is another process
@@ -71,10 +73,12 @@ __all__ = [
     "SandboxError",
     "SandboxLost",
     "SandboxNotFound",
+    "SandboxPaused",
     "SandboxTimeout",
     "SessionBusy",
     "SessionClosed",
     "SessionExpired",
+    "SnapshotNotFound",
     "StdinClosed",
     "ThrottledError",
     "Unauthorized",
@@ -166,6 +170,15 @@ class SessionExpired(SandboxNotFound):
     """The client's session with the pool or the service is over (not a shell session):
     its lease passed without a heartbeat, or it was closed, and the sandboxes it held
     went with it. `AsyncClient` opens a new session by itself and says what was lost."""
+
+
+class SnapshotNotFound(SandboxError, LookupError):
+    """No such snapshot: never made, deleted, past its time to live, or another tenant's."""
+
+
+class SandboxPaused(SandboxError):
+    """The sandbox is paused (`AsyncSandbox.pause`): its processes are stopped until
+    `AsyncSandbox.resume`."""
 
 
 class DaemonError(SandboxError):

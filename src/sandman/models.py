@@ -36,6 +36,7 @@ __all__ = [
     "SandboxSpec",
     "SessionInfo",
     "SessionRunResult",
+    "Snapshot",
     "check_object_name",
     "explain",
     "parse_bytes",
@@ -211,6 +212,9 @@ class SandboxSpec(BaseModel):
     """Bytes the sandbox may write; None: the provider's default."""
     seccomp: str = "default"
     kubernetes: KubernetesOptions = Field(default_factory=KubernetesOptions)
+    snapshot: str | None = Field(default=None, pattern=r"^sn-[a-z0-9]{1,60}$")
+    """Start from this snapshot's files (`Snapshot.id`) instead of the bare image; the
+    image must be the snapshot's. None: from the image."""
 
     @field_validator("labels")
     @classmethod
@@ -230,6 +234,35 @@ class SandboxSpec(BaseModel):
                 f"seccomp must be 'default', 'unconfined' or an absolute path to a profile, got {value!r}"
             )
         return value
+
+
+class Snapshot(_Value):
+    """A sandbox's state, kept to make new sandboxes from (``client.sandbox(snapshot=...)``,
+    `AsyncSandbox.fork`) or to reset one to (`AsyncSandbox.restore`).
+
+    Files are always in it; with ``memory`` its processes are too. It belongs to the
+    tenant whose sandbox it was made of, and is deleted at ``expires_at`` at the latest.
+    """
+
+    id: str
+    image: str
+    """The image the sandbox was made from: a sandbox made from the snapshot is too."""
+    created_at: float
+    expires_at: float
+    size: int
+    """Bytes it holds beyond the image (what the sandbox had written)."""
+    memory: bool = False
+    source: str | None = None
+    """The id of the sandbox it was made of."""
+    spec: SandboxSpec | None = None
+    """The spec of that sandbox: a fork's, unless told otherwise."""
+
+    def fork_spec(self, **changes: Any) -> SandboxSpec:
+        """The spec of a sandbox made from this snapshot (``changes``: other limits...)."""
+        base = self.spec.model_dump() if self.spec is not None else {"image": self.image}
+        base.update(changes)
+        base["image"], base["snapshot"] = self.image, self.id
+        return SandboxSpec(**base)
 
 
 class Health(_Value):

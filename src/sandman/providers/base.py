@@ -21,6 +21,8 @@ __all__ = [
     "Provider",
     "SandboxInfo",
     "SandboxState",
+    "SnapshotInfo",
+    "Snapshots",
     "WatchesLost",
 ]
 
@@ -84,6 +86,24 @@ class SandboxInfo(BaseModel):
     endpoint: DaemonEndpoint | None = None
     lost: Lost | None = None
     """For a ``stopped`` sandbox: why it stopped, as far as the backend can tell."""
+
+
+class SnapshotInfo(BaseModel):
+    """One snapshot as the backend keeps it; everything here survives a restart."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    provider: str
+    labels: dict[str, str]
+    created_at: float
+    image: str
+    image_id: str
+    size: int
+    """Bytes it holds beyond the image."""
+    memory: bool = False
+    source: str | None = None
+    spec: SandboxSpec | None = None
 
 
 class Provider(Protocol):
@@ -161,6 +181,49 @@ class WatchesLost(Protocol):
         """Each watched sandbox that died by itself, once, as soon as the backend says;
         never one removed through `delete`. Every reader sees every report made after
         it was asked for (not only after it first waits); close it with ``aclose``."""
+        ...
+
+
+@runtime_checkable
+class Snapshots(Protocol):
+    """An optional capability of a provider: it keeps snapshots of sandboxes, makes
+    sandboxes from them (`create` with ``spec.snapshot``), resets a sandbox to one, and
+    pauses and resumes sandboxes. A snapshot is recorded before it is made, as a sandbox
+    is, so that `snapshots` finds even a half-made one and `delete_snapshot` removes it.
+    """
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        snapshot_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        memory: bool = False,
+    ) -> SnapshotInfo:
+        """Keep the sandbox's files (and with ``memory``, its processes); it goes on
+        running. ConfigError if this backend cannot keep memory."""
+        ...
+
+    async def snapshots(self, *, labels: Mapping[str, str] | None = None) -> list[SnapshotInfo]:
+        """Every snapshot this provider keeps whose labels include ``labels``."""
+        ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove the snapshot and all it holds; a missing one is not an error. Sandboxes
+        made from it are not touched (they hold their own copy-on-write files)."""
+        ...
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Reset the sandbox to the snapshot in place: same id, new processes (those of the
+        snapshot, with memory). Returns it with its daemon's new endpoint."""
+        ...
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Stop every process of the sandbox (it uses no CPU) until `resume`."""
+        ...
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Let a paused sandbox's processes run again."""
         ...
 
 

@@ -53,6 +53,8 @@ async def provider_for(config: LocalConfig, busybox_tar: Path) -> AsyncIterator[
     finally:
         for info in await provider.list():
             await provider.delete(info.id)
+        for snapshot in await provider.snapshots():
+            await provider.delete_snapshot(snapshot.id)
         assert await provider.network.list() == []
         await provider.network.reset()
         await provider.aclose()

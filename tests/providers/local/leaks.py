@@ -34,6 +34,9 @@ def leftovers(provider: LocalProvider, *, closed: bool = False) -> list[str]:
     # Disk layers (btrfs subvolumes) and, once the provider is closed, the
     # filesystem's mount and loop device: see providers/local/disk.py.
     found += [f"disk layer {name}" for name in provider.disk.names()]
+    found += [f"snapshot {info.id}" for info in provider.snapshot_store.list()]
+    if provider.snapshot_store.root.exists():
+        found += [f"snapshot file {p.name}" for p in provider.snapshot_store.root.iterdir()]
     layers = f"{state / 'disk'}/"
     runtime_state = state / "runtime" / provider.config.runtime
     if runtime_state.exists():

@@ -68,7 +68,7 @@ from pathlib import Path
 
 from sandman import errors
 
-__all__ = ["DiskPool", "probe"]
+__all__ = ["SNAPSHOTS", "DiskPool", "probe"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,35 +89,49 @@ _W, _R, _RW = 1, 2, 3
 _IOC_SNAP_DESTROY = _ioc(_W, 15, 4096)  # struct btrfs_ioctl_vol_args
 _IOC_FS_INFO = _ioc(_R, 31, 1024)  # struct btrfs_ioctl_fs_info_args
 _IOC_SUBVOL_CREATE_V2 = _ioc(_W, 24, 4096)  # struct btrfs_ioctl_vol_args_v2
+_IOC_SNAP_CREATE_V2 = _ioc(_W, 23, 4096)  # struct btrfs_ioctl_vol_args_v2
 _IOC_QUOTA_CTL = _ioc(_RW, 40, 16)  # struct btrfs_ioctl_quota_ctl_args
 _IOC_INO_LOOKUP = _ioc(_RW, 18, 4096)  # struct btrfs_ioctl_ino_lookup_args
 _IOC_START_SYNC = _ioc(_R, 24, 8)  # __u64 transid
 _QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
+_SUBVOL_RDONLY = 1 << 1
 _SUBVOL_QGROUP_INHERIT = 1 << 2
 _INHERIT_SET_LIMITS = 1 << 0
 _LIMIT_MAX_RFER = 1 << 0
 _INHERIT_SIZE = 72  # struct btrfs_qgroup_inherit with no qgroups
 _V2_NAME_OFFSET = 56  # offsetof(struct btrfs_ioctl_vol_args_v2, name)
 
+SNAPSHOTS = ".snapshots"
+"""Where snapshots' layers live in the filesystem: a name no sandbox id can take."""
+
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _subvolume_create(parent_fd: int, name: str, limit: int) -> None:
-    """BTRFS_IOC_SUBVOL_CREATE_V2 with a qgroup limit: the subvolume never exists unlimited."""
+def _subvolume_create(
+    parent_fd: int, name: str, limit: int | None, *, source_fd: int = -1, readonly: bool = False
+) -> None:
+    """BTRFS_IOC_SUBVOL_CREATE_V2 with a qgroup limit: the subvolume never exists unlimited.
+    With ``source_fd``, BTRFS_IOC_SNAP_CREATE_V2: a snapshot of that subvolume (shared
+    extents, copy-on-write; its cost does not grow with the tree)."""
     inherit = ctypes.create_string_buffer(_INHERIT_SIZE)
     # flags, num_qgroups, num_ref_copies, num_excl_copies, then btrfs_qgroup_limit:
     # flags, max_rfer, max_excl, rsv_rfer, rsv_excl.
-    struct.pack_into(
-        "4Q5Q", inherit, 0, _INHERIT_SET_LIMITS, 0, 0, 0, _LIMIT_MAX_RFER, limit, 0, 0, 0
+    if limit is not None:
+        struct.pack_into(
+            "4Q5Q", inherit, 0, _INHERIT_SET_LIMITS, 0, 0, 0, _LIMIT_MAX_RFER, limit, 0, 0, 0
+        )
+    flags = (_SUBVOL_QGROUP_INHERIT if limit is not None else 0) | (
+        _SUBVOL_RDONLY if readonly else 0
     )
     args = bytearray(4096)
     struct.pack_into(
-        "qQQQQ", args, 0, 0, 0, _SUBVOL_QGROUP_INHERIT, _INHERIT_SIZE, ctypes.addressof(inherit)
+        "qQQQQ", args, 0, source_fd, 0, flags, _INHERIT_SIZE, ctypes.addressof(inherit)
     )
     encoded = name.encode()
     args[_V2_NAME_OFFSET : _V2_NAME_OFFSET + len(encoded)] = encoded
-    fcntl.ioctl(parent_fd, _IOC_SUBVOL_CREATE_V2, args)
+    command = _IOC_SNAP_CREATE_V2 if source_fd >= 0 else _IOC_SUBVOL_CREATE_V2
+    fcntl.ioctl(parent_fd, command, args)
 
 
 def _subvolume_destroy(parent_fd: int, name: str) -> None:
@@ -309,8 +323,64 @@ class DiskPool:
             raise _failed(exc, layer) from exc
         return layer
 
+    def has(self, name: str) -> bool:
+        """Whether ``name`` (a sandbox id, or `SNAPSHOTS`/<snapshot id>) is a layer here."""
+        if not self.mounted():
+            return False
+        try:
+            return os.stat(self.root / name).st_ino == _SUBVOL_ROOT_INO
+        except OSError:
+            return False
+
+    def snapshot(self, sandbox_id: str, snapshot_id: str) -> int:
+        """A read-only snapshot of the sandbox's layer, as `SNAPSHOTS`/<snapshot_id>;
+        returns the bytes the layer held. The sandbox must not be writing (paused)."""
+        with self._locked():
+            if not self.mounted() or self.aborted():
+                raise errors.ProviderError(f"the disk filesystem at {self.root} is not mounted")
+            held = self.root / SNAPSHOTS
+            held.mkdir(mode=0o700, exist_ok=True)
+            source = os.open(self.root / sandbox_id, os.O_RDONLY | os.O_DIRECTORY)
+            parent = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                _subvolume_create(parent, snapshot_id, None, source_fd=source, readonly=True)
+            except OSError as exc:
+                raise errors.ProviderError(
+                    f"cannot snapshot the disk layer of {sandbox_id}: {exc}"
+                ) from exc
+            finally:
+                os.close(parent)
+                os.close(source)
+        used = self.usage(sandbox_id)
+        return used[0] if used is not None else 0
+
+    def clone(self, snapshot_id: str, sandbox_id: str, limit: int | None) -> Path:
+        """The sandbox's layer as a writable snapshot of `SNAPSHOTS`/<snapshot_id>, at most
+        ``limit`` bytes (None: no limit of its own)."""
+        with self._locked():
+            self._mount()
+            source_path = self.root / SNAPSHOTS / snapshot_id
+            try:
+                source = os.open(source_path, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                raise errors.SnapshotNotFound(
+                    f"snapshot {snapshot_id} holds no files at {source_path}"
+                ) from None
+            parent = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                _subvolume_create(parent, sandbox_id, limit, source_fd=source)
+            except OSError as exc:
+                raise errors.ProviderError(
+                    f"cannot make the disk layer of {sandbox_id} from {snapshot_id}: {exc}"
+                ) from exc
+            finally:
+                os.close(parent)
+                os.close(source)
+        return self.root / sandbox_id
+
     def remove(self, sandbox_id: str) -> None:
-        """Destroy the sandbox's layer and, with it, its quota; fine if it is gone."""
+        """Destroy the sandbox's layer and, with it, its quota; fine if it is gone.
+        ``sandbox_id`` may be `SNAPSHOTS`/<snapshot id>: a snapshot's."""
         with self._locked():
             if self.aborted():
                 self._discard()  # and the layer with it: nothing left to do
@@ -319,9 +389,13 @@ class DiskPool:
                 if not self.image.exists():
                     return
                 self._mount()  # after a reboot or a crash: its layer may still be inside
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            parent, _, name = sandbox_id.rpartition("/")
             try:
-                _subvolume_destroy(fd, sandbox_id)
+                fd = os.open(self.root / parent, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                return
+            try:
+                _subvolume_destroy(fd, name)
                 # Start (not wait for) a commit: it wakes the cleaner, which frees the
                 # layer's space and drops its qgroup now rather than within 30 s.
                 fcntl.ioctl(fd, _IOC_START_SYNC, bytearray(8))
@@ -356,7 +430,20 @@ class DiskPool:
             elif self.mounted():
                 self._unmount_if_empty()
 
+    def snapshot_names(self) -> list[str]:
+        """The snapshot ids that hold a layer here."""
+        if not self.mounted() or self.aborted():
+            return []
+        try:
+            return [e.name for e in os.scandir(self.root / SNAPSHOTS) if _ID.match(e.name)]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _failed(exc, self.root) from exc
+
     def _unmount_if_empty(self) -> None:
+        with contextlib.suppress(OSError):  # not empty: snapshots hold it
+            (self.root / SNAPSHOTS).rmdir()
         with os.scandir(self.root) as entries:
             if next(entries, None) is None:
                 _umount(self.root)
@@ -376,7 +463,8 @@ class DiskPool:
         finally:
             os.close(fd)
         used = int((qgroup / "referenced").read_text())
-        return used, int((qgroup / "max_referenced").read_text())
+        limit = (qgroup / "max_referenced").read_text().strip()
+        return used, int(limit) if limit.isdigit() else 0
 
     def qgroups(self) -> list[str]:
         """The level-0 qgroups other than the top level's (``0_<subvolume id>``); for tests."""

@@ -48,7 +48,14 @@ from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec
-from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInfo, SandboxState
+from sandman.providers.base import (
+    DaemonEndpoint,
+    Lost,
+    LostReports,
+    SandboxInfo,
+    SandboxState,
+    SnapshotInfo,
+)
 from sandman.providers.local import oci, seccomp
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
@@ -62,6 +69,7 @@ from sandman.providers.local.host import (
 )
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
+from sandman.providers.local.snapshots import SnapshotStore, check_id, new_snapshot_id
 from sandman.providers.local.trees import remove_tree
 from sandman.settings import LocalConfig
 
@@ -85,6 +93,7 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _STATES: dict[str, SandboxState] = {
     "created": "creating",
     "running": "running",
+    "paused": "running",  # its processes stopped, not gone (`pause`)
     "stopped": "stopped",
 }
 
@@ -136,6 +145,7 @@ class LocalProvider:
             ),
         )
         self.disk = DiskPool(state)
+        self.snapshot_store = SnapshotStore(state, self.disk, self.name)
         self._empty = state / _EMPTY
         # The same kernel as the sandboxes': what exists here exists in their /proc, /sys.
         self._masked = tuple(p for p in oci.MASKED_DIRS if os.path.isdir(p))
@@ -254,7 +264,45 @@ class LocalProvider:
         """Start a sandbox from ``spec``; its daemon is starting when this returns."""
         self._check_fits(spec)
         await self._prepare()
-        image = await self._image(spec.image)
+        if spec.snapshot is not None:
+            return await self._create_from(spec, spec.snapshot, sandbox_id, labels)
+        return await self._create(spec, await self._image(spec.image), sandbox_id, labels)
+
+    async def _create_from(
+        self,
+        spec: SandboxSpec,
+        snapshot_id: str,
+        sandbox_id: str | None,
+        labels: Mapping[str, str] | None,
+    ) -> SandboxInfo:
+        """`create` from a snapshot's files, holding it (a delete waits) until it runs."""
+        hold = self.snapshot_store.using(snapshot_id)
+        snapshot = await anyio.to_thread.run_sync(hold.__enter__)
+        try:
+            if spec.image not in (snapshot.image, snapshot.image_id):
+                raise errors.ConfigError(
+                    f"snapshot {snapshot_id} is of image {snapshot.image!r}, not {spec.image!r}"
+                )
+            try:
+                image = await self.images.get(snapshot.image_id)
+            except errors.ImageNotFound:
+                raise errors.ImageNotFound(
+                    f"the image of snapshot {snapshot_id} ({snapshot.image}, "
+                    f"{snapshot.image_id}) is no longer in the store"
+                ) from None
+            return await self._create(spec, image, sandbox_id, labels, source=snapshot_id)
+        finally:
+            await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
+
+    async def _create(
+        self,
+        spec: SandboxSpec,
+        image: Image,
+        sandbox_id: str | None,
+        labels: Mapping[str, str] | None,
+        *,
+        source: str | None = None,
+    ) -> SandboxInfo:
         sid = sandbox_id or new_sandbox_id()
         directory = self._dir(sid)
         socket = self._socket(directory)
@@ -274,7 +322,9 @@ class LocalProvider:
         _make_record(directory, json.dumps(meta))
         try:
             token = secrets.token_urlsafe(32)
-            endpoint = await self._start(sid, directory, spec, image, uid, gid, token, all_labels)
+            endpoint = await self._start(
+                sid, directory, spec, image, uid, gid, token, all_labels, source
+            )
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 try:
@@ -306,16 +356,11 @@ class LocalProvider:
         gid: int,
         token: str,
         labels: Mapping[str, str],
+        source: str | None = None,
     ) -> DaemonEndpoint:
         """Create and start the container; returns where its daemon listens."""
         (directory / "rootfs").mkdir()
-        limit = spec.disk if spec.disk is not None else self.config.disk
-        if limit is None:
-            layer = directory
-            (layer / "upper").mkdir()
-            (layer / "work").mkdir()
-        else:
-            layer = await anyio.to_thread.run_sync(self.disk.create, sid, limit)
+        layer = await self._layer(sid, directory, spec, source)
         # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
         _write(directory / "token", token, mode=0o400)
         gvisor = self.config.runtime == "runsc"
@@ -360,13 +405,35 @@ class LocalProvider:
             seccomp=await seccomp.resolve(spec.seccomp),
         )
         _write(directory / "config.json", json.dumps(config))
+        return await self._launch(sid, directory, image, layer, token)
+
+    async def _layer(
+        self, sid: str, directory: Path, spec: SandboxSpec, source: str | None
+    ) -> Path:
+        """The sandbox's overlay layer (``upper``, ``work``): empty, or the snapshot
+        ``source``'s files; in the disk filesystem when it has a limit."""
+        limit = spec.disk if spec.disk is not None else self.config.disk
+        if source is not None:
+            return await anyio.to_thread.run_sync(
+                self.snapshot_store.layer, source, sid, directory, limit
+            )
+        if limit is None:
+            (directory / "upper").mkdir()
+            (directory / "work").mkdir()
+            return directory
+        return await anyio.to_thread.run_sync(self.disk.create, sid, limit)
+
+    async def _launch(
+        self, sid: str, directory: Path, image: Image, layer: Path, token: str
+    ) -> DaemonEndpoint:
+        """Create and start the container of a bundle written whole (``config.json``)."""
         overlay = (image.rootfs, layer / "upper", layer / "work", directory / "rootfs")
-        if gvisor:
+        if self.config.runtime == "runsc":
             await self._runtime.create(
                 sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
             )
             await self._runtime.start(sid)
-            return tcp
+            return _endpoint(directory, self._socket(directory), token)
         # The host binds the socket where no sandbox can write, so it never
         # connects through a path the workload could swap for a symlink or a
         # server of its own; the daemon calls listen(2) on it, which makes
@@ -425,6 +492,145 @@ class LocalProvider:
         )
         if left:
             raise errors.ProviderError(f"cgroups of {sandbox_id} still busy: {left}")
+
+    # -- snapshots, restore, pause (sandman.providers.base.Snapshots) ------------------
+
+    def _meta(self, sandbox_id: str) -> dict[str, Any]:
+        try:
+            meta: dict[str, Any] = json.loads((self._dir(sandbox_id) / _META).read_text())
+        except FileNotFoundError:
+            raise errors.SandboxNotFound(f"no sandbox {sandbox_id} in {self._sandboxes}") from None
+        except (OSError, ValueError) as exc:
+            raise errors.ProviderError(f"cannot read sandbox {sandbox_id}'s record: {exc}") from exc
+        return meta
+
+    async def _running(self, sandbox_id: str) -> str:
+        """The container's status, which must be running or paused; else why not, typed."""
+        status = (await self._runtime.states()).get(sandbox_id)
+        if status in ("running", "paused"):
+            return status
+        raise errors.SandboxLost.of(
+            sandbox_id, "daemon_exit", f"its container is {status or 'gone'}: nothing to keep"
+        )
+
+    def _layer_of(self, sandbox_id: str) -> Path:
+        if self.disk.has(sandbox_id):
+            return self.disk.root / sandbox_id
+        return self._dir(sandbox_id)
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        snapshot_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        memory: bool = False,
+    ) -> SnapshotInfo:
+        """Keep the sandbox's files: a btrfs snapshot of its layer (constant time), or a
+        copy without a disk filesystem. Its processes are frozen meanwhile, so the files
+        are as of one instant. ``memory`` is refused: crun has no working CRIU here."""
+        if memory:
+            raise errors.ConfigError(
+                "a snapshot with memory needs a runtime that can checkpoint processes: "
+                f"this provider runs {self.config.runtime!r}, and the CRIU that crun would use "
+                "fails `criu check` on this kernel; snapshot(memory=False) keeps the files"
+            )
+        meta = self._meta(sandbox_id)
+        status = await self._running(sandbox_id)
+        sid = check_id(snapshot_id) if snapshot_id else new_snapshot_id()
+        record = {
+            "id": sid, "labels": dict(labels or {}), "image": meta.get("image", ""),
+            "image_id": meta.get("image_id", ""), "created_at": time.time(),
+            "source": sandbox_id, "spec": meta.get("spec"), "memory": False,
+        }  # fmt: skip
+        store = self.snapshot_store
+        try:
+            await anyio.to_thread.run_sync(store.record, sid, record)
+        except FileExistsError:
+            raise errors.ConfigError(f"snapshot {sid} already exists") from None
+        try:
+            if status == "running":
+                await self._runtime.pause(sandbox_id)
+            try:
+                await anyio.to_thread.run_sync(
+                    store.keep, sid, sandbox_id, self._layer_of(sandbox_id)
+                )
+            finally:
+                if status == "running":
+                    with anyio.CancelScope(shield=True):
+                        await self._runtime.resume(sandbox_id)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(store.delete, sid)
+            raise
+        return await anyio.to_thread.run_sync(store.get, sid)
+
+    async def snapshots(
+        self, *, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[SnapshotInfo]:
+        """Every snapshot of this state directory (half-made ones too) with ``labels``."""
+        return await anyio.to_thread.run_sync(self.snapshot_store.list, labels)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove the snapshot's files and record; waits for creates from it in flight."""
+        try:
+            await anyio.to_thread.run_sync(self.snapshot_store.delete, snapshot_id)
+        except OSError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            raise errors.ProviderError(f"cannot delete snapshot {snapshot_id}: {exc}") from exc
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Reset the sandbox to the snapshot's files: its container is made again over a
+        new layer from the snapshot (same id, token and network; new processes)."""
+        meta = self._meta(sandbox_id)
+        directory = self._dir(sandbox_id)
+        hold = self.snapshot_store.using(snapshot_id)
+        snapshot = await anyio.to_thread.run_sync(hold.__enter__)
+        try:
+            if snapshot.image_id != meta.get("image_id"):
+                raise errors.ConfigError(
+                    f"snapshot {snapshot_id} is of image {snapshot.image!r}; sandbox "
+                    f"{sandbox_id} runs {meta.get('image')!r}: restore needs the same image"
+                )
+            image = await self.images.get(snapshot.image_id)
+            spec = SandboxSpec.model_validate(meta["spec"])
+            token = (directory / "token").read_text()
+            self._exits.forget(sandbox_id)
+            await self._runtime.delete(sandbox_id)
+            await self._remove_cgroups(sandbox_id)
+            # The old layer goes; a crash from here on leaves a sandbox without a
+            # container, which the pool finds lost and deletes, record and all.
+            await anyio.to_thread.run_sync(self._drop_layer, sandbox_id, directory)
+            layer = await self._layer(sandbox_id, directory, spec, snapshot_id)
+            endpoint = await self._launch(sandbox_id, directory, image, layer, token)
+        finally:
+            await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
+        self._seen.pop(sandbox_id, None)  # a new daemon pid
+        info = await self.inspect(sandbox_id)
+        return info.model_copy(update={"endpoint": endpoint})
+
+    def _drop_layer(self, sandbox_id: str, directory: Path) -> None:
+        if self.disk.has(sandbox_id):
+            self.disk.remove(sandbox_id)
+        for name in ("upper", "work"):
+            _remove_tree(directory / name)
+        for name in (_SOCKET_NAME, "pid"):
+            (directory / name).unlink(missing_ok=True)
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze the sandbox's processes (its freezer cgroup): it uses no CPU; its memory
+        stays (a checkpoint to disk would need CRIU, which fails on this kernel)."""
+        self._meta(sandbox_id)
+        await self._running(sandbox_id)
+        await self._runtime.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox."""
+        self._meta(sandbox_id)
+        await self._running(sandbox_id)
+        await self._runtime.resume(sandbox_id)
+        return await self.inspect(sandbox_id)
 
     # -- lost sandboxes (sandman.providers.base.WatchesLost) ---------------------
 
