@@ -42,3 +42,20 @@ def test_local_demo() -> None:
         assert f" {state}/" not in Path("/proc/self/mountinfo").read_text()
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+@needs_root_and_crun
+def test_grpo_fork() -> None:
+    state = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    try:
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "grpo_fork.py"), "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "rewards of the group: [1.0, 0.0, 1.0, 0.0]" in done.stdout
+        assert "as it was: def add(a, b): return a - b" in done.stdout
+        assert "snapshots left: 0, sandboxes left: 0" in done.stdout
+        assert f" {state}/" not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)

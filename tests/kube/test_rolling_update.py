@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 SESSIONS = 16
 IMAGE = "sandman.local/busybox:1.35"
 # Small: the real node has two cores, shared with the service and other tests.
-SPEC = {"cpu": 0.05, "memory": 32 * 2**20}
+SPEC: dict[str, Any] = {"cpu": 0.05, "memory": 32 * 2**20}
 # Seconds between two sessions' first acquires: the roll begins with some in flight, and
 # others come while no replica serves.
 STAGGER = 1.0

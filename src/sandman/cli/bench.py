@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "expose": "expose.py",
     "handover": "handover.py",
     "runtimes": "runtimes.py",
+    "snapshot": "snapshot.py",
     "eval-determinism": "eval_determinism.py",
     "eval-corpus": "eval_corpus.py",
     "chaos": "chaos.py",

@@ -43,7 +43,14 @@ from sandman.daemon import DaemonClient
 from sandman.models import SandboxSpec
 from sandman.pool import owner as owners
 from sandman.pool.records import LABEL_EXPIRES
-from sandman.providers.base import BackendOwners, KeepsOwners, Provider, SandboxInfo
+from sandman.pool.snapshots import expires_at
+from sandman.providers.base import (
+    BackendOwners,
+    KeepsOwners,
+    Provider,
+    SandboxInfo,
+    SnapshotInfo,
+)
 from sandman.providers.local import LocalProvider
 from sandman.settings import KubernetesConfig
 
@@ -135,7 +142,7 @@ def create(
     async def go() -> str:
         provider = LocalProvider(local_config(ctx))
         try:
-            return await _create(provider, spec, ttl, timeout)
+            return await create_ready(provider, spec, ttl, timeout)
         finally:
             await provider.aclose()
 
@@ -145,7 +152,9 @@ def create(
                "deletes it", err=True)  # fmt: skip
 
 
-async def _create(provider: LocalProvider, spec: SandboxSpec, ttl: float, timeout: float) -> str:
+async def create_ready(
+    provider: LocalProvider, spec: SandboxSpec, ttl: float, timeout: float
+) -> str:
     """A ready sandbox of ``spec`` expiring in ``ttl`` seconds; nothing left on failure."""
     sandbox_id = f"sb-{secrets.token_hex(6)}"
     labels = {LABEL_EXPIRES: f"{time.time() + ttl:.0f}"}
@@ -488,6 +497,15 @@ def gc(
             if isinstance(provider, LocalProvider):
                 strays = await provider.remove_strays(older_than=grace)
                 reaped += [(n, "a create killed before its record was whole") for n in strays]
+                for snapshot in await provider.snapshots():
+                    reason = (
+                        "--all" if everything else snapshot_reap_reason(snapshot, now, liveness)
+                    )
+                    if reason is not None:
+                        await provider.delete_snapshot(snapshot.id)
+                        reaped.append((snapshot.id, reason))
+                strays = await anyio.to_thread.run_sync(provider.snapshot_store.remove_strays)
+                reaped += [(n, "a snapshot killed half-way") for n in strays]
             if backend is not None and isinstance(provider, KeepsOwners):
                 for dead in backend.dead:
                     await provider.forget_owner(dead, backend.versions.get(dead))
@@ -564,6 +582,23 @@ def reap_reason(
         if not info.labels and info.state == "unknown":
             return "no record"
         return f"not running ({info.state})"
+    return None
+
+
+def snapshot_reap_reason(
+    info: SnapshotInfo, now: float, liveness: Callable[[str], owners.OwnerStatus]
+) -> str | None:
+    """Why `gc` reaps a snapshot, or None to leave it (its pool's process lives)."""
+    owner = info.labels.get(owners.LABEL_OWNER)
+    status = liveness(owner) if owner is not None else None
+    if status == "alive":
+        return None
+    if not info.labels:
+        return "no record"
+    if expires_at(info) < now:
+        return "past its time to live"
+    if status == "dead" and owner is not None:
+        return f"owner dead ({owners.describe(owner)})"
     return None
 
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from sandman import errors
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
-from sandman.models import SandboxSpec, explain
+from sandman.models import SandboxSpec, Snapshot, explain
 from sandman.pool.events import EventHook, PoolEvent, emit
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
@@ -73,13 +73,16 @@ class AsyncSandbox:
         backend: Backend,
         *,
         on_release: Callable[[AsyncSandbox], None] | None = None,
+        client: AsyncClient | None = None,
     ) -> None:
         self._lease = lease
         self._backend = backend
         self._daemon = lease.endpoint.client()
         self._released = False
         self._lost: str | None = None  # why, once its client's session was replaced
+        self._paused = False
         self._on_release = on_release
+        self._client = client
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r})"
@@ -119,14 +122,91 @@ class AsyncSandbox:
         await self._daemon.aclose()
         await self._backend.release(self.id)
 
-    @asynccontextmanager
-    async def _guard(self) -> AsyncIterator[None]:
-        """Turn "the daemon is gone" into SandboxLost (why) or SandboxNotFound when the
-        sandbox really is gone."""
+    # -- snapshots, forks, restore, pause ------------------------------------------------
+
+    async def snapshot(self, *, memory: bool = False, ttl: float | None = None) -> Snapshot:
+        """Keep this sandbox's files (with ``memory``, its processes too, where the
+        runtime can) as a `Snapshot` to make sandboxes from (``client.sandbox(snapshot=)``)
+        or to `restore`. The sandbox goes on. The snapshot is deleted after ``ttl``
+        seconds (the pool's sandbox lifetime by default), by `AsyncClient.delete_snapshot`,
+        or when its pool closes."""
+        self._check_usable()
+        return await self._backend.snapshot(self.id, memory=memory, ttl=ttl)
+
+    async def fork(
+        self, n: int = 1, *, timeout: float | None = None, **spec: Any
+    ) -> list[AsyncSandbox]:
+        """``n`` new sandboxes, each holding this one's files as of now (copy-on-write: they
+        share what none of them changed). This one goes on. Release each (or the client
+        does at its close). ``spec`` changes the forks' limits (``memory``, ``cpu``...).
+        The snapshot they are made from is deleted once they are."""
+        if n < 1:
+            raise errors.ConfigError(f"fork needs n >= 1, got {n}")
+        if self._client is None:
+            raise errors.ConfigError("this sandbox has no client to acquire forks from")
+        snapshot = await self.snapshot()
+        try:
+            made = await asyncio.gather(
+                *(
+                    self._client.acquire(snapshot=snapshot, timeout=timeout, **spec)
+                    for _ in range(n)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            with contextlib.suppress(errors.SandboxError):
+                await self._backend.delete_snapshot(snapshot.id)
+        forks = [sb for sb in made if isinstance(sb, AsyncSandbox)]
+        failure = next((e for e in made if isinstance(e, BaseException)), None)
+        if failure is not None:
+            for sb in forks:
+                await sb.release()
+            raise failure
+        return forks
+
+    async def restore(self, snapshot: Snapshot | str) -> None:
+        """Reset this sandbox to ``snapshot`` (of the same image) in place: same id, same
+        lease; every process now running ends (a snapshot with memory brings back its own)."""
+        self._check_usable()
+        snapshot_id = snapshot if isinstance(snapshot, str) else snapshot.id
+        endpoint = await self._backend.restore(self.id, snapshot_id)
+        old, self._daemon = self._daemon, endpoint.client()
+        self._lease = Lease(self.id, endpoint, self._lease.expires_at, self._lease.timeline)
+        self._paused = False
+        await old.aclose()
+
+    async def pause(self) -> None:
+        """Stop every process of the sandbox: it uses no CPU until `resume` (its memory
+        stays held). Its lease and lifetime go on; calls meanwhile raise `SandboxPaused`."""
+        self._check_usable()
+        await self._backend.pause(self.id)
+        self._paused = True
+
+    async def resume(self) -> None:
+        """Let a paused sandbox's processes run again."""
+        if self._released:
+            raise errors.SandboxNotFound(f"sandbox {self.id} was released")
+        await self._backend.resume(self.id)
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        """Whether `pause` stopped it (and no `resume` since)."""
+        return self._paused
+
+    def _check_usable(self) -> None:
         if self._released:
             raise errors.SandboxNotFound(f"sandbox {self.id} was released")
         if self._lost is not None:
             raise errors.SandboxNotFound(f"sandbox {self.id} is gone: {self._lost}")
+
+    @asynccontextmanager
+    async def _guard(self) -> AsyncIterator[None]:
+        """Turn "the daemon is gone" into SandboxLost (why) or SandboxNotFound when the
+        sandbox really is gone."""
+        self._check_usable()
+        if self._paused:
+            raise errors.SandboxPaused(f"sandbox {self.id} is paused: resume() it first")
         try:
             yield
         except errors.DaemonUnavailable as exc:
@@ -307,21 +387,29 @@ class AsyncClient:
 
     async def acquire(
         self,
-        image: str | SandboxSpec,
+        image: str | SandboxSpec | None = None,
         *,
         timeout: float | None = None,
+        snapshot: Snapshot | str | None = None,
         **spec: Any,
     ) -> AsyncSandbox:
         """A ready sandbox; release it with `AsyncSandbox.release` (or use `sandbox`).
 
         ``image`` is an image reference (other `SandboxSpec` fields as keywords:
         ``cpu``, ``memory``, ``pids``, ``network``, ``env``...) or a whole spec.
+        With ``snapshot`` (a `Snapshot` or its id), the sandbox starts from its files,
+        with its spec unless keywords change it; ``image`` may then be left out.
         ``timeout`` bounds the wait: CreateTimeout after it. If the client's
         session turns out to be over, a new one replaces it and the acquire is
         tried once more in it, within the same ``timeout``. A bad value
         (``memory="lots"``, ``cpu=0``) is a `ConfigError` naming each field.
         """
-        full = image if isinstance(image, SandboxSpec) else _spec(image, spec)
+        if snapshot is not None:
+            full = await self._from_snapshot(snapshot, image, spec)
+        elif image is None:
+            raise errors.ConfigError("acquire needs an image (or a snapshot)")
+        else:
+            full = image if isinstance(image, SandboxSpec) else _spec(image, spec)
         session = await self._ensure_session()
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -331,20 +419,50 @@ class AsyncClient:
             session = await self._replace_session(session, reason="acquire")
             left = None if timeout is None else max(0.0, timeout - (loop.time() - started))
             lease = await self._backend.acquire(full, session=session, timeout=left)
-        sandbox = AsyncSandbox(lease, self._backend, on_release=self._forget)
+        sandbox = AsyncSandbox(lease, self._backend, on_release=self._forget, client=self)
         self._held[sandbox.id] = (session, sandbox)
         return sandbox
+
+    async def _from_snapshot(
+        self, snapshot: Snapshot | str, image: str | SandboxSpec | None, changes: dict[str, Any]
+    ) -> SandboxSpec:
+        if isinstance(snapshot, str):
+            await self._ensure_session()
+            snapshot = await self._backend.get_snapshot(snapshot)
+        if isinstance(image, SandboxSpec):
+            changes = {**image.model_dump(exclude_unset=True), **changes}
+        elif image is not None and image != snapshot.image:
+            raise errors.ConfigError(
+                f"snapshot {snapshot.id} is of image {snapshot.image!r}, not {image!r}"
+            )
+        try:
+            return snapshot.fork_spec(**changes)
+        except ValidationError as exc:
+            problems = "; ".join(f"{field}: {words}" for field, words in explain(exc))
+            raise errors.ConfigError(f"invalid sandbox spec: {problems}") from None
+
+    async def snapshots(self) -> list[Snapshot]:
+        """The snapshots this client can make sandboxes from (its pool's, or its tenant's
+        on a service)."""
+        await self._ensure_session()
+        return await self._backend.snapshots()
+
+    async def delete_snapshot(self, snapshot: Snapshot | str) -> None:
+        """Delete a snapshot; sandboxes made from it keep their files. Idempotent."""
+        await self._ensure_session()
+        await self._backend.delete_snapshot(snapshot if isinstance(snapshot, str) else snapshot.id)
 
     @asynccontextmanager
     async def sandbox(
         self,
-        image: str | SandboxSpec,
+        image: str | SandboxSpec | None = None,
         *,
         timeout: float | None = None,
+        snapshot: Snapshot | str | None = None,
         **spec: Any,
     ) -> AsyncIterator[AsyncSandbox]:
         """``async with client.sandbox(image=...) as sb``: acquired, then always released."""
-        sb = await self.acquire(image, timeout=timeout, **spec)
+        sb = await self.acquire(image, timeout=timeout, snapshot=snapshot, **spec)
         try:
             yield sb
         finally:

@@ -16,7 +16,7 @@ from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from sandman.client._async import AsyncClient, AsyncSandbox
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Snapshot
 
 __all__ = ["Client", "Sandbox"]
 
@@ -94,6 +94,22 @@ class Sandbox:
     timeline = _blocking(AsyncSandbox.timeline)
     release = _blocking(AsyncSandbox.release)
 
+    # Snapshots: `fork` makes Sandboxes, so it is written out.
+    snapshot = _blocking(AsyncSandbox.snapshot)
+    restore = _blocking(AsyncSandbox.restore)
+    pause = _blocking(AsyncSandbox.pause)
+    resume = _blocking(AsyncSandbox.resume)
+
+    def fork(self, n: int = 1, *, timeout: float | None = None, **spec: Any) -> list[Sandbox]:
+        """See `AsyncSandbox.fork`."""
+        made = self._portal.call(partial(self._async.fork, n, timeout=timeout, **spec))
+        return [Sandbox(sb, self._portal) for sb in made]
+
+    @property
+    def paused(self) -> bool:
+        """See `AsyncSandbox.paused`."""
+        return self._async.paused
+
     # Streams: a context manager around an iterator.
     exec_stream = _blocking_stream(AsyncSandbox.exec_stream)
     read_file_stream = _blocking_stream(AsyncSandbox.read_file_stream)
@@ -161,21 +177,38 @@ class Client:
         self.close()
 
     def acquire(
-        self, image: str | SandboxSpec, *, timeout: float | None = None, **spec: Any
+        self,
+        image: str | SandboxSpec | None = None,
+        *,
+        timeout: float | None = None,
+        snapshot: Snapshot | str | None = None,
+        **spec: Any,
     ) -> Sandbox:
-        """A ready sandbox; release it with `Sandbox.release` (or use `sandbox`)."""
-        return Sandbox(
-            self._portal.call(partial(self._async.acquire, image, timeout=timeout, **spec)),
-            self._portal,
-        )
+        """A ready sandbox; release it with `Sandbox.release` (or use `sandbox`). See
+        `AsyncClient.acquire`."""
+        acquire = partial(self._async.acquire, image, timeout=timeout, snapshot=snapshot, **spec)
+        return Sandbox(self._portal.call(acquire), self._portal)
 
     @contextmanager
     def sandbox(
-        self, image: str | SandboxSpec, *, timeout: float | None = None, **spec: Any
+        self,
+        image: str | SandboxSpec | None = None,
+        *,
+        timeout: float | None = None,
+        snapshot: Snapshot | str | None = None,
+        **spec: Any,
     ) -> Iterator[Sandbox]:
         """``with client.sandbox(image=...) as sb``: acquired, then always released."""
-        with self.acquire(image, timeout=timeout, **spec) as sb:
+        with self.acquire(image, timeout=timeout, snapshot=snapshot, **spec) as sb:
             yield sb
+
+    def snapshots(self) -> list[Snapshot]:
+        """See `AsyncClient.snapshots`."""
+        return self._portal.call(self._async.snapshots)
+
+    def delete_snapshot(self, snapshot: Snapshot | str) -> None:
+        """See `AsyncClient.delete_snapshot`."""
+        self._portal.call(self._async.delete_snapshot, snapshot)
 
     def close(self) -> None:
         """End the session, release everything, stop the portal. Idempotent."""

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sandman import errors
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Snapshot
 from sandman.pool import Pool
+from sandman.pool.snapshots import to_snapshot
 from sandman.providers.base import DaemonEndpoint
 
 __all__ = ["Backend", "InProcessBackend", "Lease"]
@@ -50,6 +51,18 @@ class Backend(Protocol):
 
     async def timeline(self, lease: Lease) -> dict[str, float]: ...
     async def aclose(self) -> None: ...
+
+    # Snapshots (`AsyncSandbox.snapshot`, `fork`, `restore`, `pause`, `resume`).
+    async def snapshot(self, sandbox_id: str, *, memory: bool, ttl: float | None) -> Snapshot: ...
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot: ...
+    async def snapshots(self) -> list[Snapshot]: ...
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> DaemonEndpoint:
+        """Reset the sandbox to the snapshot; its daemon's new endpoint."""
+        ...
+
+    async def pause(self, sandbox_id: str) -> None: ...
+    async def resume(self, sandbox_id: str) -> None: ...
 
 
 class InProcessBackend:
@@ -95,6 +108,30 @@ class InProcessBackend:
 
     async def timeline(self, lease: Lease) -> dict[str, float]:
         return dict(lease.timeline)
+
+    async def snapshot(self, sandbox_id: str, *, memory: bool, ttl: float | None) -> Snapshot:
+        return to_snapshot(await self.pool.snapshot(sandbox_id, memory=memory, ttl=ttl))
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return to_snapshot(self.pool.get_snapshot(snapshot_id))
+
+    async def snapshots(self) -> list[Snapshot]:
+        return [to_snapshot(info) for info in self.pool.snapshots()]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.pool.delete_snapshot(snapshot_id)
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> DaemonEndpoint:
+        record = await self.pool.restore(sandbox_id, snapshot_id)
+        if record.info is None or record.info.endpoint is None:
+            raise errors.ProviderError(f"sandbox {sandbox_id} has no daemon endpoint")
+        return record.info.endpoint
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.pool.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self.pool.resume(sandbox_id)
 
     async def aclose(self) -> None:
         if self._own_pool:

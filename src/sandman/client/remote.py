@@ -41,7 +41,7 @@ from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Snapshot
 from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
 
@@ -56,6 +56,9 @@ SERVICE_ERRORS: Mapping[str, type[errors.SandboxError]] = {
     "method_not_allowed": errors.ConfigError,
     "sandbox_not_found": errors.SandboxNotFound,
     "sandbox_lost": errors.SandboxLost,
+    "snapshot_not_found": errors.SnapshotNotFound,
+    "sandbox_paused": errors.SandboxPaused,
+    "tenant_snapshot_limit": errors.CapacityError,
     "session_expired": errors.SessionExpired,
     "session_moving": errors.ThrottledError,  # to the next instance: retry after a moment
     "image_not_found": errors.ImageNotFound,
@@ -500,6 +503,37 @@ class RemoteBackend:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
             await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
         self._unreleased.discard(sandbox_id)
+
+    # -- snapshots --------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, *, memory: bool, ttl: float | None) -> Snapshot:
+        body = {"memory": memory, "ttl": ttl}
+        path = f"/v1/sandboxes/{_segment(sandbox_id)}/snapshot"
+        response = await self._call("POST", path, json=body, timeout=None)
+        return Snapshot.model_validate(response.json())
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        response = await self._call("GET", f"/v1/snapshots/{_segment(snapshot_id)}")
+        return Snapshot.model_validate(response.json())
+
+    async def snapshots(self) -> list[Snapshot]:
+        response = await self._call("GET", "/v1/snapshots")
+        return [Snapshot.model_validate(item) for item in response.json()["snapshots"]]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        with contextlib.suppress(errors.SnapshotNotFound):  # idempotent
+            await self._call("DELETE", f"/v1/snapshots/{_segment(snapshot_id)}")
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> DaemonEndpoint:
+        path = f"/v1/sandboxes/{_segment(sandbox_id)}/restore"
+        await self._call("POST", path, json={"snapshot": snapshot_id}, timeout=None)
+        return await self.endpoint(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/pause")
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/resume")
 
     async def check(self, sandbox_id: str) -> None:
         response = await self._call(

@@ -33,6 +33,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
@@ -49,6 +50,7 @@ from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record, State
+from sandman.pool.snapshots import SnapshotBook
 from sandman.pool.tally import HELD, Tally
 from sandman.providers.base import (
     BackendOwners,
@@ -57,6 +59,7 @@ from sandman.providers.base import (
     LostReports,
     Provider,
     SandboxInfo,
+    SnapshotInfo,
     WatchesLost,
 )
 
@@ -227,6 +230,9 @@ class Pool:
         self.owner = owners.current()
         """This pool's process, as every sandbox it creates or adopts names it: on a provider
         that keeps owner records (`KeepsOwners`), its record there, once started."""
+        self._book = SnapshotBook(
+            provider, self.config.name, lambda: self.owner, self.config.lifetime
+        )
 
     def __repr__(self) -> str:
         return f"Pool({self.config.name!r}, provider={self.provider.name!r}, sandboxes={len(self._records)})"
@@ -303,6 +309,10 @@ class Pool:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+        if release:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._book.close()
         await self._close_owner()
 
     async def _close_owner(self) -> None:
@@ -630,6 +640,82 @@ class Pool:
         self._tallies.add(tally)
         return tally
 
+    # -- snapshots, restore, pause ----------------------------------------------------
+
+    def _held(self, sandbox_id: str) -> Record:
+        record = self.get(sandbox_id)
+        if record.lost is not None:
+            raise errors.SandboxLost.of(sandbox_id, record.lost.reason, record.lost.detail)
+        if record.state not in ("ready", "leased"):
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} is gone ({record.state})")
+        return record
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        memory: bool = False,
+        ttl: float | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SnapshotInfo:
+        """Keep a held sandbox's files (with ``memory``, its processes too) as a snapshot of
+        this pool's, deleted after ``ttl`` seconds (the sandbox lifetime by default), when
+        the pool closes, or by its watchdog if the pool dies. The sandbox goes on."""
+        self._check_open()
+        self._held(sandbox_id)
+        info = await self._book.make(sandbox_id, memory=memory, ttl=ttl, labels=labels)
+        self._emit("snapshot.made", self._records.get(sandbox_id), snapshot=info.id, size=info.size)
+        return info
+
+    def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """This pool's snapshots, oldest first."""
+        return self._book.list()
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        """One of this pool's snapshots; `SnapshotNotFound` if there is none (any more)."""
+        return self._book.get(snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot; sandboxes made from it keep their files. Idempotent."""
+        await self._book.delete(snapshot_id)
+        self._emit("snapshot.deleted", None, snapshot=snapshot_id)
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> Record:
+        """Reset a held sandbox to a snapshot in place: same id, same lease; its processes
+        are the snapshot's (none but the daemon for a files-only one). Its record's
+        endpoint is the new daemon's."""
+        self._check_open()
+        record = self._held(sandbox_id)
+        self._book.get(snapshot_id)
+        keeper = self._book.keeper()
+        record.restoring = True
+        try:
+            info = await keeper.restore(sandbox_id, snapshot_id)
+            if info.endpoint is not None:
+                async with info.endpoint.client() as daemon:
+                    await daemon.wait_ready(self.config.ready_timeout)
+        finally:
+            record.restoring = False
+        record.info = info
+        self._watch(info)
+        self._emit("sandbox.restored", record, snapshot=snapshot_id)
+        return record
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Stop a held sandbox's processes until `resume`; its lease and expiry go on."""
+        self._check_open()
+        self._held(sandbox_id)
+        await self._book.keeper().pause(sandbox_id)
+        self._emit("sandbox.paused", self._records.get(sandbox_id))
+
+    async def resume(self, sandbox_id: str) -> Record:
+        """Let a paused sandbox run again."""
+        self._check_open()
+        record = self._held(sandbox_id)
+        await self._book.keeper().resume(sandbox_id)
+        self._emit("sandbox.resumed", record)
+        return record
+
     def warm(self, spec: SandboxSpec, count: int) -> None:
         """Keep ``count`` ready spares of ``spec``; an acquire they serve costs only the hand-over."""
         self._check_open()
@@ -917,8 +1003,8 @@ class Pool:
 
     def _lose(self, record: Record, lost: Lost) -> None:
         """A ready or leased sandbox died by itself: mark it lost, delete what is left."""
-        if record.state not in ("ready", "leased"):
-            return  # being created (its create fails), or already released
+        if record.state not in ("ready", "leased") or record.restoring:
+            return  # being created (its create fails), released, or restored (no daemon for now)
         record.lost = lost
         if record.session is not None and (session := self._sessions.get(record.session)):
             session.sandboxes.discard(record.id)
@@ -963,6 +1049,7 @@ class Pool:
                 if record.expires_at < wall and record.state not in ("releasing", "gone"):
                     self._release(record, reason="expired")
             self._top_up()
+            await self._book.expire()
             if now - last_reconcile > self._reconcile_every:
                 last_reconcile = now
                 try:
@@ -1082,6 +1169,7 @@ class Pool:
                 reason = "orphan" if session else "orphan, never handed over"
                 self._orphan(info, expires=expires, reason=reason)
         self._elsewhere = elsewhere
+        await self._book.reconcile(lambda owner: liveness(owner) != "dead")
         if backend is not None and self.config.reap_dead_owners is not False:
             await self._reap_dead_owners(backend)
 

@@ -58,6 +58,8 @@ class Record:
     lost: Lost | None = None
     """In state ``lost``: why (``lost.reason``: ``oom``, ``killed``, ``evicted``...)."""
     release_requested: bool = False
+    restoring: bool = False
+    """Being reset to a snapshot: its daemon is away for a moment, not lost."""
     timeline: dict[str, float] = field(default_factory=dict)
 
     def stamp(self, event: TimelineEvent, at: float | None = None) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from sandman import errors
 from sandman.pool import owner as owners
 from sandman.pool.records import LABEL_POOL
+from sandman.pool.snapshots import sweep_snapshots
 from sandman.providers.base import Provider, SandboxInfo
 from sandman.settings import LocalConfig
 
@@ -155,6 +156,7 @@ async def _sweep_local(config: LocalConfig, labels: Mapping[str, str]) -> int:
     provider = LocalProvider(config)
     try:
         swept = await sweep(provider, labels)
+        swept += await sweep_snapshots(provider, labels)
         # What a delete of the dead pool's, killed with it, left under a trash name
         # (another pool's creates in flight are younger than the grace).
         with contextlib.suppress(errors.SandboxError, OSError):

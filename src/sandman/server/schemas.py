@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Snapshot
 from sandman.pool.records import Record, State
 
 __all__ = [
@@ -21,10 +21,13 @@ __all__ = [
     "HealthOut",
     "LatencyBucket",
     "PacingOut",
+    "RestoreRequest",
     "SandboxList",
     "SandboxOut",
     "SessionOut",
     "SessionRequest",
+    "SnapshotList",
+    "SnapshotRequest",
 ]
 
 
@@ -101,6 +104,24 @@ class SandboxOut(_Out):
 
 class SandboxList(_Out):
     sandboxes: list[SandboxOut]
+
+
+class SnapshotRequest(_In):
+    """Keep a leased sandbox's files (with ``memory``, its processes too)."""
+
+    memory: bool = False
+    ttl: float | None = Field(default=None, gt=0, le=30 * 86400)
+    """Seconds until it is deleted; None: the pool's sandbox lifetime."""
+
+
+class RestoreRequest(_In):
+    """Reset a leased sandbox to one of the tenant's snapshots."""
+
+    snapshot: str = Field(min_length=1, max_length=128)
+
+
+class SnapshotList(_Out):
+    snapshots: list[Snapshot]
 
 
 class HealthOut(_Out):

@@ -20,6 +20,7 @@ from typing import Any
 
 from sandman import errors
 from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
+from sandman.providers.base import SnapshotInfo
 from sandman.server.errors import ApiError, from_exception
 from sandman.server.schemas import AcquireRequest
 from sandman.server.settings import ServerSettings
@@ -232,9 +233,12 @@ class Service:
                 f"seccomp {request.spec.seccomp!r} is not allowed here "
                 f"(allowed: {', '.join(self.settings.tenant_seccomp)})",
             )
+        if request.spec.snapshot is not None:
+            self.get_snapshot(tenant, request.spec.snapshot)  # the tenant's, or not found
         spec = request.spec.model_copy(
             update={"labels": {**request.spec.labels, LABEL_TENANT: tenant}}
         )
+
         cap = self.settings.max_acquire_timeout
         timeout = cap if request.timeout is None else min(request.timeout, cap)
         task = asyncio.ensure_future(
@@ -327,6 +331,78 @@ class Service:
         """Give the tenant's sandbox back (deleted in the background). Idempotent."""
         self.sandbox(tenant, sandbox_id)
         self.pool.release(sandbox_id)
+
+    # -- snapshots ----------------------------------------------------------------------
+
+    def get_snapshot(self, tenant: str, snapshot_id: str) -> SnapshotInfo:
+        """The tenant's snapshot; ``snapshot_not_found`` otherwise (another tenant's too)."""
+        try:
+            info = self.pool.get_snapshot(snapshot_id)
+        except errors.SnapshotNotFound:
+            info = None
+        if info is None or info.labels.get(LABEL_TENANT) != tenant:
+            raise ApiError("snapshot_not_found", f"no snapshot {snapshot_id}")
+        return info
+
+    def snapshots(self, tenant: str) -> list[SnapshotInfo]:
+        """The tenant's snapshots, oldest first."""
+        return [s for s in self.pool.snapshots() if s.labels.get(LABEL_TENANT) == tenant]
+
+    async def snapshot(
+        self, tenant: str, sandbox_id: str, *, memory: bool, ttl: float | None
+    ) -> SnapshotInfo:
+        """A snapshot of the tenant's leased sandbox, counted against its limit."""
+        self._check_accepting()
+        record = self._leased(tenant, sandbox_id)
+        limit = self.settings.limits(tenant).max_snapshots
+        if limit is not None and len(self.snapshots(tenant)) >= limit:
+            raise ApiError(
+                "tenant_snapshot_limit",
+                f"tenant {tenant} keeps {limit} snapshots, its limit: delete one first",
+            )
+        try:
+            return await self.pool.snapshot(
+                record.id, memory=memory, ttl=ttl, labels={LABEL_TENANT: tenant}
+            )
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+
+    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
+        """Delete the tenant's snapshot."""
+        self.get_snapshot(tenant, snapshot_id)
+        try:
+            await self.pool.delete_snapshot(snapshot_id)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+
+    async def restore(self, tenant: str, sandbox_id: str, snapshot_id: str) -> Record:
+        """Reset the tenant's leased sandbox to the tenant's snapshot."""
+        self._leased(tenant, sandbox_id)
+        self.get_snapshot(tenant, snapshot_id)
+        try:
+            return await self.pool.restore(sandbox_id, snapshot_id)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+
+    async def pause(self, tenant: str, sandbox_id: str, *, resume: bool = False) -> Record:
+        """Pause (or resume) the tenant's leased sandbox."""
+        record = self._leased(tenant, sandbox_id)
+        try:
+            if resume:
+                await self.pool.resume(sandbox_id)
+            else:
+                await self.pool.pause(sandbox_id)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
+        return record
+
+    def _leased(self, tenant: str, sandbox_id: str) -> Record:
+        record = self.sandbox(tenant, sandbox_id)
+        if record.state == "lost":
+            raise self.lost_error(record)
+        if record.state != "leased":
+            raise _not_found(sandbox_id)
+        return record
 
     def list(
         self,

@@ -58,6 +58,9 @@ class TenantLimits(BaseModel):
     """Sandboxes held (leased) plus acquires waiting; one more is refused with 429."""
     max_pending: int | None = Field(default=None, ge=0)
     """Acquires waiting at once; one more is refused with 429."""
+    max_snapshots: int | None = Field(default=None, ge=0)
+    """Snapshots kept at once (`AsyncSandbox.snapshot`; a fork makes one for a moment);
+    one more is refused with 429."""
     image_pull_secrets: frozenset[KubeObjectName] = frozenset()
     """Secrets this tenant's specs may name in ``image_pull_secrets`` (none by default;
     the pool's own, `KubernetesConfig.image_pull_secrets`, apply to every pod)."""

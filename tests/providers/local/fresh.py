@@ -34,6 +34,8 @@ async def fresh_local_provider(
     finally:
         for info in await provider.list():
             await provider.delete(info.id)
+        for snapshot in await provider.snapshots():
+            await provider.delete_snapshot(snapshot.id)
         await provider.aclose()
         await assert_nothing_left(provider)
         shutil.rmtree(state, ignore_errors=True)

@@ -95,6 +95,11 @@ class KubernetesProvider:
         labels: Mapping[str, str] | None = None,
     ) -> SandboxInfo:
         """Create the pod and wait until it runs (``readiness="pod"``: until it is Ready)."""
+        if spec.snapshot is not None:
+            raise errors.ConfigError(
+                "snapshots are kept by the local provider only (not yet on Kubernetes): "
+                "make the prepared state part of the task image instead"
+            )
         name = sandbox_id or new_sandbox_id()
         token = secrets.token_urlsafe(32)
         preferred = await self.node_images.term(spec.image) if self.node_images else None

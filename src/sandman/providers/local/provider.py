@@ -541,7 +541,7 @@ class LocalProvider:
         record = {
             "id": sid, "labels": dict(labels or {}), "image": meta.get("image", ""),
             "image_id": meta.get("image_id", ""), "created_at": time.time(),
-            "source": sandbox_id, "spec": meta.get("spec"), "memory": False,
+            "source": sandbox_id, "spec": _own_spec(meta.get("spec")), "memory": False,
         }  # fmt: skip
         store = self.snapshot_store
         try:
@@ -594,7 +594,7 @@ class LocalProvider:
                     f"{sandbox_id} runs {meta.get('image')!r}: restore needs the same image"
                 )
             image = await self.images.get(snapshot.image_id)
-            spec = SandboxSpec.model_validate(meta["spec"])
+            spec = SandboxSpec.model_validate(_own_spec(meta["spec"]))
             token = (directory / "token").read_text()
             self._exits.forget(sandbox_id)
             await self._runtime.delete(sandbox_id)
@@ -772,6 +772,15 @@ class LocalProvider:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
         self._exits.close()
         await anyio.to_thread.run_sync(self.disk.release)
+
+
+def _own_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A sandbox's recorded spec as a caller could have written it: without Sandman's own
+    labels (a tenant's, set by the service), which a spec may not name."""
+    if spec is None:
+        return None
+    labels = {k: v for k, v in spec.get("labels", {}).items() if not k.startswith("sandman.io/")}
+    return {**spec, "labels": labels}
 
 
 def _state_error(sid: str, directory: Path, exc: OSError) -> errors.ProviderError:

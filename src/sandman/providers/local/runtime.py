@@ -170,7 +170,13 @@ class OCIRuntime:
         stopped)."""
         if not self.root.exists():
             return {}
-        code, out = await self._run("list", "--format", "json")
+        for attempt in range(3):
+            code, out = await self._run("list", "--format", "json")
+            # A container deleted while crun read its state ("error opening file
+            # .../status"): a moment later it is gone from the list.
+            if code == 0 or not _is_missing(out):
+                break
+            await asyncio.sleep(0.02 * (attempt + 1))
         if code != 0:
             raise errors.ProviderError(f"{self.kind} list failed: {out.strip()}")
         entries = json.loads(out or "[]") or []

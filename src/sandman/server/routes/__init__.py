@@ -5,11 +5,12 @@ Each handler reaches the `Service` and its companions through the app's state
 them on ``app.state``.
 """
 
-from sandman.server.routes import daemon, dashboard, operations, sandboxes, sessions
+from sandman.server.routes import daemon, dashboard, operations, sandboxes, sessions, snapshots
 
 ROUTERS = [
     sessions.router,
     sandboxes.router,
+    snapshots.router,
     daemon.router,
     operations.router,
     dashboard.router,

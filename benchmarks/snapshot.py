@@ -1,0 +1,267 @@
+"""Snapshots and forks on the local provider (crun, btrfs layers): what a fork costs
+against a plain create, whether a snapshot's cost grows with the tree, what 16 forks of
+a 1 GiB tree take on disk, a restore's first command, a GRPO-shaped run, and pause.
+
+Every ratio is of samples taken side by side in this one run (interleaved where two
+things are compared), so a noisy machine moves both sides alike.
+
+    python benchmarks/snapshot.py            # the issue's sizes (about two minutes)
+    python benchmarks/snapshot.py --small    # a quick run (CI runs it for leftovers)
+
+Last line: ``fork_ratio=<x> snapshot_size_ratio=<x> disk_16_forks_gib=<g>
+restore_first_exec_p50_ms=<ms> grpo_speedup=<x> leftover=<n>``, then what it adds:
+the memory restore (``na`` on crun: a memory snapshot needs gVisor) and pause's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import leftover, new_cgroup_parent, progress
+
+import sandman
+from sandman.images.busybox import busybox_rootfs_tar
+from sandman.providers.local import LocalProvider
+from sandman.settings import LocalConfig
+
+SPEC: dict[str, Any] = {"memory": "256Mi", "pids": 256, "disk": "3Gi"}
+GIB = 2**30
+
+
+async def sh(sb: sandman.AsyncSandbox, script: str, timeout: float = 600) -> str:
+    result = await sb.exec(["sh", "-c", script], timeout=timeout)
+    if result.exit_code != 0:
+        raise RuntimeError(f"{script!r} failed ({result.exit_code}): {result.stderr}")
+    return result.stdout
+
+
+async def seconds(awaitable: object) -> float:
+    started = time.perf_counter()
+    await awaitable  # type: ignore[misc]
+    return time.perf_counter() - started
+
+
+def fill(mib: int) -> str:
+    """A tree of ``mib`` MiB in 1 MiB files under /root/tree."""
+    return f"mkdir -p /root/tree && i=0; while [ $i -lt {mib} ]; do " \
+           f"head -c 1048576 /dev/urandom > /root/tree/f$i; i=$((i+1)); done"  # fmt: skip
+
+
+async def fork_ratio(client: sandman.AsyncClient, rounds: int) -> tuple[float, float, float]:
+    """p50 create->ready of a plain sandbox and of a fork of a prepared one, interleaved."""
+    async with client.sandbox("busybox", **SPEC) as parent:
+        await sh(parent, fill(8))
+        snap = await parent.snapshot()
+        plain, forked = [], []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            sb = await client.acquire("busybox", **SPEC)
+            plain.append(time.perf_counter() - started)
+            await sb.release()
+            started = time.perf_counter()
+            sb = await client.acquire(snapshot=snap)
+            forked.append(time.perf_counter() - started)
+            await sb.release()
+        await client.delete_snapshot(snap)
+    p_plain, p_fork = statistics.median(plain), statistics.median(forked)
+    return p_fork / p_plain, p_plain, p_fork
+
+
+async def snapshot_cost(
+    client: sandman.AsyncClient, small_mib: int, large_mib: int, rounds: int, disk: Path
+) -> tuple[float, float, float, float]:
+    """p50 snapshot time of a small and a large tree (interleaved), and the disk the large
+    one's parent, its snapshot and 16 forks (each writing 1 MiB) take together, in GiB."""
+    async with (
+        client.sandbox("busybox", **SPEC) as small,
+        client.sandbox("busybox", **SPEC) as large,
+    ):
+        await sh(small, fill(small_mib))
+        os.sync()
+        before = _used(disk)
+        await sh(large, fill(large_mib))
+        # Written back first: a snapshot flushes what its layer has dirty, which is the
+        # cost of the write, not of keeping the tree.
+        os.sync()
+        times: dict[str, list[float]] = {"small": [], "large": []}
+        for _ in range(rounds):
+            for name, sb in (("small", small), ("large", large)):
+                started = time.perf_counter()
+                snap = await sb.snapshot()
+                times[name].append(time.perf_counter() - started)
+                await client.delete_snapshot(snap)
+        forks = await large.fork(16)
+        try:
+            await asyncio.gather(
+                *(sh(f, "head -c 1048576 /dev/urandom > /root/mine") for f in forks)
+            )
+            os.sync()
+            used = (_used(disk) - before) / GIB
+        finally:
+            await asyncio.gather(*(f.release() for f in forks))
+    p_small, p_large = statistics.median(times["small"]), statistics.median(times["large"])
+    return p_large / p_small, p_small, p_large, used
+
+
+def _used(path: Path) -> int:
+    stats = os.statvfs(path)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+async def restore_first_exec(client: sandman.AsyncClient, rounds: int) -> float:
+    """p50 from a files restore's start to its first command's answer, in ms."""
+    async with client.sandbox("busybox", **SPEC) as sb:
+        await sh(sb, fill(4))
+        snap = await sb.snapshot()
+        samples = []
+        for _ in range(rounds):
+            await sh(sb, "rm -rf /root/tree")
+            started = time.perf_counter()
+            await sb.restore(snap)
+            await sb.exec(["true"])
+            samples.append(time.perf_counter() - started)
+        await client.delete_snapshot(snap)
+    return statistics.median(samples) * 1000
+
+
+async def calibrate(client: sandman.AsyncClient, target: float) -> int:
+    """Loop iterations of busybox sh that take about ``target`` CPU seconds here."""
+    async with client.sandbox("busybox", **SPEC) as sb:
+        n = 200_000
+        took = await seconds(sh(sb, _spin(n)))
+    return max(1000, int(n * target / took))
+
+
+def _spin(n: int) -> str:
+    return f"i=0; while [ $i -lt {n} ]; do i=$((i+1)); done"
+
+
+def setup(iterations: int) -> str:
+    """A checkout (2,000 small files) and an install (CPU for a while)."""
+    return (
+        "mkdir -p /repo && cd /repo && i=0; while [ $i -lt 2000 ]; do echo $i > f$i; "
+        f"i=$((i+1)); done; {_spin(iterations)}"
+    )
+
+
+async def grpo(
+    client: sandman.AsyncClient, iterations: int, group: int, commands: int
+) -> tuple[float, float]:
+    """Seconds to the group's last first command: prepared once and forked, then cold
+    (``group`` creates, each running the setup, at once). Each sandbox then runs
+    ``commands`` commands."""
+
+    async def rollout(sb: sandman.AsyncSandbox, first: list[float], started: float) -> None:
+        await sh(sb, "ls /repo | wc -l")
+        first.append(time.perf_counter() - started)
+        for i in range(commands - 1):
+            await sh(sb, f"echo {i} >> /repo/log")
+
+    started = time.perf_counter()
+    firsts: list[float] = []
+    async with client.sandbox("busybox", **SPEC) as parent:
+        await sh(parent, setup(iterations))
+        forks = await parent.fork(group)
+        try:
+            await asyncio.gather(*(rollout(f, firsts, started) for f in forks))
+        finally:
+            await asyncio.gather(*(f.release() for f in forks))
+    forked = max(firsts)
+
+    async def cold(first: list[float]) -> None:
+        async with client.sandbox("busybox", **SPEC) as sb:
+            await sh(sb, setup(iterations))
+            await rollout(sb, first, started)
+
+    started = time.perf_counter()
+    firsts = []
+    await asyncio.gather(*(cold(firsts) for _ in range(group)))
+    return forked, max(firsts)
+
+
+async def pause_cpu(client: sandman.AsyncClient) -> int:
+    """CPU nanoseconds a paused sandbox spinning in a loop used over half a second."""
+    async with client.sandbox("busybox", **SPEC) as sb:
+        await sh(sb, "(while :; do :; done) >/dev/null 2>&1 &")
+        usage = next(Path("/sys/fs/cgroup/cpuacct").glob(f"**/{sb.id}/cpuacct.usage"))
+        await sb.pause()
+        before = int(usage.read_text())
+        await asyncio.sleep(0.5)
+        used = int(usage.read_text()) - before
+        await sb.resume()
+    return used
+
+
+async def run(args: argparse.Namespace, state: Path) -> str:
+    config = LocalConfig(state_dir=state, cgroup_parent=new_cgroup_parent())
+    provider = LocalProvider(config)
+    await provider.images.import_archive(busybox_rootfs_tar(state / "busybox.tar"), name="busybox")
+    small = args.small
+    steps = 6
+    try:
+        async with sandman.local(config) as client:
+            ratio, p_plain, p_fork = await fork_ratio(client, 3 if small else 10)
+            print(f"create->ready p50: plain {p_plain * 1000:.0f} ms, fork {p_fork * 1000:.0f} ms")
+            progress(1, steps)
+            large = 64 if small else 1024
+            size_ratio, p_s, p_l, disk = await snapshot_cost(
+                client, 10, large, 3 if small else 5, state / "disk"
+            )
+            print(
+                f"snapshot p50: 10 MiB tree {p_s * 1000:.1f} ms, {large} MiB tree {p_l * 1000:.1f} ms"
+            )
+            print(f"disk for a {large} MiB tree, its snapshot and 16 forks: {disk:.3f} GiB")
+            progress(2, steps)
+            restore_ms = await restore_first_exec(client, 3 if small else 10)
+            print(f"files restore to first exec p50: {restore_ms:.0f} ms")
+            progress(3, steps)
+            iterations = await calibrate(client, 1.0 if small else args.setup_seconds)
+            forked, cold = await grpo(client, iterations, 2 if small else 8, 3 if small else 20)
+            print(f"GRPO group: prepared once and forked {forked:.1f} s, cold {cold:.1f} s")
+            progress(4, steps)
+            cpu = await pause_cpu(client)
+            print(f"paused for 0.5 s, spinning: {cpu / 1e6:.3f} ms of CPU (running: ~500)")
+            progress(5, steps)
+    finally:
+        await provider.aclose()
+    left = leftover(provider) + len(await provider.snapshots())
+    progress(steps, steps)
+    return (
+        f"fork_ratio={ratio:.2f} snapshot_size_ratio={size_ratio:.2f} "
+        f"disk_16_forks_gib={disk:.3f} restore_first_exec_p50_ms={restore_ms:.0f} "
+        f"grpo_speedup={cold / forked:.2f} leftover={left} "
+        f"restore_memory=na(crun) pause_cpu_ms={cpu / 1e6:.3f}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a quick run at small sizes")
+    parser.add_argument(
+        "--setup-seconds", type=float, default=30.0, help="the GRPO run's install, CPU seconds"
+    )
+    parser.add_argument("--state-dir", type=Path, help="an empty directory (default: a new one)")
+    args = parser.parse_args()
+    state = args.state_dir or Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+    try:
+        line = asyncio.run(run(args, state))
+    finally:
+        if args.state_dir is None:
+            shutil.rmtree(state, ignore_errors=True)
+    print(line)
+    return 0 if line.split("leftover=")[1].split()[0] == "0" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""``sandman snapshot save|ls|rm``, ``fork``, ``restore``, ``pause`` and ``resume``.
+
+Without --url they act on this machine's local provider (sandboxes from `sandman
+create`); a snapshot made here expires after its --ttl (`sandman gc` deletes it then).
+With --url they act on the tenant's sandboxes at a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import click
+
+from sandman import errors
+from sandman.cli._common import (
+    Duration,
+    age,
+    client_options,
+    echo_table,
+    local_config,
+    remote_backend,
+    run_async,
+)
+from sandman.cli.sandboxes import create_ready
+from sandman.pool.records import LABEL_EXPIRES
+from sandman.pool.snapshots import expires_at
+from sandman.providers.local import LocalProvider
+
+if TYPE_CHECKING:
+    from sandman.client.remote import RemoteBackend
+
+__all__ = ["COMMANDS"]
+
+T = TypeVar("T")
+
+
+def _on(
+    ctx: click.Context,
+    url: str | None,
+    api_key: str | None,
+    remote: Callable[[RemoteBackend], Awaitable[T]],
+    local: Callable[[LocalProvider], Awaitable[T]],
+) -> T:
+    """``remote`` against the service at ``url``, else ``local`` against this machine."""
+
+    async def go() -> T:
+        if url:
+            backend = remote_backend(url, api_key)
+            try:
+                return await remote(backend)
+            finally:
+                await backend.aclose()
+        provider = LocalProvider(local_config(ctx))
+        try:
+            return await local(provider)
+        finally:
+            await provider.aclose()
+
+    return run_async(ctx, go())
+
+
+def _size(n: int) -> str:
+    for unit, size in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+@click.group("snapshot")
+def snapshot() -> None:
+    """Keep a sandbox's files, list what is kept, delete it."""
+
+
+@snapshot.command("save")
+@click.argument("sandbox_id", metavar="ID")
+@click.option("--ttl", type=Duration(), default="1h", show_default=True, help="Its lifetime.")
+@click.option("--memory", is_flag=True, help="Its processes too (needs runtime runsc).")
+@client_options
+@click.pass_context
+def save(
+    ctx: click.Context,
+    sandbox_id: str,
+    ttl: float,
+    memory: bool,
+    url: str | None,
+    api_key: str | None,
+) -> None:
+    """Keep sandbox ID's files as a snapshot and print its id; the sandbox goes on."""
+
+    async def remote(backend: RemoteBackend) -> str:
+        return (await backend.snapshot(sandbox_id, memory=memory, ttl=ttl)).id
+
+    async def local(provider: LocalProvider) -> str:
+        labels = {LABEL_EXPIRES: f"{time.time() + ttl:.0f}"}
+        return (await provider.snapshot(sandbox_id, labels=labels, memory=memory)).id
+
+    snapshot_id = _on(ctx, url, api_key, remote, local)
+    click.echo(snapshot_id)
+    click.echo(
+        f"`sandman fork {snapshot_id}` makes a sandbox of it; it is deleted in {age(ttl)}",
+        err=True,
+    )
+
+
+@snapshot.command("ls")
+@client_options
+@click.pass_context
+def list_snapshots(ctx: click.Context, url: str | None, api_key: str | None) -> None:
+    """List the snapshots (this machine's, or with --url the tenant's)."""
+    now = time.time()
+
+    async def remote(backend: RemoteBackend) -> list[tuple[str, ...]]:
+        return [
+            (s.id, s.image, _size(s.size), age(now - s.created_at), age(s.expires_at - now),
+             s.source or "-")
+            for s in await backend.snapshots()
+        ]  # fmt: skip
+
+    async def local(provider: LocalProvider) -> list[tuple[str, ...]]:
+        return [
+            (s.id, s.image, _size(s.size), age(now - s.created_at),
+             age(expires_at(s) - now), s.source or "-")
+            for s in await provider.snapshots()
+        ]  # fmt: skip
+
+    rows = _on(ctx, url, api_key, remote, local)
+    header = ("ID", "IMAGE", "SIZE", "AGE", "EXPIRES IN", "SOURCE")
+    echo_table(header, rows, empty="no snapshots (`sandman snapshot save ID` makes one)")
+
+
+@snapshot.command("rm")
+@click.argument("ids", nargs=-1, required=True)
+@client_options
+@click.pass_context
+def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: str | None) -> None:
+    """Delete snapshots; sandboxes made from them keep their files."""
+
+    async def remote(backend: RemoteBackend) -> None:
+        for snapshot_id in ids:
+            await backend.delete_snapshot(snapshot_id)
+            click.echo(f"deleted {snapshot_id}")
+
+    async def local(provider: LocalProvider) -> None:
+        known = {s.id for s in await provider.snapshots()}
+        for snapshot_id in ids:
+            await provider.delete_snapshot(snapshot_id)
+            there = snapshot_id in known
+            click.echo(f"deleted {snapshot_id}" if there else f"{snapshot_id} was already gone")
+
+    _on(ctx, url, api_key, remote, local)
+
+
+@click.command()
+@click.argument("source", metavar="SNAPSHOT|ID")
+@click.option("-n", "count", type=click.IntRange(1, 1000), default=1, show_default=True)
+@click.option("--ttl", type=Duration(), default="1h", show_default=True, help="Their lifetime.")
+@click.option("--timeout", type=float, default=600.0, show_default=True)
+@click.pass_context
+def fork(ctx: click.Context, source: str, count: int, ttl: float, timeout: float) -> None:
+    """Make N sandboxes from a snapshot, or from sandbox ID as it is now; print their ids.
+
+    This machine's sandboxes (as `sandman create` makes): a service's forks belong to a
+    client session, so use the SDK's `sb.fork(n)` there."""
+
+    async def go(provider: LocalProvider) -> list[str]:
+        made_here = None
+        snapshot_id = source
+        if source.startswith("sb-"):
+            labels = {LABEL_EXPIRES: f"{time.time() + 600:.0f}"}
+            made_here = (await provider.snapshot(source, labels=labels)).id
+            snapshot_id = made_here
+        try:
+            spec = (await asyncio.to_thread(provider.snapshot_store.get, snapshot_id)).spec
+            if spec is None:
+                raise errors.SnapshotNotFound(f"snapshot {snapshot_id} records no spec")
+            spec = spec.model_copy(update={"snapshot": snapshot_id})
+            return list(
+                await asyncio.gather(
+                    *(create_ready(provider, spec, ttl, timeout) for _ in range(count))
+                )
+            )
+        finally:
+            if made_here is not None:
+                await provider.delete_snapshot(made_here)
+
+    async def refuse(backend: RemoteBackend) -> list[str]:
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    for sandbox_id in _on(ctx, None, None, refuse, go):
+        click.echo(sandbox_id)
+
+
+@click.command()
+@click.argument("sandbox_id", metavar="ID")
+@click.argument("snapshot_id", metavar="SNAPSHOT")
+@client_options
+@click.pass_context
+def restore(
+    ctx: click.Context, sandbox_id: str, snapshot_id: str, url: str | None, api_key: str | None
+) -> None:
+    """Reset sandbox ID to SNAPSHOT in place (same id; its processes end)."""
+
+    async def remote(backend: RemoteBackend) -> None:
+        await backend.restore(sandbox_id, snapshot_id)
+
+    async def local(provider: LocalProvider) -> None:
+        info = await provider.restore(sandbox_id, snapshot_id)
+        if info.endpoint is not None:
+            async with info.endpoint.client() as daemon:
+                await daemon.wait_ready(60)
+
+    _on(ctx, url, api_key, remote, local)
+    click.echo(f"restored {sandbox_id} to {snapshot_id}")
+
+
+def _pausing(resume: bool) -> click.Command:
+    verb = "resume" if resume else "pause"
+
+    @click.command(verb)
+    @click.argument("sandbox_id", metavar="ID")
+    @client_options
+    @click.pass_context
+    def command(ctx: click.Context, sandbox_id: str, url: str | None, api_key: str | None) -> None:
+        async def remote(backend: RemoteBackend) -> None:
+            await (backend.resume if resume else backend.pause)(sandbox_id)
+
+        async def local(provider: LocalProvider) -> None:
+            if resume:
+                await provider.resume(sandbox_id)
+            else:
+                await provider.pause(sandbox_id)
+
+        _on(ctx, url, api_key, remote, local)
+        click.echo(f"{verb}d {sandbox_id}")
+
+    command.help = (
+        "Let paused sandbox ID run again."
+        if resume
+        else "Stop every process of sandbox ID (no CPU) until `sandman resume ID`."
+    )
+    return command
+
+
+COMMANDS: list[click.Command] = [snapshot, fork, restore, _pausing(False), _pausing(True)]
