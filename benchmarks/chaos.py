@@ -55,6 +55,11 @@ async def main() -> int:
     )
     parser.add_argument("--fault", help="Only this fault.")
     parser.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="Workers also snapshot, fork, restore and pause (local provider).",
+    )
+    parser.add_argument(
         "--work", type=Path, default=None, help="Where failing iterations' logs are kept."
     )
     args = parser.parse_args()
@@ -77,7 +82,8 @@ async def main() -> int:
             outcome = await kube.run_iteration(plan, cluster, work)
         else:
             assert busybox is not None
-            plan = plan_for(args.seed, iteration, scenario=args.scenario, fault=args.fault)
+            extra = {"snapshots": True} if args.snapshots else {}
+            plan = plan_for(args.seed, iteration, scenario=args.scenario, fault=args.fault, **extra)
             outcome = await run_iteration(plan, busybox, work)
         outcomes.append(outcome)
         status = "FAIL" if outcome.failed else "ok"

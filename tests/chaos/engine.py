@@ -102,7 +102,8 @@ def plan_for(
     **params: Any,
 ) -> Plan:
     """The plan of ``iteration`` of ``seed``; ``scenario``, ``fault``, ``at`` and ``params``
-    (``duration``, ``when``, ``adopt``, ``on_shutdown``, ``restart_after``) force those."""
+    (``duration``, ``when``, ``adopt``, ``on_shutdown``, ``restart_after``) force those;
+    ``snapshots=True`` has the workers snapshot, fork, restore and pause as they go."""
     rng = random.Random(f"chaos:{seed}:{iteration}")
     drawn_scenario = rng.choice(sorted(FAULTS))
     scenario = scenario or drawn_scenario
@@ -199,6 +200,8 @@ class Iteration:
         }  # fmt: skip
         # The burst's shape, when the plan says (tasks, rounds, hold, cancel_rate).
         values |= {k: v for k, v in plan.params.items() if k in _WORKER_PARAMS}
+        if plan.params.get("snapshots"):
+            values["snapshot_rate"] = 0.7
         if plan.scenario == "embedded":
             values |= {
                 "mode": "embedded", "state_dir": str(self.scope.state_dir),

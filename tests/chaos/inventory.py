@@ -152,6 +152,11 @@ def _dirs(scope: Scope) -> list[Item]:
             Item("dir", f"{e.path} [{_listing(e.path)}]", e.name)
             for e in os.scandir(scope.sandboxes)
         ]
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        found += [
+            Item("snapshot", f"{e.path} [{_listing(e.path)}]", e.name)
+            for e in os.scandir(scope.state_dir / "snapshots")
+        ]
     runtime = scope.state_dir / "runtime" / scope.runtime
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         found += [Item("runtime state", e.path, e.name) for e in os.scandir(runtime)]
@@ -280,6 +285,11 @@ def _disk(scope: Scope) -> list[Item]:
                 for e in os.scandir(scope.disk)
                 if _SANDBOX_ID.fullmatch(e.name)
             ]
+        with contextlib.suppress(OSError):
+            found += [
+                Item("snapshot layer", e.path, e.name)
+                for e in os.scandir(scope.disk / ".snapshots")
+            ]
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
         with contextlib.suppress(OSError):
             if backing.read_text().strip().removesuffix(" (deleted)") == str(image):
@@ -379,6 +389,9 @@ def scrub(scope: Scope, tracker: Tracker, baseline: Iterable[Item] = ()) -> list
             with contextlib.suppress(Exception):
                 await provider.delete(sid)
         with contextlib.suppress(Exception):
+            for snapshot in await provider.snapshots():
+                await provider.delete_snapshot(snapshot.id)
+        with contextlib.suppress(Exception):
             await provider.network.reset()
         with contextlib.suppress(Exception):
             await provider.aclose()
@@ -391,7 +404,12 @@ def scrub(scope: Scope, tracker: Tracker, baseline: Iterable[Item] = ()) -> list
     if left:
         # What the provider could not delete (a disk filesystem gone read-only...): by force.
         subprocess.run(["umount", "-l", str(scope.disk)], capture_output=True, check=False)
-        for directory in (scope.sandboxes, scope.state_dir / "runtime", scope.disk):
+        for directory in (
+            scope.sandboxes,
+            scope.state_dir / "snapshots",
+            scope.state_dir / "runtime",
+            scope.disk,
+        ):
             shutil.rmtree(directory, ignore_errors=True)
         left = settle(scope, tracker, baseline=baseline, timeout=10)
     remove_cgroup_parent(scope.cgroup_parent)

@@ -95,6 +95,20 @@ EVERY_FAULT = [
     # A full state dir aborted the disk filesystem's transaction: btrfs went read-only,
     # no create or delete worked after.
     case("embedded", "state-full", at=0.5, duration=3.0),
+    # Workers that snapshot, fork, restore and pause as they go (issue 26): a pool
+    # killed, its watchdog with it, a service killed in the middle of those.
+    case("embedded", "kill-client", at=0.6, snapshots=True),
+    case("embedded", "kill-client-and-watchdog", when="hold", snapshots=True),
+    case("embedded", "state-ro", at=0.4, duration=2.0, snapshots=True),
+    case(
+        "service",
+        "kill-service",
+        at=0.6,
+        on_shutdown="release",
+        adopt=False,
+        restart_after=0.3,
+        snapshots=True,
+    ),
 ]
 
 

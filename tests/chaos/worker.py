@@ -61,6 +61,8 @@ class WorkerConfig(BaseModel):
     cancel_rate: float = 0.3
     networks: tuple[str, ...] = ("none", "none", "isolated", "egress")
     acquire_timeout: float = 30.0
+    snapshot_rate: float = 0.0
+    """How often a use also snapshots, forks, restores, pauses and resumes its sandbox."""
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -168,11 +170,31 @@ class Worker:
             result = await sb.exec(f"echo {sb.id} > /tmp/me && cat /tmp/me", timeout=10)
             if result.stdout.strip() != sb.id:
                 emit("error", op="exec", type="WrongOutput", typed=True, message=result.stdout)
+            if self.rng.random() < self.config.snapshot_rate:
+                await self.branch(sb)
             return True
         except Exception as exc:  # noqa: BLE001
             report_error("exec", exc, sb.id)
             await self.drop(sb, exc)
             return False
+
+    async def branch(self, sb: AsyncSandbox) -> None:
+        """A snapshot, a fork of it used and released, a restore, a pause and a resume:
+        a fault may hit any of them."""
+        snap = await sb.snapshot(ttl=60)
+        try:
+            (fork,) = await sb.fork(1)
+            emit("acquired", sandbox=fork.id, network="fork", session=self.session())
+            try:
+                await fork.exec("cat /tmp/me", timeout=10)
+            finally:
+                await self.release(fork)
+            await sb.restore(snap)
+            await sb.pause()
+            await sb.resume()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.client.delete_snapshot(snap)
 
     async def drop(self, sb: AsyncSandbox, exc: BaseException) -> None:
         """After an error: a sandbox said to be gone is no longer counted; another is released."""
