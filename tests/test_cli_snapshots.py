@@ -66,4 +66,10 @@ async def test_a_prepared_sandbox_is_saved_forked_restored_paused(busybox_tar: P
         assert "Traceback" not in missing.output
         assert await ok("snapshot", "rm", snapshot_id) == f"deleted {snapshot_id}\n"
         assert await ok("snapshot", "rm", snapshot_id) == f"{snapshot_id} was already gone\n"
-        await ok("rm", sandbox_id, direct, *forks)
+        assert (
+            await ok("snapshot", "save", sandbox_id, "--as-image", "task:ready")
+        ) == "task:ready\n"
+        made = (await ok("create", "task:ready")).strip()
+        assert await ok("exec", made, "--", "cat", "/root/state") == "prepared\n"
+        assert await provider.snapshots() == []
+        await ok("rm", sandbox_id, direct, made, *forks)

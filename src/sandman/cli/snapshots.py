@@ -78,6 +78,12 @@ def snapshot() -> None:
 @click.argument("sandbox_id", metavar="ID")
 @click.option("--ttl", type=Duration(), default="1h", show_default=True, help="Its lifetime.")
 @click.option("--memory", is_flag=True, help="Its processes too (needs runtime runsc).")
+@click.option(
+    "--as-image",
+    "as_image",
+    metavar="NAME",
+    help="Make it an image of this machine's store instead (create IMAGE=NAME later).",
+)
 @client_options
 @click.pass_context
 def save(
@@ -85,10 +91,23 @@ def save(
     sandbox_id: str,
     ttl: float,
     memory: bool,
+    as_image: str | None,
     url: str | None,
     api_key: str | None,
 ) -> None:
-    """Keep sandbox ID's files as a snapshot and print its id; the sandbox goes on."""
+    """Keep sandbox ID's files as a snapshot and print its id; the sandbox goes on.
+
+    With --as-image NAME, its files over its image's become the image NAME instead."""
+    if as_image is not None:
+        if url:
+            raise click.UsageError(
+                "--as-image writes to this machine's image store; a service's store is "
+                "shared by its tenants, so it takes no images from them"
+            )
+        run_async(ctx, _as_image(ctx, sandbox_id, as_image))
+        click.echo(as_image)
+        click.echo(f"`sandman create {as_image}` makes a sandbox of it", err=True)
+        return
 
     async def remote(backend: RemoteBackend) -> str:
         return (await backend.snapshot(sandbox_id, memory=memory, ttl=ttl)).id
@@ -103,6 +122,19 @@ def save(
         f"`sandman fork {snapshot_id}` makes a sandbox of it; it is deleted in {age(ttl)}",
         err=True,
     )
+
+
+async def _as_image(ctx: click.Context, sandbox_id: str, name: str) -> None:
+    provider = LocalProvider(local_config(ctx))
+    try:
+        labels = {LABEL_EXPIRES: f"{time.time() + 600:.0f}"}
+        snap = await provider.snapshot(sandbox_id, labels=labels)
+        try:
+            await provider.save_image(snap.id, name)
+        finally:
+            await provider.delete_snapshot(snap.id)
+    finally:
+        await provider.aclose()
 
 
 @snapshot.command("ls")

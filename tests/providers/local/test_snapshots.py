@@ -124,3 +124,21 @@ async def test_what_cannot_be_kept_says_why(provider: LocalProvider) -> None:
     with pytest.raises(errors.SandboxLost, match="nothing to keep"):
         await provider.snapshot(info.id)
     assert [s.id for s in await provider.snapshots()] == [snapshot.id]
+
+
+async def test_a_snapshot_becomes_an_image_later_creates_name(provider: LocalProvider) -> None:
+    info = await provider.create(SandboxSpec(image="busybox"))
+    await sh(provider, info.id, "echo prepared > /root/state; rm /etc/passwd; ln -s /etc /root/l")
+    snapshot = await provider.snapshot(info.id)
+    image = await provider.save_image(snapshot.id, "prepared:v1")
+    assert image.names == ["prepared:v1"]
+    base = await provider.images.get("busybox")
+    assert image.config == base.config  # env, working directory, user, command kept
+    await provider.delete_snapshot(snapshot.id)
+    made = await provider.create(SandboxSpec(image="prepared:v1"))
+    seen = await sh(
+        provider, made.id, "cat /root/state; readlink /root/l; test -e /etc/passwd || echo gone"
+    )
+    assert seen.split() == ["prepared", "/etc", "gone"]
+    await provider.delete(made.id)
+    await provider.images.remove("prepared:v1")

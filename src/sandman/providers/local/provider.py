@@ -36,6 +36,7 @@ import secrets
 import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -57,6 +58,7 @@ from sandman.providers.base import (
     SnapshotInfo,
 )
 from sandman.providers.local import oci, seccomp
+from sandman.providers.local.commit import oci_layout_of
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
 from sandman.providers.local.host import (
@@ -609,6 +611,23 @@ class LocalProvider:
         self._seen.pop(sandbox_id, None)  # a new daemon pid
         info = await self.inspect(sandbox_id)
         return info.model_copy(update={"endpoint": endpoint})
+
+    async def save_image(self, snapshot_id: str, name: str) -> Image:
+        """The snapshot's files over its image's, as a new image ``name`` in the store
+        (one more layer; the image's config kept): later creates name it."""
+        hold = self.snapshot_store.using(snapshot_id)
+        snapshot = await anyio.to_thread.run_sync(hold.__enter__)
+        layout = Path(tempfile.mkdtemp(prefix=".commit-", dir=self.config.state_dir))
+        try:
+            image = await self.images.get(snapshot.image_id)
+            upper = self.snapshot_store.upper(snapshot_id)
+            await anyio.to_thread.run_sync(
+                lambda: oci_layout_of(image, upper, layout / "oci", source=snapshot_id)
+            )
+            return await self.images.import_oci_layout(layout / "oci", name=name)
+        finally:
+            await anyio.to_thread.run_sync(_remove_tree, layout)
+            await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
 
     def _drop_layer(self, sandbox_id: str, directory: Path) -> None:
         if self.disk.has(sandbox_id):

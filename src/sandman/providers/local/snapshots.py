@@ -144,6 +144,12 @@ class SnapshotStore:
         _copy_tree(self._dir(snapshot_id) / _UPPER, upper)
         return layer
 
+    def upper(self, snapshot_id: str) -> Path:
+        """The directory holding the snapshot's files (an overlay upper directory)."""
+        if self.disk.has(f"{SNAPSHOTS}/{snapshot_id}"):
+            return self.disk.root / SNAPSHOTS / snapshot_id / "upper"
+        return self._dir(snapshot_id) / _UPPER
+
     # -- listing and deleting -------------------------------------------------------
 
     def list(self, labels: Mapping[str, str] | None = None) -> list[SnapshotInfo]:
