@@ -145,9 +145,10 @@ def test_the_exit_is_quiet_when_the_service_is_already_gone(
     caplog.clear()
     with caplog.at_level(logging.DEBUG):
         close_shared()
-    said = [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.levelno >= logging.INFO]
+    # Nothing a user sees at the default level; the remote client says at INFO why.
+    said = [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.levelno > logging.INFO]
     assert said == []
-    assert "the service was not reached at close" in caplog.text
+    assert "not closed, the service is not reached" in caplog.text
     del env
 
 

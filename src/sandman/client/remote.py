@@ -372,8 +372,14 @@ class RemoteBackend:
             if exc.__cause__ is None:
                 raise  # the service answered with an error of its own
             # The service cannot be reached: it ends the session itself once its
-            # lease passes, so closing here must not fail the caller's cleanup.
-            logger.warning("could not close session %s: %s", session, exc)
+            # lease passes, so closing here must not fail the caller's cleanup, nor
+            # alarm anyone (a run's end often stops the service and its clients).
+            logger.info(
+                "session %s not closed, the service is not reached (it ends the session "
+                "itself when its lease passes): %s",
+                session,
+                exc,
+            )
 
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
         self._acquiring[session] += 1
@@ -494,8 +500,11 @@ class RemoteBackend:
             if exc.__cause__ is None and not isinstance(exc, errors.ThrottledError):
                 raise  # the service answered with an error of its own
             # Not reached: given back with the next heartbeat that is.
-            logger.warning(
-                "release of %s deferred, the service is not reached: %s", sandbox_id, exc
+            logger.info(
+                "release of %s deferred, the service is not reached (given back with the "
+                "next heartbeat that is, or with the session's lease): %s",
+                sandbox_id,
+                exc,
             )
             self._unreleased.add(sandbox_id)
 

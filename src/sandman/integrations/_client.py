@@ -178,50 +178,22 @@ def shared_client(url: str | None = None) -> BackgroundClient:
         return client
 
 
-class _ServiceGone(logging.Filter):
-    """Drops the remote client's warnings that the service was not reached, counting them."""
-
-    # sandman.client.remote's: the service ends a session itself once its lease passes.
-    MESSAGES = (
-        "could not close session %s: %s",
-        "release of %s deferred, the service is not reached: %s",
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg in self.MESSAGES:
-            self.dropped += 1
-            return False
-        return True
-
-
 def close_shared() -> None:
     """Close every `shared_client`: their sandboxes are released. Runs at exit too.
 
     A service already gone is no news then (a run's end often stops both): it
-    releases the session's sandboxes itself once the lease passes, so that is
-    logged at DEBUG, not as a warning."""
+    releases the session's sandboxes itself once the lease passes, and the remote
+    client says so at INFO, not as a warning."""
     with _shared_lock:
         clients = list(_shared.values())
         _shared.clear()
-    quiet = _ServiceGone()
-    remote = logging.getLogger("sandman.client.remote")
-    remote.addFilter(quiet)
-    try:
-        for client in clients:
-            try:
-                client.close()
-            except Exception:
-                # At interpreter exit Python 3.12 refuses new threads, which some
-                # teardown steps need; the pool's watchdog deletes what is left.
-                logger.debug("closing %r failed", client, exc_info=True)
-    finally:
-        remote.removeFilter(quiet)
-    if quiet.dropped:
-        logger.debug("the service was not reached at close: it ends the sessions itself")
+    for client in clients:
+        try:
+            client.close()
+        except Exception:
+            # At interpreter exit Python 3.12 refuses new threads, which some
+            # teardown steps need; the pool's watchdog deletes what is left.
+            logger.debug("closing %r failed", client, exc_info=True)
 
 
 def _forget_shared() -> None:
