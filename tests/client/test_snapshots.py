@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 import sandman
@@ -110,6 +111,11 @@ async def test_snapshots_over_the_service_are_the_tenants(
             await sb.exec(["true"])
         await sb.resume()
         assert [s.id for s in await a.snapshots()] == [snap.id]
+        async with httpx.AsyncClient(base_url=url) as http:
+            board = await http.get("/v1/dashboard", headers={"Authorization": f"Bearer {KEY_A}"})
+            metrics = (await http.get("/metrics")).text
+        assert board.json()["snapshots"] == 1
+        assert 'sandman_snapshots{pool="snapshots"} 1.0' in metrics
         await a.delete_snapshot(snap)
         assert await a.snapshots() == []
         await fork.release()

@@ -208,7 +208,7 @@ async def test_an_operator_sees_every_tenant_image_and_error_apart(
     assert [(g.name, g.total) for g in ops.images] == [("img-a", 2), ("img-b", 1), ("spare", 1)]
     assert [(e.event, e.kind, e.tenant, e.image) for e in ops.errors] == [
         ("refused", "tenant_pending_limit", "a", "img-a"),
-        ("create.failed", "other", "b", "broken-b"),
+        ("create.failed", "image_error", "b", "broken-b"),
     ]  # fmt: skip
     # The same sampler, for a tenant: its own apart, the rest (their waiting too) one group.
     a = sampler.view("a", now=time.time())

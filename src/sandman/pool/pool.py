@@ -612,6 +612,7 @@ class Pool:
         for record in self._records.values():
             counts[record.state] = counts.get(record.state, 0) + 1
         counts["sessions"] = len(self._sessions)
+        counts["snapshots"] = len(self._book.list())
         counts.update({f"pacing_{k}": v for k, v in self._pacer.stats().items()})
         return counts
 
@@ -829,7 +830,7 @@ class Pool:
         self._wake.set()
         record.error = exc
         request.last_error, request.creating_since = exc, None
-        self._emit("create.failed", record, error=repr(exc), kind=kind)
+        self._emit("create.failed", record, error=repr(exc), kind=kind, cause=_cause(exc))
         # The backend may hold something even after an error: delete it too.
         self._release(record, reason="create failed", state="failed", force=True)
         retryable = getattr(exc, "retryable", False) or kind in ("throttled", "capacity")
@@ -1278,6 +1279,13 @@ def _loss_of(sandbox_id: str, info: SandboxInfo | None) -> Lost:
     return info.lost or Lost(
         sandbox_id=sandbox_id, reason="unknown", detail=f"the backend says it is {info.state}"
     )
+
+
+def _cause(exc: BaseException) -> str:
+    """What failed, in a word a table can show: the exception's name in snake case
+    (``ImageNotFound`` -> ``image_not_found``)."""
+    name = type(exc).__name__
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 def _classify(exc: BaseException) -> tuple[FailureKind, float | None]:

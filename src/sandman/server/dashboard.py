@@ -149,7 +149,9 @@ class Sampler:
             with contextlib.suppress(errors.SandboxNotFound):
                 record = self.pool.get(event.sandbox_id)
                 tenant, image = self._owner(record), record.spec.image
-        kind = event.detail.get("kind") or event.detail.get("reason")
+        # The cause (image_not_found...) where the pool names one; the pacer's kind of
+        # failure (throttled, capacity...) says less.
+        kind = event.detail.get("cause") or event.detail.get("kind") or event.detail.get("reason")
         message = str(event.detail.get("error") or event.detail.get("detail") or event.name)
         return _Error(
             at=event.at,
@@ -291,6 +293,7 @@ class Sampler:
             interval=self.interval,
             states=_states(stats),
             sessions=int(stats.get("sessions", 0)),
+            snapshots=int(stats.get("snapshots", 0)),
             pacing=_pacing(stats),
             lost=dict(self._lost),
             samples=[s for s in self._samples if s.t >= since],

@@ -67,6 +67,9 @@ class _PoolCollector(Collector):
             states.add_metric([pool, state], stats.get(state, 0.0))
         yield states
         yield _gauge("sandman_sessions", "Open client sessions.", pool, stats.get("sessions", 0))
+        yield _gauge(
+            "sandman_snapshots", "Snapshots the pool keeps.", pool, stats.get("snapshots", 0)
+        )
         for name, documentation, key in _PACING:
             yield _gauge(name, documentation, pool, stats.get(key, math.nan))
         depths = self._queue_depths()

@@ -231,6 +231,8 @@ class DashboardOut(_Out):
     states: dict[str, int]
     """Sandboxes per state now, the whole pool."""
     sessions: int
+    snapshots: int = 0
+    """Snapshots the pool keeps now (every tenant's)."""
     pacing: PacingOut
     lost: dict[str, int] = Field(default_factory=dict)
     """Sandboxes that died by themselves since the service started, by reason (``oom``,

@@ -130,6 +130,7 @@ function renderTiles(data) {
   tiles.replaceChildren();
   for (const state of STATES) tile(tiles, `count-${state}`, state, data.states[state] ?? 0, COLORS[state]);
   tile(tiles, "sessions", "sessions", data.sessions);
+  tile(tiles, "snapshots", "snapshots", data.snapshots ?? 0);
   // Sandboxes that died by themselves since the start, by reason (oom, killed, evicted...).
   const lost = Object.entries(data.lost || {}).sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
   const total = lost.reduce((sum, [, n]) => sum + n, 0);
