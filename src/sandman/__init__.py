@@ -70,6 +70,7 @@ from sandman.models import (
     SessionInfo,
     SessionRunResult,
     Snapshot,
+    Usage,
 )
 
 __all__ = [
@@ -127,6 +128,7 @@ __all__ = [
     "UnknownUser",
     "UnsafeArchive",
     "UntrustedDaemon",
+    "Usage",
     "__version__",
     "connect",
     "connect_sync",

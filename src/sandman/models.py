@@ -37,6 +37,7 @@ __all__ = [
     "SessionInfo",
     "SessionRunResult",
     "Snapshot",
+    "Usage",
     "check_object_name",
     "explain",
     "parse_bytes",
@@ -263,6 +264,30 @@ class Snapshot(_Value):
         base.update(changes)
         base["image"], base["snapshot"] = self.image, self.id
         return SandboxSpec(**base)
+
+
+class Usage(_Value):
+    """What a sandbox has used so far (or in all, once released): the cost of a rollout.
+
+    Read from the kernel's own accounting (the local provider: the sandbox's cgroups,
+    its disk layer's quota group and its network interface). A figure the backend
+    cannot tell is None.
+    """
+
+    cpu_seconds: float | None = None
+    """CPU time of every process it ran, user and system."""
+    memory_peak_bytes: int | None = None
+    """The most memory it held at once."""
+    memory_bytes: int | None = None
+    """What it holds now (at release: just before its deletion)."""
+    disk_bytes: int | None = None
+    """What its writable layer holds (written, less what it removed again)."""
+    net_rx_bytes: int | None = None
+    """Bytes it received over its network (none without one)."""
+    net_tx_bytes: int | None = None
+    """Bytes it sent."""
+    at: float = 0.0
+    """When it was read (wall clock)."""
 
 
 class Health(_Value):

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from sandman import errors
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
-from sandman.models import SandboxSpec, Snapshot, explain
+from sandman.models import SandboxSpec, Snapshot, Usage, explain
 from sandman.pool.events import EventHook, PoolEvent, emit
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
@@ -112,15 +112,23 @@ class AsyncSandbox:
     ) -> None:
         await self.release()
 
-    async def release(self) -> None:
-        """Give the sandbox back; it is deleted. Idempotent."""
+    async def release(self) -> Usage | None:
+        """Give the sandbox back; it is deleted. Returns what it used (CPU, memory, disk,
+        network: the rollout's cost) where the backend can tell, read just before.
+        Idempotent (None the second time)."""
         if self._released:
-            return
+            return None
         self._released = True
         if self._on_release is not None:
             self._on_release(self)
         await self._daemon.aclose()
-        await self._backend.release(self.id)
+        return await self._backend.release(self.id)
+
+    async def usage(self) -> Usage | None:
+        """What the sandbox has used so far: CPU seconds, peak and current memory, disk
+        written, network bytes in and out (`Usage`); None where the backend cannot tell."""
+        self._check_usable()
+        return await self._backend.usage(self.id)
 
     # -- snapshots, forks, restore, pause ------------------------------------------------
 

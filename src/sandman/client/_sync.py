@@ -93,6 +93,7 @@ class Sandbox:
 
     timeline = _blocking(AsyncSandbox.timeline)
     release = _blocking(AsyncSandbox.release)
+    usage = _blocking(AsyncSandbox.usage)
 
     # Snapshots: `fork` makes Sandboxes, so it is written out.
     snapshot = _blocking(AsyncSandbox.snapshot)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sandman import errors
-from sandman.models import SandboxSpec, Snapshot
+from sandman.models import SandboxSpec, Snapshot, Usage
 from sandman.pool import Pool
 from sandman.pool.snapshots import to_snapshot
 from sandman.providers.base import DaemonEndpoint
@@ -43,7 +43,11 @@ class Backend(Protocol):
     async def heartbeat(self, session: str) -> None: ...
     async def close_session(self, session: str) -> None: ...
     async def acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease: ...
-    async def release(self, sandbox_id: str) -> None: ...
+    async def release(self, sandbox_id: str) -> Usage | None:
+        """Give the sandbox back; what it used, read just before, if the backend can tell."""
+        ...
+
+    async def usage(self, sandbox_id: str) -> Usage | None: ...
     async def check(self, sandbox_id: str) -> None:
         """Return if the sandbox is held and runs; raise `SandboxLost` (with the reason)
         if it died, `SandboxNotFound` if it is gone otherwise (released, expired)."""
@@ -100,8 +104,16 @@ class InProcessBackend:
         # where the time went even after the release.
         return Lease(record.id, record.info.endpoint, record.expires_at, record.timeline)
 
-    async def release(self, sandbox_id: str) -> None:
+    async def release(self, sandbox_id: str) -> Usage | None:
+        try:
+            used = await self.pool.usage(sandbox_id)
+        except (errors.SandboxError, OSError):
+            used = None  # gone already, or unreadable: the release goes on
         self.pool.release(sandbox_id)
+        return used
+
+    async def usage(self, sandbox_id: str) -> Usage | None:
+        return await self.pool.usage(sandbox_id)
 
     async def check(self, sandbox_id: str) -> None:
         await self.pool.check(sandbox_id)

@@ -41,7 +41,7 @@ from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
-from sandman.models import SandboxSpec, Snapshot
+from sandman.models import SandboxSpec, Snapshot, Usage
 from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
 
@@ -491,9 +491,19 @@ class RemoteBackend:
             return self.proxied(sandbox_id)
         return direct
 
-    async def release(self, sandbox_id: str) -> None:
+    async def usage(self, sandbox_id: str, *, timeout: float | None = None) -> Usage | None:
+        path = f"/v1/sandboxes/{_segment(sandbox_id)}/usage"
+        answer = await self._call("GET", path, timeout=timeout or self._timeout)
+        data = answer.json()
+        return None if data is None else Usage.model_validate(data)
+
+    async def release(self, sandbox_id: str) -> Usage | None:
         for held in self._held.values():
             held.discard(sandbox_id)
+        used = None
+        with contextlib.suppress(errors.SandboxError):
+            # The rollout's cost, before it goes; briefly: an outage defers the release.
+            used = await self.usage(sandbox_id, timeout=min(self._timeout, 5.0))
         try:
             await self._release(sandbox_id)
         except errors.ProviderError as exc:
@@ -507,6 +517,7 @@ class RemoteBackend:
                 exc,
             )
             self._unreleased.add(sandbox_id)
+        return used
 
     async def _release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent

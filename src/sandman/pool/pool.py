@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from sandman import errors
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Usage
 from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
@@ -58,6 +58,7 @@ from sandman.providers.base import (
     Lost,
     LostReports,
     Provider,
+    ReportsUsage,
     SandboxInfo,
     SnapshotInfo,
     WatchesLost,
@@ -641,6 +642,14 @@ class Pool:
         self._tallies.add(tally)
         return tally
 
+    async def usage(self, sandbox_id: str) -> Usage | None:
+        """What the sandbox has used: read now while it is held, else as last read (at
+        its release); None if the provider cannot tell."""
+        record = self.get(sandbox_id)
+        if isinstance(self.provider, ReportsUsage) and record.state in ("ready", "leased"):
+            record.usage = await self.provider.usage(sandbox_id)
+        return record.usage
+
     # -- snapshots, restore, pause ----------------------------------------------------
 
     def _held(self, sandbox_id: str) -> Record:
@@ -951,6 +960,7 @@ class Pool:
         lost = record.state == "lost"  # stays so: its holder is told why, not "gone"
         if not lost:
             self._set_state(record, "releasing")
+        await self._last_usage(record)
         while True:
             try:
                 await self.provider.delete(record.id)
@@ -968,6 +978,18 @@ class Pool:
         elif record.session is not None and not record.release_requested:
             self._remember_lost(record)
         self._emit("delete.complete", record)
+
+    async def _last_usage(self, record: Record) -> None:
+        """Read what a sandbox used, once more before it is deleted (a rollout's cost);
+        a read that fails or takes long is skipped: the delete goes first."""
+        if not isinstance(self.provider, ReportsUsage) or record.info is None:
+            return
+        try:
+            async with asyncio.timeout(2.0):
+                record.usage = await self.provider.usage(record.id)
+        except (errors.SandboxError, OSError, TimeoutError):
+            return
+        self._emit("sandbox.usage", record, **record.usage.model_dump())
 
     # -- internals: lost sandboxes ---------------------------------------------------
 

@@ -6,14 +6,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Usage
 from sandman.providers.base import Lost, SandboxInfo
 
-__all__ = ["LABEL_EXPIRES", "LABEL_POOL", "LABEL_SESSION", "Record", "State", "TimelineEvent"]
+__all__ = [
+    "LABEL_EXPIRES",
+    "LABEL_POOL",
+    "LABEL_SESSION",
+    "LABEL_TENANT",
+    "Record",
+    "State",
+    "TimelineEvent",
+]
 
 LABEL_POOL = "sandman.io/pool"
 LABEL_SESSION = "sandman.io/session"
 LABEL_EXPIRES = "sandman.io/expires-at"
+LABEL_TENANT = "sandman.io/tenant"
+"""Set by the service on what it hands out (in the spec, so the backend keeps it)."""
 
 State = Literal[
     "queued",
@@ -58,6 +68,8 @@ class Record:
     lost: Lost | None = None
     """In state ``lost``: why (``lost.reason``: ``oom``, ``killed``, ``evicted``...)."""
     release_requested: bool = False
+    usage: Usage | None = None
+    """What it used, as last read (`Pool.usage`); read once more just before its delete."""
     restoring: bool = False
     """Being reset to a snapshot: its daemon is away for a moment, not lost."""
     timeline: dict[str, float] = field(default_factory=dict)

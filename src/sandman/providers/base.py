@@ -9,7 +9,7 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from sandman.daemon import DaemonClient
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Usage
 
 __all__ = [
     "BackendOwners",
@@ -19,6 +19,7 @@ __all__ = [
     "LostReports",
     "OwnerStatus",
     "Provider",
+    "ReportsUsage",
     "SandboxInfo",
     "SandboxState",
     "SnapshotInfo",
@@ -181,6 +182,16 @@ class WatchesLost(Protocol):
         """Each watched sandbox that died by itself, once, as soon as the backend says;
         never one removed through `delete`. Every reader sees every report made after
         it was asked for (not only after it first waits); close it with ``aclose``."""
+        ...
+
+
+@runtime_checkable
+class ReportsUsage(Protocol):
+    """An optional capability of a provider: what a sandbox has used (CPU, memory, disk,
+    network), read from the backend's own accounting."""
+
+    async def usage(self, sandbox_id: str) -> Usage:
+        """The sandbox's usage so far; figures the backend cannot tell are None."""
         ...
 
 

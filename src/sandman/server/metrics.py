@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from sandman import errors
 from sandman.pool import Pool, PoolEvent
-from sandman.pool.records import State
+from sandman.pool.records import LABEL_TENANT, State
 from sandman.server.errors import ApiError
 from sandman.server.settings import ServerSettings
 
@@ -89,6 +89,14 @@ class _PoolCollector(Collector):
         for tenant, n in sorted(depths.items()):
             depth.add_metric([pool, tenant], n)
         yield depth
+
+
+def _tenant(pool: Pool, sandbox_id: str) -> str:
+    try:
+        record = pool.get(sandbox_id)
+    except errors.SandboxNotFound:
+        return ""
+    return record.spec.labels.get(LABEL_TENANT) or record.labels.get(LABEL_TENANT) or ""
 
 
 def _gauge(name: str, documentation: str, pool: str, value: float) -> GaugeMetricFamily:
@@ -173,6 +181,27 @@ class Metrics:
             [*labels, "event"],
             registry=self.registry,
         )
+        # What released sandboxes used (the rollouts' cost), read just before each delete.
+        usage_labels = [*labels, "tenant"] if tenant_labels else labels
+        self._tenant_labels = tenant_labels
+        self.usage_cpu = Counter(
+            "sandman_usage_cpu_seconds",
+            "CPU seconds used by sandboxes, counted at their delete.",
+            usage_labels,
+            registry=self.registry,
+        )
+        self.usage_disk = Counter(
+            "sandman_usage_disk_bytes",
+            "Bytes sandboxes held in their writable layer at their delete.",
+            usage_labels,
+            registry=self.registry,
+        )
+        self.usage_network = Counter(
+            "sandman_usage_network_bytes",
+            "Bytes sandboxes received (rx) and sent (tx), counted at their delete.",
+            [*usage_labels, "direction"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pool, queue_depths, tenant_labels))
         self._started: dict[str, float] = {}
         self._released: dict[str, float] = {}
@@ -194,6 +223,8 @@ class Metrics:
             self.backend_errors.labels(pool, "create", str(event.detail.get("kind", "other"))).inc()
         elif event.name == "sandbox.released":
             self._released[sid] = event.at
+        elif event.name == "sandbox.usage":
+            self._count_usage(pool, sid, event.detail)
         elif event.name == "delete.failed":
             self.backend_errors.labels(pool, "delete", "other").inc()
         elif event.name == "delete.complete":
@@ -204,6 +235,17 @@ class Metrics:
             self.backend_errors.labels(pool, "list", "other").inc()
         elif event.name == "sandbox.lost":
             self.lost.labels(pool, str(event.detail.get("reason", "unknown"))).inc()
+
+    def _count_usage(self, pool: str, sandbox_id: str, detail: Mapping[str, object]) -> None:
+        labels = [pool, _tenant(self._pool, sandbox_id)] if self._tenant_labels else [pool]
+        for counter, key in ((self.usage_cpu, "cpu_seconds"), (self.usage_disk, "disk_bytes")):
+            value = detail.get(key)
+            if isinstance(value, int | float):
+                counter.labels(*labels).inc(max(0.0, float(value)))
+        for direction in ("rx", "tx"):
+            value = detail.get(f"net_{direction}_bytes")
+            if isinstance(value, int | float):
+                self.usage_network.labels(*labels, direction).inc(max(0.0, float(value)))
 
     def _observe_create(self, pool: str, sandbox_id: str) -> None:
         try:

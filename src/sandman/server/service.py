@@ -19,7 +19,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from sandman import errors
+from sandman.models import Usage
 from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
+from sandman.pool.records import LABEL_TENANT
 from sandman.providers.base import SnapshotInfo
 from sandman.server.errors import ApiError, from_exception
 from sandman.server.schemas import AcquireRequest
@@ -28,8 +30,6 @@ from sandman.server.settings import ServerSettings
 __all__ = ["LABEL_TENANT", "ClientGone", "Service", "tenant_of"]
 
 logger = logging.getLogger(__name__)
-
-LABEL_TENANT = "sandman.io/tenant"
 
 
 def tenant_of(record: Record) -> str | None:
@@ -331,6 +331,16 @@ class Service:
         """Give the tenant's sandbox back (deleted in the background). Idempotent."""
         self.sandbox(tenant, sandbox_id)
         self.pool.release(sandbox_id)
+
+    async def usage(self, tenant: str, sandbox_id: str) -> Usage | None:
+        """What the tenant's sandbox used: now while held, else as read at its release."""
+        record = self.sandbox(tenant, sandbox_id)
+        if record.state not in ("ready", "leased"):
+            return record.usage
+        try:
+            return await self.pool.usage(sandbox_id)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
 
     # -- snapshots ----------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import anyio
 from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.images import Image, ImageStore, resolve_user
-from sandman.models import SandboxSpec
+from sandman.models import SandboxSpec, Usage
 from sandman.providers.base import (
     DaemonEndpoint,
     Lost,
@@ -73,6 +73,7 @@ from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, N
 from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.providers.local.snapshots import SnapshotStore, check_id, new_snapshot_id
 from sandman.providers.local.trees import remove_tree
+from sandman.providers.local.usage import read_usage
 from sandman.settings import LocalConfig
 
 __all__ = ["LocalProvider"]
@@ -650,6 +651,14 @@ class LocalProvider:
         await self._running(sandbox_id)
         await self._runtime.resume(sandbox_id)
         return await self.inspect(sandbox_id)
+
+    # -- usage (sandman.providers.base.ReportsUsage) ----------------------------------
+
+    async def usage(self, sandbox_id: str) -> Usage:
+        """What the sandbox has used so far, from its cgroups, disk layer and veth."""
+        self._dir(sandbox_id)
+        parent = self.config.cgroup_parent
+        return await anyio.to_thread.run_sync(read_usage, parent, sandbox_id, self.disk)
 
     # -- lost sandboxes (sandman.providers.base.WatchesLost) ---------------------
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from sandman.models import Usage
 from sandman.pool.records import State
 from sandman.server.errors import ApiError
 from sandman.server.routes._deps import Tenant, errors, metrics, sampler, service
@@ -88,6 +89,18 @@ async def get_sandbox(
     record = service(request).sandbox(tenant, sandbox_id)
     running = await service(request).running(record) if probe else None
     return sandbox_out(record, endpoint=True, running=running)
+
+
+@router.get(
+    "/{sandbox_id}/usage",
+    response_model=Usage | None,
+    responses=errors("sandbox_not_found", "sandbox_lost", "provider_error"),
+)
+async def usage(tenant: Tenant, sandbox_id: str, request: Request) -> Usage | None:
+    """What the sandbox has used (CPU seconds, peak and current memory, disk written,
+    network bytes): read now while it is held, else as read just before its delete;
+    null where the provider cannot tell."""
+    return await service(request).usage(tenant, sandbox_id)
 
 
 @router.delete("/{sandbox_id}", status_code=204, responses=errors("sandbox_not_found"))
