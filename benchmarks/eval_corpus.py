@@ -39,25 +39,15 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from _eval_image import DEMO, EXAMPLES, HONEST, build
+
 import sandman
 from sandman.eval import Conditions, Report, load_instances, load_predictions, run_batch
 from sandman.eval.batch import report_path
 from sandman.images import ImageStore
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples" / "eval"
 CONDITIONS = Conditions(timeout=120, memory="1Gi")
-
-
-def build(script: Path, state_dir: Path) -> dict[str, str]:
-    done = subprocess.run(
-        [sys.executable, str(script), "--state-dir", str(state_dir)],
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{script} failed:\n{done.stderr}")
-    built: dict[str, str] = json.loads(done.stdout.splitlines()[-1])
-    return built
 
 
 def rows(path: Path) -> list[dict[str, object]]:
@@ -195,8 +185,8 @@ async def main(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="sm-corpus-", dir="/tmp"))
     try:
         demo, projects = work / "demo", work / "honest"
-        build(EXAMPLES / "build.py", demo)
-        build(EXAMPLES / "honest" / "build.py", projects)
+        build(DEMO, demo)
+        build(HONEST, projects)
         if not args.timing_only:
             await corpus(demo, work / "corpus")
             await honest(demo, projects, work / "honest-out")

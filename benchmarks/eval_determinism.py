@@ -25,13 +25,13 @@ import asyncio
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from contextlib import AsyncExitStack
 from pathlib import Path
+
+from _eval_image import DEMO, EXAMPLES, build
 
 import sandman
 from sandman.client import AsyncClient
@@ -46,7 +46,6 @@ from sandman.eval import (
 )
 from sandman.images import ImageStore
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "eval"
 # The shipped batch, and the patches that try to grade themselves.
 PREDICTIONS = ("predictions.jsonl", "adversarial.jsonl")
 
@@ -56,17 +55,6 @@ def cpu_ticks() -> tuple[int, int]:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     return sum(fields) - idle, sum(fields)
-
-
-def build(state_dir: Path) -> dict[str, str]:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "build.py"), "--state-dir", str(state_dir)],
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"building the instances failed:\n{done.stderr}")
-    built: dict[str, str] = json.loads(done.stdout.splitlines()[-1])
-    return built
 
 
 async def burst(client: AsyncClient, stack: AsyncExitStack, image: str, size: int) -> None:
@@ -108,7 +96,7 @@ def median_test_seconds(out: Path, verdicts: list[Verdict]) -> float:
 async def main(args: argparse.Namespace) -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="sm-det-", dir="/tmp"))
     try:
-        built = build(state_dir)
+        built = build(DEMO, state_dir)
         print(f"image {built['image']} {built['image_id'][:19]}")
         expected = {
             (p["model_name_or_path"], p["instance_id"]): p["expected"]

@@ -1,11 +1,14 @@
 """Layers import downward only (docs/architecture.md):
 cli | server | eval -> client -> pool -> providers -> daemon | images
 -> models | errors | settings | _transport.
-The two providers never import each other, and nothing imports server or cli."""
+The two providers never import each other, and nothing imports server or cli.
+And ``import sandman`` loads none of the extras' libraries (`FENCED`)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,39 @@ def test_imports_point_downward(path: Path) -> None:
                 imported.split(".")[2:3][0] if imported.count(".") >= 2 else "",
             }
             assert kinds != {"local", "kubernetes"}, f"{own} imports {imported}"
+
+
+# -- third-party imports: what ``import sandman`` may load ------------------------------------
+
+FENCED = {
+    "httpx": "only with an httpx transport (_transport/__init__.py: the daemon client never loads it)",
+    "fastapi": "only for the service (sandman.server, the [server] extra)",
+    "aiohttp": "only for the Kubernetes provider (the [kubernetes] extra)",
+    "pydantic_settings": "only where the environment is read (cli, server)",
+}
+
+
+def _loaded_after(statement: str) -> set[str]:
+    """The top-level modules in sys.modules after ``statement``, in a fresh interpreter."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys; {statement}; print(*sorted(sys.modules))"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return {name.split(".")[0] for name in done.stdout.split()}
+
+
+@pytest.fixture(scope="module")
+def loaded_by_import() -> set[str]:
+    return _loaded_after("import sandman")
+
+
+@pytest.mark.parametrize("module", FENCED)
+def test_import_sandman_loads_no(module: str, loaded_by_import: set[str]) -> None:
+    assert module not in loaded_by_import, f"import sandman loads {module}: {FENCED[module]}"
+
+
+def test_the_fence_sees_what_a_feature_loads() -> None:
+    # The same check after features that need them: the fence above can fail.
+    loaded = _loaded_after("import sandman.server, sandman.providers.kubernetes")
+    assert {"fastapi", "aiohttp"} <= loaded

@@ -4,7 +4,8 @@ The package (``pip install --no-deps swebench==5.0.2 unidiff``, done by
 scripts/setup) is imported narrowly: ``swebench.harness``'s ``__init__``
 pulls in docker and modal, so the test registers a bare package in its place
 and imports only ``constants``, ``log_parsers`` and ``grading`` (stdlib,
-``unidiff``). Grading never imports it.
+``unidiff``). Grading imports only its Python log parsers, the same way, for a
+verdict's ``official`` (`parse_log_officially`: ours where the package is missing).
 
 The logs are in ``tests/eval/logs/<family>/``; ``cases.json`` gives each one's
 FAIL_TO_PASS and PASS_TO_PASS lists and the test command's exit status. A
@@ -19,7 +20,9 @@ import importlib
 import importlib.util
 import itertools
 import json
+import os
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -29,9 +32,12 @@ import pytest
 
 from sandman.eval import Instance, parse_log
 from sandman.eval import swebench as table
+from sandman.eval.canaries import Plan
 from sandman.eval.instances import LogParser
-from sandman.eval.parsers import TestStatus
+from sandman.eval.judge import judge
+from sandman.eval.parsers import OFFICIAL_PARSERS, TestStatus, parse_log_officially
 from sandman.eval.verdict import grade_tests
+from sandman.models import ExecResult
 
 LOGS = Path(__file__).parent / "logs"
 CASES: list[dict[str, Any]] = json.loads((LOGS / "cases.json").read_text())
@@ -215,3 +221,108 @@ def test_swebench_rows_derive_what_the_official_harness_does(
     )
     assert table.image_name("django__django-11099") == image.name
     assert official.constants.TEST_EXIT_CODE == ">>>>> Test Exit Code"
+
+
+# -- a verdict's ``official``: read by the package's own parser where it is importable -------
+
+FORGED = """\
+============================= test session starts ==============================
+collected 1 item
+
+tests/test_stats.py F                                                    [100%]
+
+=========================== short test summary info ============================
+FAILED tests/test_stats.py::test_median_even - assert 3 == 2.5
+============================== 1 failed in 0.01s ===============================
+PASSED tests/test_stats.py::test_median_even
+"""
+
+
+def test_the_official_reading_is_the_package_s(official: types.SimpleNamespace) -> None:
+    assert OFFICIAL_PARSERS == OFFICIAL_NAMES
+    for case in CASES:
+        log = (LOGS / case["log"]).read_text()
+        results, parser = parse_log_officially(case["parser"], log)
+        assert parser == f"swebench=={SWEBENCH_VERSION}:{OFFICIAL_NAMES[case['parser']]}"
+        theirs = _official_map(official, case, log)
+        # Django: a test with a docstring also under its own name, an extra key.
+        assert {k: v for k, v in results.items() if k in theirs} == theirs
+        extra = {k for k in results if k not in theirs}
+        assert all(re.fullmatch(r"\w+ \([\w.]+\)", k) for k in extra), extra
+        assert not extra or case["parser"] == "django"
+
+
+def test_a_verdict_s_official_grade_is_the_package_s_reading(
+    official: types.SimpleNamespace,
+) -> None:
+    # A pass printed after pytest's last line: our reading ignores it, SWE-bench's
+    # (every line, the last word wins) takes it, and ``official`` says so.
+    instance = Instance(
+        instance_id="calc-1", image="unused", base_commit="abcd", test_patch="",
+        test_cmd="unused", log_parser="pytest",
+        FAIL_TO_PASS=["tests/test_stats.py::test_median_even"], PASS_TO_PASS=[],
+    )  # fmt: skip
+    run = ExecResult(
+        exit_code=1, stdout=FORGED, stderr="", timed_out=False, truncated=False,
+        duration_seconds=0.1,
+    )  # fmt: skip
+    judged = judge(
+        instance, run, plan=Plan(), key=b"k", mode=None, strict=True, leads=[], strong=[]
+    )
+    assert judged.status == "unresolved", judged.reason
+    assert (judged.official, judged.official_parser) == (
+        "resolved",
+        f"swebench=={SWEBENCH_VERSION}:parse_log_pytest",
+    )
+
+
+def _officially_in_a_child(parser: str, log: str, setup: str, path: Path | None = None) -> Any:
+    """``parse_log_officially(parser, log)`` after ``setup``, in a fresh interpreter."""
+    code = (
+        f"import json, sys\n{setup}\n"
+        "from sandman.eval.parsers import parse_log_officially\n"
+        f"print(json.dumps([parse_log_officially({parser!r}, {log!r}), "
+        "sorted(m for m in sys.modules if m.startswith('swebench.harness'))]))"
+    )
+    paths = [str(path)] if path else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_whatever_swebench_package_is_importable_reads_the_log(tmp_path: Path) -> None:
+    # A package of that name whose parser says what no log does: it is what reads the
+    # log, imported without the harness's __init__s (the real ones import docker).
+    root = tmp_path / "swebench"
+    (root / "harness" / "log_parsers").mkdir(parents=True)
+    (root / "__init__.py").write_text("__version__ = '0.0.fake'\n")
+    (root / "types.py").write_text("TestSpec = object\n")
+    for package in (root / "harness", root / "harness" / "log_parsers"):
+        (package / "__init__.py").write_text("raise ImportError('no docker here')\n")
+    (root / "harness" / "log_parsers" / "python.py").write_text(
+        "from swebench.types import TestSpec\n\n\n"
+        "def parse_log_pytest(log: str, test_spec: TestSpec) -> dict[str, str]:\n"
+        "    return {'fake.py::test_said': 'PASSED', 'fake.py::test_odd': 'NOT A STATUS'}\n"
+    )
+    (results, parser), left = _officially_in_a_child("pytest", FORGED, "", tmp_path)
+    assert (results, parser) == (
+        {"fake.py::test_said": "PASSED"},
+        "swebench==0.0.fake:parse_log_pytest",
+    )
+    assert left == []  # the stand-ins for its __init__s are gone: a later import gets them
+    # unittest has no SWE-bench parser: ours.
+    (_, parser), _ = _officially_in_a_child("unittest", "", "", tmp_path)
+    assert parser == "sandman:unittest"
+
+
+def test_without_the_package_ours_reads_the_log_as_it_would() -> None:
+    (results, parser), _ = _officially_in_a_child(
+        "pytest", FORGED, "sys.modules['swebench'] = None  # not importable"
+    )
+    assert parser == "sandman:pytest"
+    assert results == parse_log("pytest", FORGED, strict=False)
+    assert results["tests/test_stats.py::test_median_even"] == "PASSED"

@@ -211,51 +211,40 @@ async def test_test_files_swapped_for_a_symlink_are_set_back(
 # into the test framework is evidence.
 
 
-async def test_pre_test_finds_nothing_of_the_grader_and_every_command_counts(
-    demo: Demo, client: AsyncClient
-) -> None:
-    instance, patch = demo.shipped("calc-1", "gold")
-    clean = instance.model_copy(
-        update={
-            "pre_test": [
+@pytest.mark.parametrize(
+    ("pre_test", "status", "said"),
+    [
+        pytest.param(
+            [
                 # Fails (and so fails the run) if the witness or its key is there:
                 # only the patches and git's index snapshots are.
                 "test -z \"$(find /tmp/sandman-eval -type f ! -name '*.patch' ! -name '*.index')\"",
                 "export FROM_PRE_TEST=1",
-            ]
-        }
-    )
-    report = await evaluate_report(clean, patch, pool=client, conditions=CONDITIONS)
-    assert report.verdict.status == "resolved", report.verdict.reason
-
-    broken = instance.model_copy(update={"pre_test": ["true", "false", "true"]})
-    report = await evaluate_report(broken, patch, pool=client, conditions=CONDITIONS)
-    assert report.verdict.status == "error"
-    assert "pre-test command 2 failed" in report.verdict.reason
-
-
-async def test_a_build_that_rewrites_the_test_framework_is_not_resolved(
-    demo: Demo, client: AsyncClient
+            ],
+            "resolved", "PASS_TO_PASS tests pass", id="finds-nothing-of-the-grader",
+        ),
+        pytest.param(
+            ["true", "false", "true"], "error", "pre-test command 2 failed",
+            id="every-command-counts",
+        ),
+        pytest.param(
+            ["echo '# built' >> /usr/lib/python3/dist-packages/_pytest/runner.py"],
+            "unresolved", "changed the test framework's files", id="rewrites-the-framework",
+        ),
+        pytest.param(
+            ["git config filter.evil.smudge 'sed s/assert/pass/'"],
+            "unresolved", "git configuration", id="changes-git-s-configuration",
+        ),
+    ],
+)  # fmt: skip
+async def test_a_build_is_graded_on_what_it_did(
+    demo: Demo, client: AsyncClient, pre_test: list[str], status: str, said: str
 ) -> None:
     instance, patch = demo.shipped("calc-1", "gold")
-    build = instance.model_copy(
-        update={"pre_test": ["echo '# built' >> /usr/lib/python3/dist-packages/_pytest/runner.py"]}
-    )
+    build = instance.model_copy(update={"pre_test": pre_test})
     report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
-    assert report.verdict.status == "unresolved", report.verdict.reason
-    assert "changed the test framework's files" in report.verdict.reason
-
-
-async def test_a_build_that_changes_git_s_configuration_is_not_resolved(
-    demo: Demo, client: AsyncClient
-) -> None:
-    instance, patch = demo.shipped("calc-1", "gold")
-    build = instance.model_copy(
-        update={"pre_test": ["git config filter.evil.smudge 'sed s/assert/pass/'"]}
-    )
-    report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
-    assert report.verdict.status == "unresolved"
-    assert "git configuration" in report.verdict.reason
+    assert report.verdict.status == status, report.verdict.reason
+    assert said in report.verdict.reason
 
 
 async def test_a_new_top_level_module_that_shadows_an_installed_one_is_set_back(

@@ -27,16 +27,14 @@ import ssl
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlencode
 
 import anyio
-import httpx
 from pydantic_core import to_json
 
 from sandman import errors
 from sandman._transport import AsyncTransport, ConnectionLost, HTTPTransport
-from sandman._transport.bridge import HttpxTransport
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
@@ -44,6 +42,9 @@ from sandman.daemon import DaemonClient
 from sandman.models import SandboxSpec, Snapshot, Usage
 from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["SERVICE_ERRORS", "ProxiedEndpoint", "RemoteBackend", "connect", "connect_sync"]
 
@@ -132,7 +133,11 @@ def _lean(url: httpx.URL, headers: Mapping[str, str]) -> HTTPTransport:
     # The URL's own authority (brackets of an IPv6 literal included) as Host.
     fixed = {"Host": url.netloc.decode("ascii"), **headers}
     # httpx's TLS context: the same trust (certifi, SSL_CERT_FILE) as before.
-    context = httpx.create_ssl_context() if tls else None
+    context = None
+    if tls:
+        import httpx  # only for https: `import sandman` loads no httpx
+
+        context = httpx.create_ssl_context()
     return HTTPTransport(
         host=url.host,
         port=url.port or (443 if tls else 80),
@@ -240,6 +245,8 @@ class RemoteBackend:
         via_proxy: bool | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        import httpx  # a URL parser; not loaded by `import sandman` (tests/test_layers.py)
+
         parsed = httpx.URL(self.url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise errors.ConfigError(f"not a service URL: {url!r} (use http://HOST:PORT)")
@@ -267,6 +274,8 @@ class RemoteBackend:
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
+            from sandman._transport.bridge import HttpxTransport
+
             over = HttpxTransport(self._transport, base_url=self._parsed, headers=self._headers)
             return _Wire(over, str(self._parsed))
         return _Wire(_lean(self._parsed, self._headers), str(self._parsed))
@@ -452,7 +461,7 @@ class RemoteBackend:
 
     def proxied(self, sandbox_id: str) -> ProxiedEndpoint:
         """The endpoint of a sandbox's daemon through the service's proxy route."""
-        url = httpx.URL(self.url)
+        url = self._parsed
         tls = url.scheme == "https"
         return ProxiedEndpoint(
             host=url.host,

@@ -186,6 +186,7 @@ class _Evaluation:
         self._listed_files: frozenset[str] = frozenset()
         self.plan = canaries.Plan()
         self.official: Status | None = None
+        self.official_parser: str | None = None
         self._work = _WORK
         self._strong_before: list[str] = []
         self._before = _Snapshot("", frozenset())
@@ -213,6 +214,7 @@ class _Evaluation:
             pass_to_pass=p2p or {},
             suspicious=sorted({scrub(item) for item in self.suspicious}),
             official=self.official,
+            official_parser=self.official_parser,
             image=self.instance.image,
             image_digest=self.digest,
             conditions=self.conditions,
@@ -664,6 +666,7 @@ class _Evaluation:
             strong=self._strong_before,
         )
         self.official, self.suspicious = judged.official, judged.suspicious
+        self.official_parser = judged.official_parser
         return self.report(judged.status, judged.reason, judged.fail_to_pass, judged.pass_to_pass)
 
     def _set_back_path(self, path: str) -> bool:

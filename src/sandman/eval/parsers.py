@@ -22,25 +22,40 @@ Two rules per parser:
 On an honest log both give the same map, but for the cases listed in
 ``docs/evaluation.md`` (pytest's own test suite prints inner pytest runs'
 summaries in its captured output; see ``tests/eval/test_parity.py``).
+
+``parse_log_officially`` is SWE-bench's own reading, for a verdict's
+``official``: the ``swebench`` package's parser where it is importable, else
+ours with ``strict=False``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import logging
 import re
+import sys
+import types
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Literal, get_args
 
 from sandman.eval.instances import LogParser
 
 __all__ = [
+    "OFFICIAL_PARSERS",
     "PARSERS",
     "TestStatus",
     "parse_django",
     "parse_log",
+    "parse_log_officially",
     "parse_pytest",
     "parse_sympy",
     "parse_unittest",
 ]
+
+logger = logging.getLogger(__name__)
 
 TestStatus = Literal["PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "MISSING"]
 """How a test ended; ``MISSING``: it is not in the log at all (a test not run does not pass)."""
@@ -219,13 +234,8 @@ def _rule_django(lines: list[str], strict: bool) -> dict[str, TestStatus]:
     results: dict[str, TestStatus] = {}
     previous: str | None = None
     pending = False
-    head: str | None = None  # "test_x (app.tests.Case)" alone: a docstring line follows
-    described: dict[str, str] = {}  # docstring line -> the test's own name
     for raw in lines:
         line = raw.strip()
-        if strict and " ... " in line and head is not None:
-            described[line.split(" ... ")[0]] = head
-        head = line if strict and _BARE_HEAD.match(line) else None
         if "--version is equivalent to version" in line:
             results["--version is equivalent to version"] = "PASSED"
         if " ... " in line:
@@ -254,11 +264,22 @@ def _rule_django(lines: list[str], strict: bool) -> dict[str, TestStatus]:
         if line.startswith("ok") and previous is not None and (pending or not strict):
             results[previous] = "PASSED"
             pending = False
-    # Strict only: a test with a docstring also under its own name (SWE-bench's lists
-    # use the docstring; an instance of ours may use the name).
-    for description, name in described.items():
-        if description in results:
-            results.setdefault(name, results[description])
+    return _with_own_names(results, lines) if strict else results
+
+
+def _with_own_names(results: dict[str, TestStatus], lines: list[str]) -> dict[str, TestStatus]:
+    """Django: a test with a docstring also under its own name, an extra key.
+
+    The runner names it by the docstring's first line (``test_x (app.tests.Case)``
+    alone on the line before); SWE-bench's lists use that line, an instance of
+    ours may use the name.
+    """
+    head: str | None = None  # "test_x (app.tests.Case)" alone: a docstring line follows
+    for raw in lines:
+        line = raw.strip()
+        if " ... " in line and head is not None and (found := results.get(line.split(" ... ")[0])):
+            results.setdefault(head, found)
+        head = line if _BARE_HEAD.match(line) else None
     return results
 
 
@@ -408,3 +429,93 @@ def parse_log(parser: LogParser, log: str, *, strict: bool = True) -> dict[str, 
     report section; ``strict=False`` reads every line, exactly as SWE-bench does.
     """
     return PARSERS[parser](log, strict)
+
+
+# -- the official reading -------------------------------------------------------------------
+
+OFFICIAL_PARSERS: dict[LogParser, str] = {
+    "pytest": "parse_log_pytest",
+    "pytest_options": "parse_log_pytest_options",
+    "pytest_v2": "parse_log_pytest_v2",
+    "matplotlib": "parse_log_matplotlib",
+    "seaborn": "parse_log_seaborn",
+    "django": "parse_log_django",
+    "sympy": "parse_log_sympy",
+}
+"""SWE-bench's parser of each family (``unittest`` is ours alone)."""
+
+_SWEBENCH_PYTHON = "swebench.harness.log_parsers.python"
+
+
+def parse_log_officially(parser: LogParser, log: str) -> tuple[dict[str, TestStatus], str]:
+    """The results SWE-bench's grading finds in ``log``, and the parser that found them.
+
+    The ``swebench`` package's own parser where the package is importable
+    (named ``swebench==5.0.2:parse_log_pytest``); else, and for ``unittest``,
+    which it has no parser for, ours reading every line as it does
+    (``sandman:pytest``; the same map on every log in tests/eval/logs).
+    Django: a test with a docstring is found under its own name too, as in
+    our reading, for the instances that list it so.
+    """
+    results, used = _read_officially(parser, log)
+    if parser == "django":
+        results = _with_own_names(results, log.split("\n"))
+    return results, used
+
+
+def _read_officially(parser: LogParser, log: str) -> tuple[dict[str, TestStatus], str]:
+    loaded = _swebench()
+    name = OFFICIAL_PARSERS.get(parser)
+    if loaded is not None and name is not None:
+        version, module = loaded
+        try:
+            found = getattr(module, name)(log, None)  # its Python parsers ignore the TestSpec
+        except Exception:
+            logger.warning("swebench's %s failed on a log: read by ours", name, exc_info=True)
+        else:
+            results = {str(key): _status(str(word)) for key, word in found.items()}
+            read = {key: status for key, status in results.items() if status is not None}
+            return read, f"swebench=={version}:{name}"
+    return parse_log(parser, log, strict=False), f"sandman:{parser}"
+
+
+@functools.cache
+def _swebench() -> tuple[str, types.ModuleType] | None:
+    """The ``swebench`` package's version and its Python log parsers' module, if it loads."""
+    try:
+        spec = importlib.util.find_spec("swebench")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        version = str(importlib.import_module("swebench").__version__)
+        return version, _import_narrowly(Path(spec.submodule_search_locations[0]))
+    except Exception:
+        logger.warning("swebench is installed but its log parsers do not load", exc_info=True)
+        return None
+
+
+def _import_narrowly(root: Path) -> types.ModuleType:
+    """``swebench.harness.log_parsers.python`` without the ``__init__``s above it.
+
+    ``swebench.harness``'s imports docker and modal, ``log_parsers``' every
+    language's parsers; the Python parsers need only ``constants`` and
+    ``swebench.types`` (stdlib). Bare packages stand in for the two while it
+    loads, and are taken out after with what loaded under them, so that a
+    later ``import swebench.harness`` gets the real package.
+    """
+    if _SWEBENCH_PYTHON in sys.modules:
+        return sys.modules[_SWEBENCH_PYTHON]
+    before = set(sys.modules)
+    for package in ("harness", "harness.log_parsers"):
+        if f"swebench.{package}" not in sys.modules:
+            bare = types.ModuleType(f"swebench.{package}")
+            bare.__path__ = [str(root.joinpath(*package.split(".")))]
+            sys.modules[f"swebench.{package}"] = bare
+    try:
+        return importlib.import_module(_SWEBENCH_PYTHON)
+    finally:
+        for name in set(sys.modules) - before:
+            if name.startswith("swebench.harness"):
+                del sys.modules[name]

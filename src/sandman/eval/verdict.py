@@ -38,8 +38,10 @@ __all__ = [
 # 4: no markers, a pass needs the witness's signed word, the audit (``suspicious``);
 # SWE-bench's test names and grading (skipped PASS_TO_PASS kept, truncated ids);
 # 5: tests renamed, canaries, XFAIL/SKIPPED only where declared, git apply alone,
-# the grader's files only after pre_test, ``official`` beside ``status``.
-HARNESS_VERSION = "5"
+# the grader's files only after pre_test, ``official`` beside ``status``;
+# 6: ``official`` read by the swebench package's own parser where it is importable,
+# ``official_parser`` naming the parser.
+HARNESS_VERSION = "6"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
 Status = Literal[
@@ -88,9 +90,14 @@ class Verdict(BaseModel):
     test framework, other processes' descriptors, the grader's files...);
     with ``Conditions(audit="strict")`` such a run is never ``resolved``.
     ``official`` is what the official SWE-bench grading makes of the same
-    run's log (None when the tests did not run to the end); where it differs
+    run's log (None when the tests did not run to the end). Where it differs
     from ``status``, the reason says why (a canary that lied, an XFAIL the
-    test's source does not declare).
+    test's source does not declare), or the log holds results outside the
+    framework's own report, which SWE-bench reads and we do not (a summary
+    printed after the run's last line). ``official_parser`` names the parser
+    that read the log for it: the ``swebench`` package's own
+    (``swebench==5.0.2:parse_log_pytest``) where it is importable, else ours
+    reading every line as it does (``sandman:pytest``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,6 +112,7 @@ class Verdict(BaseModel):
     pass_to_pass: dict[str, TestStatus] = {}
     suspicious: list[str] = []
     official: Status | None = None
+    official_parser: str | None = None
     image: str
     image_digest: str | None
     conditions: Conditions
