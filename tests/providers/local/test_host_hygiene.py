@@ -113,3 +113,21 @@ async def test_the_parent_limit_binds_sandboxes_together_and_each_keeps_its_own(
             current = int((_pids_dir(provider, large.id) / "pids.current").read_text())
             assert current <= 64 - held < 128, (held, current)
             assert int((_pids_dir(provider) / "pids.current").read_text()) <= 64
+
+
+async def test_no_sandbox_sees_the_hosts_btrfs_quota_groups(
+    state_dir: Path, busybox_tar: Path
+) -> None:
+    # Two sandboxes with disk limits share one btrfs: its qgroups under /sys/fs/btrfs
+    # would show each one's usage to the other.
+    async with provider_for(config_for(state_dir), busybox_tar) as provider:
+        a = await provider.create(SPEC.model_copy(update={"disk": 64 * 2**20}))
+        b = await provider.create(SPEC.model_copy(update={"disk": 64 * 2**20}))
+        assert provider.disk.qgroups(), "the layers have quota groups on the host"
+        async with await ready(a) as sb:
+            await sb.exec("head -c 1000000 /dev/urandom > /root/x")
+        async with await ready(b) as sb:
+            seen = await sb.exec("ls -A /sys/fs/btrfs; cat /sys/fs/btrfs/*/qgroups/*/referenced")
+        assert seen.stdout == "", seen
+        for info in (a, b):
+            await provider.delete(info.id)

@@ -38,6 +38,9 @@ CAPABILITIES = [
 MASKED_PATHS = [
     "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
     "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
+    # Every btrfs filesystem of the host, its quota groups among them: the disk usage of
+    # every other sandbox (qgroups/*/referenced), by subvolume.
+    "/sys/fs/btrfs",
 ]  # fmt: skip
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 # The directories among them. The runtime masks each with a tmpfs of its own: a
@@ -45,7 +48,7 @@ READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysr
 # allocates (a shrinker slot per superblock, in every memcg): memory that grows with
 # the square of the sandbox count. Bound to one empty read-only host directory
 # instead (`BundleLayout.empty`), they cost no superblock.
-MASKED_DIRS = ["/proc/acpi", "/proc/asound", "/proc/scsi", "/sys/firmware"]
+MASKED_DIRS = ["/proc/acpi", "/proc/asound", "/proc/scsi", "/sys/firmware", "/sys/fs/btrfs"]
 
 
 @dataclass(frozen=True)
