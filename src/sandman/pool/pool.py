@@ -49,6 +49,7 @@ from sandman.models import SandboxSpec, Usage
 from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
 from sandman.pool.pacing import FailureKind, Pacer, PacingConfig
+from sandman.pool.plan import Adopt, plan_reconcile
 from sandman.pool.records import LABEL_EXPIRES, LABEL_POOL, LABEL_SESSION, Record, State
 from sandman.pool.snapshots import SnapshotBook
 from sandman.pool.tally import HELD, Tally
@@ -1143,58 +1144,45 @@ class Pool:
         backend = await self._backend_owners()
         if adopt and judge and backend is not None:
             backend = await self._judge_predecessors(infos, backend)
-        wall = time.time()
         liveness = owners.Liveness(backend)
-        elsewhere: dict[str, dict[str, str]] = {}
-        for info in infos:
-            if info.id in self._records:
-                continue
-            owner = info.labels.get(owners.LABEL_OWNER)
-            status = liveness(owner) if owner is not None and owner != self.owner else None
-            if info.labels.get(LABEL_POOL) != self.config.name:
-                # Another pool's, or nobody's: only what is certainly abandoned.
-                if status == "dead":
-                    self._orphan(info, reason=f"owner {owners.describe(owner or '')} is dead")
-                elif (
-                    not info.labels
-                    and info.state == "unknown"
-                    and wall - info.created_at > self.config.stray_grace
-                ):
-                    self._orphan(info, reason="no record")
-                continue
-            if status == "alive":
-                # A pool of the same name in another live process: its own (a
-                # predecessor that may leave its sessions to this one).
-                if session := info.labels.get(LABEL_SESSION):
-                    elsewhere.setdefault(session, info.labels)
-                continue
-            try:
-                expires = float(info.labels.get(LABEL_EXPIRES, "0"))
-            except ValueError:
-                expires = 0.0
-            session = info.labels.get(LABEL_SESSION)
-            adoptable = judge or status == "dead"
-            if adopt and adoptable and info.state == "running" and expires > wall and session:
-                record = self._record_of(info, expires)
-                try:
-                    # Ours before it counts as adopted: a sweep by its old owner spares it.
-                    await self.provider.relabel(info.id, {owners.LABEL_OWNER: self.owner})
-                except errors.SandboxError as exc:
-                    self._emit("reconcile.orphan", record, state=info.state, error=repr(exc))
-                    self._release(record, reason="orphan")
-                    continue
-                record.labels[owners.LABEL_OWNER] = self.owner
-                self.open_session(session)
-                self._lease(record, session)
-                self._watch(info)
-                self._emit("reconcile.adopted", record)
-            else:
-                reason = "orphan" if session else "orphan, never handed over"
-                self._orphan(info, expires=expires, reason=reason)
+        plan = plan_reconcile(
+            infos,
+            known=self._records,
+            pool=self.config.name,
+            owner=self.owner,
+            liveness=liveness,
+            now=time.time(),
+            adopt=adopt,
+            judge=judge,
+            stray_grace=self.config.stray_grace,
+        )
+        for orphan in plan.orphan:
+            if orphan.info.id not in self._records:  # an adoption's await may have let one in
+                self._orphan(orphan.info, expires=orphan.expires, reason=orphan.reason)
+        for adoption in plan.adopt:
+            if adoption.info.id not in self._records:
+                await self._adopt(adoption)
+        elsewhere = plan.elsewhere
         self._elsewhere = elsewhere
         await self._book.reconcile(lambda owner: liveness(owner) != "dead")
         if backend is not None and self.config.reap_dead_owners is not False:
             await self._reap_dead_owners(backend)
+
+    async def _adopt(self, adoption: Adopt) -> None:
+        info, session = adoption.info, adoption.session
+        record = self._record_of(info, adoption.expires)
+        try:
+            # Ours before it counts as adopted: a sweep by its old owner spares it.
+            await self.provider.relabel(info.id, {owners.LABEL_OWNER: self.owner})
+        except errors.SandboxError as exc:
+            self._emit("reconcile.orphan", record, state=info.state, error=repr(exc))
+            self._release(record, reason="orphan")
+            return
+        record.labels[owners.LABEL_OWNER] = self.owner
+        self.open_session(session)
+        self._lease(record, session)
+        self._watch(info)
+        self._emit("reconcile.adopted", record)
 
     def held_elsewhere(self, session: str) -> Mapping[str, str] | None:
         """The labels of a sandbox of ``session`` that another live process of this pool's
