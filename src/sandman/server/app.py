@@ -29,7 +29,7 @@ from sandman.server import proxy
 from sandman.server.dashboard import Sampler, install_page
 from sandman.server.errors import ApiError
 from sandman.server.metrics import Metrics
-from sandman.server.routes import ROUTERS
+from sandman.server.routes import ROUTERS, run_code
 from sandman.server.service import Service
 from sandman.server.settings import ServerSettings
 
@@ -97,6 +97,7 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(run_code.router)  # SandboxFusion's API, at the root
     install_page(app)
     return app
 

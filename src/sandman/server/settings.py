@@ -165,6 +165,11 @@ class ServerSettings(BaseModel):
     metrics_tenant_labels: bool = False
     """Per-tenant series (``sandman_queue_depth{tenant=...}``); off, they are summed over
     tenants. Tenant names are other tenants' business: this needs ``metrics_key``."""
+    run_code: Annotated[
+        RunCodeSettings, BeforeValidator(lambda v: json.loads(v) if isinstance(v, str) else v)
+    ] = Field(default_factory=lambda: RunCodeSettings())
+    """``POST /run_code`` (SandboxFusion's API): languages and limits; JSON in
+    ``SANDMAN_RUN_CODE``."""
 
     @model_validator(mode="after")
     def _unique_keys(self) -> ServerSettings:
@@ -222,3 +227,93 @@ class ServerSettings(BaseModel):
     def limits(self, tenant: str) -> TenantLimits:
         """The limits of ``tenant``."""
         return self.tenant_limits.get(tenant, self.default_limits)
+
+
+class CodeLanguage(BaseModel):
+    """One language of ``POST /run_code``: the image its sandboxes are made from and the
+    shell commands that compile (optionally) and run the code, in the work directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = Field(min_length=1)
+    """An image the pool's provider knows (local: a name in its image store)."""
+    source: str = Field(min_length=1, pattern=r"^[^/]+$")
+    """The file the request's code is written to, in the work directory (``main.py``)."""
+    compile: str | None = None
+    """Run by ``/bin/sh -c`` before ``run``, under ``compile_timeout``; None: nothing to
+    compile (``compile_result`` is then null, as in SandboxFusion)."""
+    run: str = Field(min_length=1)
+    """Run by ``/bin/sh -c`` with the request's stdin, under ``run_timeout``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment of both commands (besides the image's)."""
+    warm: int | None = Field(default=None, ge=0)
+    """Ready spares kept per tenant once it has used this language (None:
+    `RunCodeSettings.warm`)."""
+
+
+def _default_languages() -> dict[str, CodeLanguage]:
+    # Images built offline by debootstrap (docs/code-rewards.md): "fusion-python" is
+    # Debian with python3, "fusion-polyglot" adds g++, golang-go, nodejs and a JDK.
+    python, polyglot = "fusion-python", "fusion-polyglot"
+    return {
+        "python": CodeLanguage(image=python, source="main.py", run="exec python3 main.py"),
+        "bash": CodeLanguage(image=python, source="main.sh", run="exec /bin/bash main.sh"),
+        "cpp": CodeLanguage(
+            image=polyglot,
+            source="main.cpp",
+            compile="g++ -std=c++17 -O2 main.cpp -o test -lpthread",
+            run="exec ./test",
+        ),
+        "go": CodeLanguage(
+            image=polyglot,
+            source="main.go",
+            compile="go build -o out main.go",
+            run="exec ./out",
+            env={"GOCACHE": "/tmp/go-cache", "GOPATH": "/tmp/go", "GO111MODULE": "off"},
+        ),
+        "nodejs": CodeLanguage(image=polyglot, source="main.js", run="exec node main.js"),
+        "java": CodeLanguage(
+            image=polyglot,
+            source="Main.java",
+            compile="javac -cp . Main.java",
+            run="exec java -cp . -ea Main",
+        ),
+    }
+
+
+class RunCodeSettings(BaseModel):
+    """``POST /run_code``, SandboxFusion's API: the languages, and the operator's limits.
+
+    Each request runs in a sandbox of its own, acquired for the caller's tenant and
+    released at the end. Sizes are bytes, times seconds, memory MiB (as the API's).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    languages: dict[str, CodeLanguage] = Field(default_factory=_default_languages)
+    """By the API's ``language`` name."""
+    workdir: str = Field(default="/code", pattern=r"^/")
+    """Where the code and ``files`` are written and the commands run."""
+    max_run_timeout: float = Field(default=60.0, gt=0)
+    """A larger ``run_timeout`` is refused (422, SandboxFusion's validation shape)."""
+    max_compile_timeout: float = Field(default=60.0, gt=0)
+    default_memory_mb: int = Field(default=1024, ge=32)
+    """The sandbox's memory when a request says ``memory_limit_MB: -1`` (no limit)."""
+    max_memory_mb: int = Field(default=8192, ge=32)
+    """A larger ``memory_limit_MB`` is refused; one below 32 is raised to 32."""
+    max_code_bytes: int = Field(default=256 * 1024, gt=0)
+    max_files_bytes: int = Field(default=512 * 1024, gt=0)
+    """The ``files`` together, decoded. The whole body is bounded by ``max_body_bytes``."""
+    max_output_bytes: int = Field(default=1 << 20, gt=0)
+    """Kept per stream (stdout, stderr); past it the answer is ``SandboxError``."""
+    max_fetch_bytes: int = Field(default=4 << 20, gt=0)
+    """The ``fetch_files`` together; past it the answer is ``SandboxError``."""
+    network: str = Field(default="none", pattern=r"^(none|isolated|egress)$")
+    """``SandboxSpec.network`` of every sandbox: none unless the operator allows it."""
+    cpu: float = Field(default=1.0, gt=0)
+    pids: int = Field(default=256, ge=16)
+    warm: int = Field(default=2, ge=0)
+    """Ready spares kept per tenant and language (at the default memory) once the
+    tenant has used it; they count toward the tenant's ``max_sandboxes``."""
+    acquire_timeout: float = Field(default=60.0, gt=0)
+    """How long a request waits for its sandbox before answering ``SandboxError``."""
