@@ -22,12 +22,12 @@ from pydantic import ValidationError
 
 from sandman import errors
 from sandman.cli._common import Duration, fail, local_config
-from sandman.models import explain
+from sandman.models import SandboxSpec, explain
 
 if TYPE_CHECKING:
     from sandman.pool.watchdog import Watchdog
     from sandman.providers.base import Provider
-    from sandman.server import ServerSettings
+    from sandman.server import ServerSettings, WarmSpares
 
 PROVIDERS = ("local", "kubernetes")
 _LISTEN_BACKLOG = 65535
@@ -130,6 +130,13 @@ def default_pool_name() -> str:
     help="Hard lifetime of every sandbox (30m, 2h, 1d): past it, it is deleted, held or not.",
 )
 @click.option("--anonymous-tenant", help="Requests without an API key act as this tenant.")
+@click.option(
+    "--warm",
+    "warm",
+    multiple=True,
+    metavar="TENANT=IMAGE:N",
+    help="Keep N ready spares of IMAGE (default limits) for TENANT; repeatable.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def serve(
@@ -143,9 +150,11 @@ def serve(
     lease: float,
     lifetime: float,
     anonymous_tenant: str | None,
+    warm: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Serve the HTTP API (and /metrics) over one pool until SIGTERM or SIGINT."""
+    spares = [_warm_spares(item) for item in warm]
     from sandman.server import ServerSettings
 
     debug: bool = ctx.obj["debug"]
@@ -155,6 +164,7 @@ def serve(
         settings = ServerSettings.from_env(
             os.environ, release_on_shutdown=release, anonymous_tenant=anonymous_tenant
         )
+        settings = settings.model_copy(update={"warm": [*settings.warm, *spares]})
         if not settings.api_keys and settings.anonymous_tenant is None:
             raise errors.ConfigError(
                 "no API keys: set SANDMAN_API_KEYS=tenant:KEY[,tenant:KEY...] "
@@ -177,6 +187,24 @@ def serve(
         )
     except (errors.SandboxError, OSError) as exc:
         fail(exc, debug)
+
+
+def _warm_spares(item: str) -> WarmSpares:
+    """``TENANT=IMAGE:N`` as spares; a usage error naming --warm otherwise."""
+    from sandman.server import WarmSpares
+
+    tenant, _, rest = item.partition("=")
+    image, _, count = rest.rpartition(":")
+    if not tenant or not image or not count.isdigit():
+        raise click.BadParameter(
+            f"{item!r} is not TENANT=IMAGE:N (e.g. team-a=busybox:latest:8)", param_hint="'--warm'"
+        )
+    try:
+        return WarmSpares(tenant=tenant, spec=SandboxSpec(image=image), count=int(count))
+    except ValidationError as exc:
+        raise click.BadParameter(
+            f"{item!r}: {exc.errors()[0]['msg']}", param_hint="'--warm'"
+        ) from None
 
 
 async def _serve(

@@ -449,6 +449,16 @@ class AsyncClient:
             problems = "; ".join(f"{field}: {words}" for field, words in explain(exc))
             raise errors.ConfigError(f"invalid sandbox spec: {problems}") from None
 
+    async def warm(self, image: str | SandboxSpec, count: int, **spec: Any) -> None:
+        """Keep ``count`` ready sandboxes of this spec (0: none): an acquire of the same spec
+        then takes one at once. On a service they are the tenant's, and count against its
+        sandbox limit. Spares live until used or the pool closes."""
+        if count < 0:
+            raise errors.ConfigError(f"warm needs count >= 0, got {count}")
+        full = image if isinstance(image, SandboxSpec) else _spec(image, spec)
+        await self._ensure_session()
+        await self._backend.warm(full, count)
+
     async def snapshots(self) -> list[Snapshot]:
         """The snapshots this client can make sandboxes from (its pool's, or its tenant's
         on a service)."""

@@ -203,6 +203,10 @@ class Client:
         with self.acquire(image, timeout=timeout, snapshot=snapshot, **spec) as sb:
             yield sb
 
+    def warm(self, image: str | SandboxSpec, count: int, **spec: Any) -> None:
+        """See `AsyncClient.warm`."""
+        self._portal.call(partial(self._async.warm, image, count, **spec))
+
     def snapshots(self) -> list[Snapshot]:
         """See `AsyncClient.snapshots`."""
         return self._portal.call(self._async.snapshots)

@@ -48,6 +48,10 @@ class Backend(Protocol):
         ...
 
     async def usage(self, sandbox_id: str) -> Usage | None: ...
+    async def warm(self, spec: SandboxSpec, count: int) -> None:
+        """Keep ``count`` ready spares of ``spec`` (0: none)."""
+        ...
+
     async def check(self, sandbox_id: str) -> None:
         """Return if the sandbox is held and runs; raise `SandboxLost` (with the reason)
         if it died, `SandboxNotFound` if it is gone otherwise (released, expired)."""
@@ -114,6 +118,9 @@ class InProcessBackend:
 
     async def usage(self, sandbox_id: str) -> Usage | None:
         return await self.pool.usage(sandbox_id)
+
+    async def warm(self, spec: SandboxSpec, count: int) -> None:
+        self.pool.warm(spec, count)
 
     async def check(self, sandbox_id: str) -> None:
         await self.pool.check(sandbox_id)

@@ -500,6 +500,11 @@ class RemoteBackend:
             return self.proxied(sandbox_id)
         return direct
 
+    async def warm(self, spec: SandboxSpec, count: int) -> None:
+        await self._call(
+            "PUT", "/v1/warm", json={"spec": spec.model_dump(mode="json"), "count": count}
+        )
+
     async def usage(self, sandbox_id: str, *, timeout: float | None = None) -> Usage | None:
         path = f"/v1/sandboxes/{_segment(sandbox_id)}/usage"
         answer = await self._call("GET", path, timeout=timeout or self._timeout)

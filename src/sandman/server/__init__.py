@@ -26,7 +26,7 @@ from sandman.server.app import create_app, service_of
 from sandman.server.errors import STATUS, ApiError
 from sandman.server.metrics import Metrics
 from sandman.server.service import LABEL_TENANT, Service
-from sandman.server.settings import ApiKey, ServerSettings, TenantLimits
+from sandman.server.settings import ApiKey, ServerSettings, TenantLimits, WarmSpares
 
 __all__ = [
     "LABEL_TENANT",
@@ -37,6 +37,7 @@ __all__ = [
     "ServerSettings",
     "Service",
     "TenantLimits",
+    "WarmSpares",
     "create_app",
     "service_of",
 ]

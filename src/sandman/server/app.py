@@ -71,6 +71,8 @@ def create_app(pool: Pool, settings: ServerSettings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.close_pool:
             await pool.start()
+        for spares in settings.warm:
+            service.warm(spares.tenant, spares.spec, spares.count)
         try:
             yield
         finally:

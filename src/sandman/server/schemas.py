@@ -28,6 +28,7 @@ __all__ = [
     "SessionRequest",
     "SnapshotList",
     "SnapshotRequest",
+    "WarmRequest",
 ]
 
 
@@ -112,6 +113,13 @@ class SnapshotRequest(_In):
     memory: bool = False
     ttl: float | None = Field(default=None, gt=0, le=30 * 86400)
     """Seconds until it is deleted; None: the pool's sandbox lifetime."""
+
+
+class WarmRequest(_In):
+    """Keep ``count`` ready spares of ``spec`` for the caller's tenant (0 stops)."""
+
+    spec: SandboxSpec
+    count: int = Field(ge=0, le=100_000)
 
 
 class RestoreRequest(_In):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from sandman import errors
-from sandman.models import Usage
+from sandman.models import SandboxSpec, Usage
 from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
 from sandman.pool.records import LABEL_TENANT
 from sandman.providers.base import SnapshotInfo
@@ -224,15 +224,7 @@ class Service:
                     f"(limit {limits.max_sandboxes})",
                     headers={"Retry-After": "1"},
                 )
-        refusal = limits.refusal(request.spec.kubernetes)
-        if refusal is not None:
-            raise ApiError("invalid_request", f"kubernetes: {refusal}")
-        if request.spec.seccomp not in self.settings.tenant_seccomp:
-            raise ApiError(
-                "invalid_request",
-                f"seccomp {request.spec.seccomp!r} is not allowed here "
-                f"(allowed: {', '.join(self.settings.tenant_seccomp)})",
-            )
+        self._check_spec(tenant, request.spec)
         if request.spec.snapshot is not None:
             self.get_snapshot(tenant, request.spec.snapshot)  # the tenant's, or not found
         spec = request.spec.model_copy(
@@ -284,6 +276,37 @@ class Service:
             raise ClientGone(request.session)
         self._remember(record)
         return record
+
+    def _check_spec(self, tenant: str, spec: SandboxSpec) -> None:
+        """The pod settings and seccomp the spec asks for are the tenant's to choose."""
+        refusal = self.settings.limits(tenant).refusal(spec.kubernetes)
+        if refusal is not None:
+            raise ApiError("invalid_request", f"kubernetes: {refusal}")
+        if spec.seccomp not in self.settings.tenant_seccomp:
+            raise ApiError(
+                "invalid_request",
+                f"seccomp {spec.seccomp!r} is not allowed here "
+                f"(allowed: {', '.join(self.settings.tenant_seccomp)})",
+            )
+
+    def warm(self, tenant: str, spec: SandboxSpec, count: int) -> None:
+        """Keep ``count`` ready spares of ``spec`` for the tenant (0 stops); they count
+        against its ``max_sandboxes``, and an acquire of the same spec takes one."""
+        self._check_accepting()
+        self._check_spec(tenant, spec)
+        if spec.snapshot is not None:
+            raise ApiError("invalid_request", "spares are made from images, not snapshots")
+        limit = self.settings.limits(tenant).max_sandboxes
+        if limit is not None and count > limit:
+            raise ApiError(
+                "tenant_sandbox_limit",
+                f"tenant {tenant} may hold {limit} sandboxes; {count} spares would be more",
+            )
+        labelled = spec.model_copy(update={"labels": {**spec.labels, LABEL_TENANT: tenant}})
+        try:
+            self.pool.warm(labelled, count)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
 
     def _remember(self, record: Record) -> None:
         if self.settings.recent_sandboxes <= 0:

@@ -23,9 +23,9 @@ from pydantic import (
 )
 
 from sandman import errors
-from sandman.models import KubeObjectName, KubernetesOptions
+from sandman.models import KubeObjectName, KubernetesOptions, SandboxSpec
 
-__all__ = ["ApiKey", "ServerSettings", "TenantLimits"]
+__all__ = ["ApiKey", "ServerSettings", "TenantLimits", "WarmSpares"]
 
 TENANT_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 """Tenant names are label values (``sandman.io/tenant``): short, lowercase, no spaces."""
@@ -39,6 +39,17 @@ class ApiKey(BaseModel):
     tenant: str = Field(pattern=TENANT_PATTERN)
     key: SecretStr = Field(min_length=16)
     """At least 16 characters; compare ``secrets.token_urlsafe(32)``."""
+
+
+class WarmSpares(BaseModel):
+    """``count`` ready spares of ``spec`` for ``tenant``: an acquire of that tenant for the
+    same spec takes one at once (`Pool.warm`). They count against its ``max_sandboxes``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    spec: SandboxSpec
+    count: int = Field(ge=0, le=100_000)
 
 
 class TenantLimits(BaseModel):
@@ -123,6 +134,8 @@ class ServerSettings(BaseModel):
     """Every key the service accepts. With none (and no ``anonymous_tenant``) every
     request but health and metrics is refused: the service fails closed."""
     anonymous_tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
+    warm: list[WarmSpares] = Field(default_factory=list)
+    """Spares kept ready from the start, each for one tenant (``sandman serve --warm``)."""
     """Requests without a key act as this tenant; for a single-user service on
     localhost only. None (the default) requires a key."""
     admin_tenants: Annotated[

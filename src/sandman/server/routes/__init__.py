@@ -5,12 +5,21 @@ Each handler reaches the `Service` and its companions through the app's state
 them on ``app.state``.
 """
 
-from sandman.server.routes import daemon, dashboard, operations, sandboxes, sessions, snapshots
+from sandman.server.routes import (
+    daemon,
+    dashboard,
+    operations,
+    sandboxes,
+    sessions,
+    snapshots,
+    warm,
+)
 
 ROUTERS = [
     sessions.router,
     sandboxes.router,
     snapshots.router,
+    warm.router,
     daemon.router,
     operations.router,
     dashboard.router,
