@@ -380,9 +380,10 @@ def check_sample_rootfs(rootfs: Path) -> None:
     assert stat.S_IMODE((rootfs / "etc/file-to-dir").stat().st_mode) == 0o700
     # Replacing a hard-linked file breaks the link, as overlayfs would.
     assert read("bin/hello") == b"hello-v2" and read("bin/hello-link") == b"hello-v1"
-    # Hard link to a file of a lower layer.
+    # Hard link to a file of a lower layer (a merged rootfs links to the layers' files:
+    # its link counts are higher than the image's).
     su, su_copy = (rootfs / "usr/bin/su").stat(), (rootfs / "usr/bin/su-copy").stat()
-    assert su.st_ino == su_copy.st_ino and su.st_nlink == 2
+    assert su.st_ino == su_copy.st_ino and su.st_nlink >= 2
     # Symlinks are stored as given, never followed.
     assert os.readlink(rootfs / "bin/sh") == "hello"
     assert os.readlink(rootfs / "link-abs") == "/etc/passwd"

@@ -14,8 +14,8 @@ def store(tmp_path: Path) -> ImageStore:
 
 
 def assert_store_empty(root: Path) -> None:
-    """Nothing of a failed import is left: no blob, no rootfs, no metadata, no temp, no name."""
-    for sub in ("blobs/sha256", "rootfs", "images", "tmp"):
+    """Nothing of a failed import is left: no blob, layer, rootfs, metadata, temp or name."""
+    for sub in ("blobs/sha256", "layers", "digests", "rootfs", "images", "tmp"):
         assert list((root / sub).iterdir()) == [], sub
     names = root / "names.json"
     assert not names.exists() or json.loads(names.read_text())["names"] == {}

@@ -9,6 +9,7 @@ address but 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import socket
 import subprocess
@@ -74,9 +75,14 @@ class Registry:
 
 
 def start_registry(
-    root: Path, *, username: str | None = None, password: str | None = None
+    root: Path,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    access_log: bool = False,
 ) -> Registry:
-    """Start a registry storing under `root`; with htpasswd (bcrypt) auth when given a user."""
+    """Start a registry storing under `root`; with htpasswd (bcrypt) auth when given a user;
+    with `access_log`, every request is in `Registry.log` (see `blob_fetches`)."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config = [
@@ -84,7 +90,7 @@ def start_registry(
         "log:",
         "  level: info",
         "  accesslog:",
-        "    disabled: true",
+        f"    disabled: {'false' if access_log else 'true'}",
         "storage:",
         "  filesystem:",
         f"    rootdirectory: {root / 'data'}",
@@ -155,6 +161,12 @@ def push(layout: Path, tag: str, registry: Registry, repository: str) -> str:
     if result.returncode != 0:
         raise RuntimeError(f"pushing {reference} failed: {result.stderr}\n{registry.log()}")
     return reference
+
+
+def blob_fetches(registry: Registry) -> list[str]:
+    """The blob digests fetched so far (``GET /v2/<name>/blobs/<digest>``), in order; needs
+    a registry started with ``access_log=True``."""
+    return re.findall(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]{64}) HTTP', registry.log())
 
 
 class SilentServer:

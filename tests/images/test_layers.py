@@ -69,7 +69,10 @@ def test_digest_mismatch(root: Path, which: str) -> None:
     layer = gz(layer_tar([file("a", b"a")]))
     wrong = sha256(b"something else")
     with pytest.raises(ImageError, match="digest mismatch"):
-        apply_layer(root, io.BytesIO(layer), what="l", **{which: wrong})
+        if which == "digest":
+            apply_layer(root, io.BytesIO(layer), what="l", digest=wrong)
+        else:
+            apply_layer(root, io.BytesIO(layer), what="l", diff_id=wrong)
 
 
 # a: header 512 + data 1024; b: header 512 + data 512; then the end-of-archive blocks.

@@ -102,7 +102,8 @@ def skopeo_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         f'  stat -c %a auth.json > "{record}/authfile-mode"\n'
         f'  cp auth.json "{record}/authfile"\n'
         "fi\n"
-        f'echo $$ > "{record}/pid"\n'
+        # Whole or not at all: a reader waits for it to exist, then reads it.
+        f'echo $$ > "{record}/pid.new" && mv "{record}/pid.new" "{record}/pid"\n'
         f'exec {real} "$@"\n'
     )
     shim.chmod(0o755)

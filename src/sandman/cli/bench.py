@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "handover": "handover.py",
     "runtimes": "runtimes.py",
     "snapshot": "snapshot.py",
+    "images": "images.py",
     "run-code": "run_code.py",
     "eval-determinism": "eval_determinism.py",
     "eval-corpus": "eval_corpus.py",

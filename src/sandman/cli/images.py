@@ -66,4 +66,12 @@ def images_rm(ctx: click.Context, reference: str) -> None:
     click.echo(f"removed {reference}")
 
 
+@images.command("prune")
+@click.pass_context
+def images_prune(ctx: click.Context) -> None:
+    """Remove stored layers that no image uses (images and their layers stay)."""
+    report = run_async(ctx, _store(ctx).prune())
+    click.echo(f"removed {len(report.layers)} layers, {report.bytes / 2**20:.1f} MiB")
+
+
 COMMANDS: list[click.Command] = [images]

@@ -38,7 +38,17 @@ from sandman.images.digests import CHUNK, HashingReader, check_digest, digest_by
 from sandman.images.image import DEFAULT_PATH, ImageConfig
 from sandman.images.names import normalize_name, tag_of
 
-__all__ = ["ArchiveSource", "Layer", "LayoutSource", "Plan", "plan_archive", "plan_layout"]
+__all__ = [
+    "ArchiveSource",
+    "Layer",
+    "LayoutSource",
+    "Plan",
+    "RemoteImage",
+    "choose_platform",
+    "plan_archive",
+    "plan_layout",
+    "remote_manifest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +108,59 @@ class Plan:
     layers: list[Layer]
     blobs: dict[str, bytes] = field(default_factory=dict)
     """Small verified blobs to keep in the store (manifest, config), by digest."""
+
+
+@dataclass(frozen=True)
+class RemoteImage:
+    """What an image manifest in a registry says, before any blob is fetched."""
+
+    config: str
+    """The config's digest: the image's id."""
+    layers: list[tuple[str, int]]
+    """Each layer blob's digest and size, bottom first."""
+
+
+def remote_manifest(data: bytes) -> RemoteImage | None:
+    """Read an image manifest (OCI or docker v2 schema 2); None when it is something
+    else (then the pull just downloads everything)."""
+    try:
+        document = json.loads(data)
+        config = _descriptor(document["config"], "manifest config")
+        layers = [_descriptor(layer, "manifest layer") for layer in document["layers"]]
+    except (ValueError, KeyError, TypeError, ImageError):
+        return None
+    if any(layer.size is None for layer in layers):
+        return None
+    return RemoteImage(config.digest, [(layer.digest, layer.size or 0) for layer in layers])
+
+
+def choose_platform(data: bytes) -> str | None:
+    """The digest of this host's (linux) image in an image index; None when `data` is
+    no index or lists no such image."""
+    try:
+        document = json.loads(data)
+        manifests = document["manifests"]
+        candidates: list[tuple[_Descriptor, dict[str, str]]] = [
+            (_descriptor(m, "index"), {}) for m in manifests
+        ]
+    except (ValueError, KeyError, TypeError, ImageError):
+        return None
+    try:
+        descriptor, _ = _choose(_Named("registry"), candidates, None)
+    except ImageError:
+        return None
+    return descriptor.digest
+
+
+class _Named:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def exists(self, name: str) -> bool:
+        return False
+
+    def open(self, name: str) -> BinaryIO:
+        raise ImageError(f"{self.label}: {name!r} is missing")
 
 
 class _Source(Protocol):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 __all__ = ["DEFAULT_PATH", "Image", "ImageConfig"]
 
@@ -36,12 +37,19 @@ class ImageConfig(BaseModel):
 
 
 class Image(BaseModel):
-    """An image in the local store, unpacked and ready to be an overlayfs lower dir.
+    """An image in the local store, unpacked and ready to be overlayfs lower dirs.
 
     `id` is ``sha256:<hex>`` of the image config (docker/OCI) or of the
-    tarball (plain rootfs imports). `rootfs` is the flattened root filesystem,
-    owned as the layers say: treat it as read-only. `size` counts the bytes of
-    its regular files.
+    tarball (plain rootfs imports). `lowers` are the directories to stack as
+    overlayfs lower layers, topmost first (``lowerdir=":".join(lowers)``): the
+    image's stored layers, shared with other images, or one merged directory
+    when they are more than one mount can stack (`sandman.images.overlay`).
+    `rootfs` is the whole root filesystem in one directory, for callers that
+    take one: the layer itself for a single-layer image, else a tree of hard
+    links to the layers' files. Both are owned as the layers say: treat them
+    as read-only. `layers` are the diff ids of its layers, bottom first ([] for
+    images stored before layers were). `size` counts the bytes of its regular
+    files.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -51,6 +59,16 @@ class Image(BaseModel):
     rootfs: Path
     config: ImageConfig
     size: int
+    lowers: list[Path] = []
+    layers: list[str] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lowers_default(cls, data: Any) -> Any:
+        # An image given only a rootfs is that one directory.
+        if isinstance(data, dict) and not data.get("lowers") and "rootfs" in data:
+            return {**data, "lowers": [data["rootfs"]]}
+        return data
 
     @property
     def short_id(self) -> str:

@@ -10,6 +10,13 @@ entries add, replace or, through whiteouts, delete paths of the layers below:
 - Modes (setuid/setgid/sticky included), numeric ownership (when we are root)
   and mtimes are kept; device nodes need root and are skipped otherwise.
 
+With ``lower`` (the layers below, as a `MergedView`), a layer is unpacked on its own,
+as overlayfs stores it (see `sandman.images.overlay`): whiteouts become character
+devices 0/0 and opaque markers an xattr instead of deleting anything; directories a
+layer only implies take their mode and owner from below; symlinked directories of
+the layers below are followed (chroot semantics) when naming a path; a hard link to
+a file of a lower layer copies that file up first, as overlayfs would.
+
 Security: nothing is ever written outside the root. Names with ``..`` that
 climb out are refused; every parent directory is resolved *inside* the root
 with chroot semantics (see `sandman.images.paths`), and the final component is
@@ -32,7 +39,9 @@ from typing import Any, BinaryIO, cast
 from sandman.errors import ImageError
 from sandman.images.compression import CORRUPT, decompressed
 from sandman.images.digests import CHUNK, HashingReader, check_digest
-from sandman.images.paths import clean_name, secure_join
+from sandman.images.merged import MergedView
+from sandman.images.overlay import is_whiteout, make_whiteout, set_opaque
+from sandman.images.paths import MAX_SYMLINKS, clean_name, secure_join
 
 __all__ = ["apply_layer", "disk_usage", "rmtree"]
 
@@ -51,13 +60,16 @@ def apply_layer(
     what: str,
     digest: str | None = None,
     diff_id: str | None = None,
-) -> None:
+    lower: MergedView | None = None,
+) -> str:
     """Apply one layer onto `root`, checking its digests as it streams by.
 
     `layer` must be seekable (we sniff the compression). `digest` is the
     expected sha256 of the bytes as stored, `diff_id` of the uncompressed tar;
-    `what` names the layer in error messages. Any problem raises `ImageError`;
-    the caller throws the half-applied root away.
+    `what` names the layer in error messages. With `lower`, `root` is an empty
+    directory that becomes the layer in overlayfs' form, over those layers.
+    Returns the diff id (the uncompressed tar's sha256). Any problem raises
+    `ImageError`; the caller throws the half-applied root away.
     """
     head = layer.read(8)
     layer.seek(0)
@@ -67,7 +79,7 @@ def apply_layer(
         with tarfile.open(
             fileobj=cast(Any, plain), mode="r|", encoding="utf-8", errors="surrogateescape"
         ) as tar:
-            _Applier(root, what).apply(tar, plain)
+            _Applier(root, what, lower).apply(tar, plain)
         plain.drain()
         raw.drain()
     except CORRUPT as exc:
@@ -76,14 +88,16 @@ def apply_layer(
     # the end; the checks below run whenever the stream was read completely.
     check_digest(what, digest, raw.digest)
     check_digest(f"{what} (uncompressed)", diff_id, plain.digest)
+    return plain.digest
 
 
 class _Applier:
     """Applies the entries of one layer; state lives for that layer only."""
 
-    def __init__(self, root: Path, what: str) -> None:
+    def __init__(self, root: Path, what: str, lower: MergedView | None = None) -> None:
         self.root = root
         self.what = what
+        self.lower = lower
         self.is_root = os.geteuid() == 0
         # Paths this layer wrote: an opaque whiteout keeps these and drops the rest.
         self.unpacked: set[Path] = set()
@@ -91,6 +105,8 @@ class _Applier:
         self.dirs: list[tuple[Path, tarfile.TarInfo]] = []
         # Resolved parent directories; any symlink or removal may change them.
         self.parents: dict[str, Path] = {}
+        # Directories this layer made opaque (with `lower` only).
+        self.opaque: set[Path] = set()
 
     def apply(self, tar: tarfile.TarFile, plain: HashingReader) -> None:
         while (member := tar.next()) is not None:
@@ -128,6 +144,9 @@ class _Applier:
             if not stat.S_ISDIR(existing):
                 self.remove(path)
                 os.mkdir(path, 0o700)
+                if self.lower is not None and stat.S_ISCHR(existing):
+                    set_opaque(path)  # deleted, then made anew: nothing from below
+                    self.opaque.add(path)
             self.dirs.append((path, member))
             return
         if member.islnk():
@@ -171,7 +190,7 @@ class _Applier:
         cached = self.parents.get(name)
         if cached is not None:
             return cached
-        resolved = secure_join(self.root, name)
+        resolved = self.join(name)
         current = self.root
         for part in resolved.relative_to(self.root).parts:
             current = current / part
@@ -180,17 +199,86 @@ class _Applier:
                 os.mkdir(current)
                 # Explicit, not left to the umask: implicit parents are 0755 as in docker.
                 os.chmod(current, 0o755)
+                self.implied(current)
             elif not stat.S_ISDIR(mode):
                 raise ImageError(f"{self.what}: /{name} is not a directory")
         self.parents[name] = resolved
         return resolved
+
+    def join(self, name: str) -> Path:
+        """`name` inside the root, symlinks on the way followed inside the image: this
+        layer's, and with `lower` those of the layers below where this one has nothing."""
+        if self.lower is None:
+            return secure_join(self.root, name)
+        pending = list(reversed(name.split("/")))
+        done: list[str] = []
+        links = 0
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if done:
+                    done.pop()
+                continue
+            candidate = os.path.join(self.root, *done, part)
+            target: str | None = None
+            try:
+                st = os.lstat(candidate)
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(candidate)
+            except (FileNotFoundError, NotADirectoryError):
+                if self.lower_visible(done):
+                    below = self.lower.find("/".join([*done, part]), follow_last=False)
+                    if below is not None and below.is_symlink():
+                        target = os.readlink(below)
+            if target is None:
+                done.append(part)
+                continue
+            links += 1
+            if links > MAX_SYMLINKS:
+                raise ImageError(f"too many levels of symbolic links resolving {name!r}")
+            if target.startswith("/"):
+                done = []
+            pending.extend(reversed(target.split("/")))
+        return self.root.joinpath(*done)
+
+    def lower_visible(self, parts: list[str]) -> bool:
+        """Whether the layers below show through at directory `parts` of this layer."""
+        current = self.root
+        for part in parts:
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except (FileNotFoundError, NotADirectoryError):
+                return True
+            if not stat.S_ISDIR(st.st_mode) or current in self.opaque:
+                return False
+        return True
+
+    def implied(self, path: Path) -> None:
+        """A directory this layer names only as a parent: as it is below, else 0755 root."""
+        if self.lower is None:
+            return
+        below = self.lower.find(str(path.relative_to(self.root)), follow_last=False)
+        if below is None or not below.is_dir() or below.is_symlink():
+            return
+        st = os.lstat(below)
+        info = tarfile.TarInfo(path.name)
+        info.type, info.mode = tarfile.DIRTYPE, stat.S_IMODE(st.st_mode)
+        info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+        self.dirs.append((path, info))
 
     def link_target(self, linkname: str) -> Path:
         name = clean_name(linkname)
         parent_name, base = posixpath.split(name)
         if name == "." or base in ("", "..") or base.startswith(WHITEOUT_PREFIX):
             raise ImageError(f"{self.what}: invalid hard link target {linkname!r}")
-        target = secure_join(self.root, parent_name) / base
+        target = self.join(parent_name) / base
+        if self.lower is not None and _lstat_mode(target) == 0:
+            self.copy_up(target)
+        elif self.lower is not None and is_whiteout(os.lstat(target)):
+            raise ImageError(f"{self.what}: hard link target {linkname!r} was deleted")
         mode = _lstat_mode(target)
         if mode == 0 or stat.S_ISDIR(mode):
             raise ImageError(
@@ -198,7 +286,33 @@ class _Applier:
             )
         return target
 
+    def copy_up(self, target: Path) -> None:
+        """Copy a lower layer's file (or symlink) to `target` in this layer, for a hard link."""
+        assert self.lower is not None
+        relative = str(target.relative_to(self.root))
+        if not self.lower_visible(list(Path(relative).parts[:-1])):
+            return
+        below = self.lower.find(relative, follow_last=False)
+        if below is None:
+            return
+        st = os.lstat(below)
+        parent = self.parent(str(Path(relative).parent))
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(below), parent / target.name)
+        elif stat.S_ISREG(st.st_mode):
+            shutil.copyfile(below, parent / target.name, follow_symlinks=False)
+        else:
+            return
+        if self.is_root:
+            os.chown(parent / target.name, st.st_uid, st.st_gid, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(parent / target.name, stat.S_IMODE(st.st_mode))
+        os.utime(parent / target.name, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
     def whiteout(self, parent_name: str, base: str) -> None:
+        if self.lower is not None:
+            self.overlay_whiteout(parent_name, base)
+            return
         parent = secure_join(self.root, parent_name)
         if base == WHITEOUT_OPAQUE:
             if stat.S_ISDIR(_lstat_mode(parent)):
@@ -211,6 +325,34 @@ class _Applier:
         if victim in ("", ".", ".."):
             raise ImageError(f"{self.what}: invalid whiteout {base!r}")
         self.remove(parent / victim)
+
+    def overlay_whiteout(self, parent_name: str, base: str) -> None:
+        """A whiteout as overlayfs stores it: nothing below is touched, only marked hidden."""
+        if base.startswith(WHITEOUT_META_PREFIX) and base != WHITEOUT_OPAQUE:
+            return
+        parent = self.parent(parent_name)
+        if base == WHITEOUT_OPAQUE:
+            set_opaque(parent)
+            self.opaque.add(parent)
+            return
+        victim = base.removeprefix(WHITEOUT_PREFIX)
+        if victim in ("", ".", ".."):
+            raise ImageError(f"{self.what}: invalid whiteout {base!r}")
+        path = parent / victim
+        if path in self.unpacked:
+            # Made by this very layer: it stays (whiteouts hide only what is below), and a
+            # directory no longer shows what was below it.
+            if stat.S_ISDIR(_lstat_mode(path)):
+                set_opaque(path)
+                self.opaque.add(path)
+            return
+        try:
+            if is_whiteout(os.lstat(path)):
+                return
+        except FileNotFoundError:
+            pass
+        self.remove(path)
+        make_whiteout(path)
 
     def clear_lower(self, directory: Path) -> None:
         with os.scandir(directory) as entries:

@@ -26,6 +26,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
 
 import anyio
 import anyio.to_thread
@@ -39,11 +40,13 @@ __all__ = [
     "Reference",
     "RegistryAuth",
     "auth_file",
+    "fetch_manifest",
     "parse_reference",
     "probe_registry",
     "pull_error",
     "run_skopeo",
     "skopeo_command",
+    "skopeo_inspect_command",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,6 +153,24 @@ def skopeo_command(
         command += ["--src-authfile", authfile]
     destination = f"oci:{LAYOUT_DIR}" + (f":{reference.tag}" if reference.tag else "")
     return [*command, reference.source, destination]
+
+
+def skopeo_inspect_command(
+    skopeo: str, reference: Reference, *, tls_verify: bool, authfile: str | None, digest: str | None
+) -> list[str]:
+    """The ``skopeo inspect --raw`` command line that fetches the manifest (no blob) of
+    `reference`, or of the image `digest` in its repository."""
+    command = [skopeo, "inspect", "--raw", "--retry-times", "0"]
+    command.append(f"--tls-verify={'true' if tls_verify else 'false'}")
+    if authfile is not None:
+        command += ["--authfile", authfile]
+    source = reference.source
+    if digest is not None:
+        repository = reference.name.partition("@")[0]
+        if reference.tag is not None:
+            repository = repository.removesuffix(f":{reference.tag}")
+        source = f"docker://{repository}@{digest}"
+    return [*command, source]
 
 
 def pull_error(
@@ -330,30 +351,93 @@ async def run_skopeo(
     return scratch / LAYOUT_DIR
 
 
+async def fetch_manifest(
+    reference: Reference,
+    scratch: Path,
+    *,
+    auth: RegistryAuth | None,
+    tls_verify: bool,
+    timeout: float,
+) -> bytes:
+    """The image manifest of `reference` for this host, fetched with ``skopeo inspect
+    --raw`` (no blob is downloaded); for a multi-platform image, the manifest of its
+    linux image for this machine (or the index itself when it has none)."""
+    from sandman.images.formats import choose_platform
+
+    if timeout <= 0:
+        raise ConfigError(f"timeout must be positive, not {timeout}")
+    skopeo = find_skopeo()
+    returncode, stderr, stdout = -1, "", b""
+    with anyio.move_on_after(timeout) as deadline:
+        await probe_registry(reference, tls_verify=tls_verify, timeout=min(PROBE_TIMEOUT, timeout))
+        authfile = scratch / AUTH_FILE
+        try:
+            if auth is not None:
+                await anyio.to_thread.run_sync(_write_private, authfile, auth_file(reference, auth))
+            digest: str | None = None
+            for _ in range(2):
+                command = skopeo_inspect_command(
+                    skopeo,
+                    reference,
+                    tls_verify=tls_verify,
+                    authfile=AUTH_FILE if auth is not None else None,
+                    digest=digest,
+                )
+                returncode, stderr, stdout = await _run(command, scratch, stdout=True)
+                if returncode != 0 or digest is not None:
+                    break
+                digest = choose_platform(stdout)
+                if digest is None:
+                    break
+        finally:
+            authfile.unlink(missing_ok=True)
+    if deadline.cancelled_caught:
+        raise ImageError(
+            f"fetching the manifest of {reference.name} timed out after {timeout:g}s; "
+            "skopeo was killed"
+        )
+    if returncode != 0:
+        error = pull_error(reference, stderr, auth=auth, tls_verify=tls_verify)
+        logger.info("manifest of %s: %s", reference.name, error)
+        raise error
+    return stdout
+
+
 def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as file:
         file.write(data)
 
 
-async def _run(command: list[str], cwd: Path) -> tuple[int, str]:
-    """Run `command`; its exit status and stderr. Killed (and reaped) if we are cancelled."""
+@overload
+async def _run(command: list[str], cwd: Path) -> tuple[int, str]: ...
+@overload
+async def _run(
+    command: list[str], cwd: Path, *, stdout: Literal[True]
+) -> tuple[int, str, bytes]: ...
+async def _run(
+    command: list[str], cwd: Path, *, stdout: bool = False
+) -> tuple[int, str] | tuple[int, str, bytes]:
+    """Run `command`; its exit status and stderr (and stdout, when asked). Killed (and
+    reaped) if we are cancelled."""
     try:
         process = await asyncio.create_subprocess_exec(
             *command,
             cwd=cwd,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if stdout else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
     except FileNotFoundError as exc:
         raise ImageError(f"cannot run skopeo ({exc}): {_INSTALL_HINT}") from exc
     try:
-        _, stderr = await process.communicate()
+        out, stderr = await process.communicate()
         returncode = await process.wait()
     finally:
         if process.returncode is None:
             process.kill()
             with anyio.CancelScope(shield=True):
                 await process.wait()
+    if stdout:
+        return returncode, stderr.decode(errors="replace"), out or b""
     return returncode, stderr.decode(errors="replace")

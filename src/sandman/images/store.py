@@ -3,18 +3,30 @@
 On disk, under ``root``::
 
     blobs/sha256/<hex>     verified manifests and configs
-    rootfs/<hex>/          the flattened root filesystem of image <hex>
+    layers/<chain>/        one unpacked layer, in overlayfs' form (`sandman.images.layerstore`)
+    layers/<chain>.json    its metadata, written last: present means complete
+    digests/<hex>          a layer blob's digest (as a registry stores it) → its diff id
+    rootfs/<hex>/          image <hex> merged into one directory, of hard links to its
+                           layers' files (images of several layers only); or, for images
+                           stored before layers were, their flattened copy
     images/<hex>.json      its metadata; written last, so its presence means "complete"
     names.json             name → image id, replaced atomically
     locks/<xx>.lock        flock files: images by the first two hex digits of their id;
-                           names.lock for the table; pulls.lock, held shared by every pull
+                           layer-<xx>.lock for layers; names.lock for the table;
+                           pulls.lock, held shared by every pull; layers.lock, held shared
+                           while an image is installed and exclusively to delete layers
     tmp/                   unpacks and pulls (``pulls.<random>/``) in progress; stale
                            entries go at the next start
 
-An image is unpacked once, under its id's lock, into ``tmp/`` and renamed into
-``rootfs/``. Importing it again (under any name) reuses it. Layer blobs are
-checked while they stream and are not kept: the unpacked rootfs is what
-sandboxes use, and keeping both would double the disk taken by large images.
+A layer is stored once, under its *chain id* (the digest of its diff id and those of
+the layers below, as docker keys them: a layer's unpacked form depends on what it
+lies on), and an image is the list of its layers. Importing or pulling an image skips
+every layer already stored; a pull asks the registry for the manifest first and
+downloads only the blobs of missing layers. Layer blobs are checked while they stream
+and are not kept. `Image.lowers` are the directories to stack as overlayfs lower
+layers; `Image.rootfs` one directory with the whole tree, for callers that take one.
+Layers no image refers to go with `ImageStore.prune`, or at once with the last image
+that used them (`ImageStore.remove`).
 """
 
 from __future__ import annotations
@@ -38,19 +50,44 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sandman import _flock
 from sandman.errors import ImageError, ImageNotFound
 from sandman.images.digests import hex_of
-from sandman.images.formats import ArchiveSource, LayoutSource, Plan, plan_archive, plan_layout
+from sandman.images.formats import (
+    ArchiveSource,
+    Layer,
+    LayoutSource,
+    Plan,
+    plan_archive,
+    plan_layout,
+    remote_manifest,
+)
 from sandman.images.image import Image, ImageConfig
-from sandman.images.layers import apply_layer, disk_usage, rmtree
+from sandman.images.layers import disk_usage, rmtree
+from sandman.images.layerstore import (
+    LayerStore,
+    PruneReport,
+    chain_id,
+    discard,
+    write_atomic,
+)
 from sandman.images.locks import StoreLock, try_lock_file
+from sandman.images.merged import flatten
 from sandman.images.names import is_id_prefix, normalize_name, read_names, write_names
-from sandman.images.registry import RegistryAuth, parse_reference, run_skopeo
+from sandman.images.overlay import lowerdir_fits
+from sandman.images.registry import (
+    LAYOUT_DIR,
+    RegistryAuth,
+    fetch_manifest,
+    parse_reference,
+    run_skopeo,
+)
 
-__all__ = ["ImageStore"]
+__all__ = ["ImageStore", "PruneReport"]
 
 logger = logging.getLogger(__name__)
 
 NAMES_KEY = "names"
 PULLS_KEY = "pulls"
+LAYERS_KEY = "layers"
+LAYER_LOCK_PREFIX = "layer-"
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -73,6 +110,9 @@ class _Record(BaseModel):
     created: datetime
     blobs: list[str]
     layers: list[str]
+    chain: list[str] | None = None
+    """The chain ids of its stored layers, bottom first; None: stored before layers were
+    (then ``rootfs/<hex>`` is the whole, flattened image)."""
 
 
 class ImageStore:
@@ -92,6 +132,7 @@ class ImageStore:
         }
         for directory in self._dirs.values():
             directory.mkdir(parents=True, exist_ok=True)
+        self._layers = LayerStore(self.root, self._dirs["tmp"])
         self._names_path = self.root / "names.json"
         self._locks: dict[Path, StoreLock] = {}
         self._ready = False
@@ -142,8 +183,10 @@ class ImageStore:
         """Pull `reference` (``docker.io/library/python:3.11``, ``localhost:5000/x:1``) and import it.
 
         Needs skopeo (``apt-get install -y skopeo``). The image is named as
-        `reference` says (``python:3.11``); one that is already unpacked is
-        reused. `tls_verify=False` allows plain HTTP and unverified
+        `reference` says (``python:3.11``). The registry is asked for the
+        manifest first: an image already in the store is then only named, with
+        no blob downloaded, and of a new image only the layers not yet stored
+        are downloaded. `tls_verify=False` allows plain HTTP and unverified
         certificates (a registry on 127.0.0.1). `timeout` bounds the download,
         not the unpacking. Raises `ImageError`: at once when the registry is
         unreachable, `ImageNotFound` for an unknown repository or tag. The
@@ -152,10 +195,56 @@ class ImageStore:
         await self._start()
         parsed = parse_reference(reference)
         async with self._scratch() as scratch:
-            layout = await run_skopeo(
+            manifest = await fetch_manifest(
                 parsed, scratch, auth=auth, tls_verify=tls_verify, timeout=timeout
             )
-            return await self.import_oci_layout(layout, name=parsed.name)
+            remote = remote_manifest(manifest)
+            if remote is not None:
+                config_hex = hex_of(remote.config)
+                if await _run(self._complete, config_hex):
+                    logger.info("%s is image %s, already stored", parsed.name, remote.config)
+                    name = parsed.name
+
+                    def add(table: dict[str, str]) -> None:
+                        table[name] = remote.config
+
+                    async with self._lock(config_hex):
+                        await self._update_names(add)
+                        return await _run(self._load_image, remote.config)
+            # Held shared until the import is done: `prune` must not take a layer whose
+            # blob skopeo was told it need not download.
+            fd = await _flock.lock(self._lock_path(LAYERS_KEY), fcntl.LOCK_SH)
+            try:
+                if remote is not None:
+                    blobs = scratch / LAYOUT_DIR / "blobs" / "sha256"
+                    skipped = await _run(self._layers.placeholders, blobs, remote.layers)
+                    logger.info(
+                        "pulling %s: %d of %d layers already stored",
+                        parsed.name,
+                        skipped,
+                        len(remote.layers),
+                    )
+                layout = await run_skopeo(
+                    parsed, scratch, auth=auth, tls_verify=tls_verify, timeout=timeout
+                )
+                return await self.import_oci_layout(layout, name=parsed.name)
+            finally:
+                os.close(fd)
+
+    async def prune(self) -> PruneReport:
+        """Remove every stored layer no image refers to; what went, and the bytes freed.
+
+        The layers of every image in the store are kept, so the layers of a live
+        sandbox's image are (its image cannot be removed while the ``in_use``
+        hook reports it in use). Imports wait while this runs, and this waits
+        for imports in progress.
+        """
+        await self._start()
+        fd = await _flock.lock(self._lock_path(LAYERS_KEY))
+        try:
+            return await _run(self._prune)
+        finally:
+            os.close(fd)
 
     async def get(self, ref: str) -> Image:
         """The image named `ref` (``busybox`` means ``busybox:latest``) or with that id.
@@ -212,9 +301,26 @@ class ImageStore:
                     deleted.append(True)
 
             await self._update_names(drop)
+            chain: builtins.list[str] = []
             if deleted:
-                await _run(self._delete, hex_id)
+                chain = await _run(self._delete, hex_id)
                 logger.info("removed image %s", image_id)
+        if chain:
+            # Its layers no other image shares go with it.
+            await self._collect(set(chain))
+
+    async def _collect(self, layers: set[str]) -> None:
+        """Delete those of `layers` no image refers to, unless an import or a pull is
+        running (it may be about to use them, and waiting for it could deadlock a pull
+        of this process): `prune` then takes them later."""
+        fd = await _run(try_lock_file, self._lock_path(LAYERS_KEY))
+        if fd is None:
+            logger.info("%d unreferenced layers left for `sandman images prune`", len(layers))
+            return
+        try:
+            await _run(self._prune, layers)
+        finally:
+            os.close(fd)
 
     # -- import ----------------------------------------------------------------------------
 
@@ -241,7 +347,7 @@ class ImageStore:
         hex_id = hex_of(plan.id)
         async with self._lock(hex_id):
             if not await _run(self._complete, hex_id):
-                await _run(self._unpack, plan, hex_id)
+                await self._store(plan, hex_id)
             if plan.names:
                 names = plan.names
 
@@ -251,27 +357,91 @@ class ImageStore:
                 await self._update_names(add)
             return await _run(self._load_image, plan.id)
 
-    def _unpack(self, plan: Plan, hex_id: str) -> None:
+    async def _store(self, plan: Plan, hex_id: str) -> None:
+        """Store the layers of `plan` not stored yet, then the image (its id's lock held)."""
         started = time.monotonic()
         logger.debug("unpacking image %s (%s, %d layers)", plan.id, plan.kind, len(plan.layers))
-        work = self._dirs["tmp"] / f"{hex_id}.{secrets.token_hex(6)}"
-        final = self._dirs["rootfs"] / hex_id
+        # Shared: `prune` (exclusive) never sees a layer we are about to refer to.
+        fd = await _flock.lock(self._lock_path(LAYERS_KEY), fcntl.LOCK_SH)
+        chain: builtins.list[str] = []
+        diff_ids: builtins.list[str] = []
+        added: set[str] = set()
         try:
-            os.mkdir(work)
             for layer in plan.layers:
-                with layer.open() as stream:
-                    apply_layer(
-                        work, stream, what=layer.what, digest=layer.digest, diff_id=layer.diff_id
-                    )
-            os.chmod(work, 0o755)
-            size = disk_usage(work)
-            # Left by a crash after the rename but before the metadata: not trusted.
-            self._discard(final, hex_id)
-            os.rename(work, final)
+                layer_id, diff_id, new = await self._store_layer(layer, chain, hex_id)
+                chain.append(layer_id)
+                diff_ids.append(diff_id)
+                if new:
+                    added.add(layer_id)
+            size = await _run(self._finish, plan, hex_id, chain, diff_ids)
         except BaseException:
-            self._discard(work, hex_id)
+            os.close(fd)
+            if added:
+                # A failed import leaves nothing: the layers it stored go, unless another
+                # image took them meanwhile.
+                with anyio.CancelScope(shield=True):
+                    await self._collect(added)
             raise
+        os.close(fd)
+        reused = len(chain) - len(added)
+        logger.info(
+            "stored image %s (%d bytes; %d of %d layers were already stored) in %.1fs",
+            plan.id,
+            size,
+            reused,
+            len(plan.layers),
+            time.monotonic() - started,
+        )
+
+    async def _store_layer(
+        self, layer: Layer, chain: builtins.list[str], hex_id: str
+    ) -> tuple[str, str, bool]:
+        """Store `layer` over `chain` unless it is; its chain id, its diff id, and whether
+        it was new."""
+        parent = chain[-1] if chain else None
+        diff_id = layer.diff_id
+        if diff_id is None and layer.digest is not None:
+            diff_id = await _run(self._layers.diff_of, layer.digest)
+        if diff_id is not None:
+            layer_id = chain_id(parent, diff_id)
+            async with self._lock(LAYER_LOCK_PREFIX + hex_of(layer_id)[:2]):
+                if await _run(self._layers.complete, layer_id):
+                    if layer.digest is not None:
+                        await _run(self._layers.index_digest, layer.digest, diff_id, hex_id)
+                    return layer_id, diff_id, False
+                work, _ = await _run(self._layers.unpack, layer, chain, hex_id)
+                await _run(self._layers.commit, work, layer_id, diff_id, layer.digest, hex_id)
+                return layer_id, diff_id, True
+        # Its diff id is known only once it is unpacked (a rootfs tarball, say).
+        work, found = await _run(self._layers.unpack, layer, chain, hex_id)
+        layer_id = chain_id(parent, found)
+        async with self._lock(LAYER_LOCK_PREFIX + hex_of(layer_id)[:2]):
+            new = await _run(self._layers.commit, work, layer_id, found, layer.digest, hex_id)
+        return layer_id, found, new
+
+    def _finish(
+        self,
+        plan: Plan,
+        hex_id: str,
+        chain: builtins.list[str],
+        diff_ids: builtins.list[str],
+    ) -> int:
+        """Write the image over its stored layers: merged rootfs (several layers), metadata."""
+        lowers = [self._layers.path(c) for c in reversed(chain)]
         try:
+            if len(chain) == 1:
+                size = self._layers.read(chain[0]).size
+            else:
+                work = self._dirs["tmp"] / f"{hex_id}.{secrets.token_hex(6)}"
+                final = self._dirs["rootfs"] / hex_id
+                try:
+                    flatten(lowers, work)
+                    size = disk_usage(work)
+                    self._discard(final, hex_id)
+                    os.rename(work, final)
+                except BaseException:
+                    self._discard(work, hex_id)
+                    raise
             for digest, data in plan.blobs.items():
                 self._write_blob(digest, data, hex_id)
             record = _Record(
@@ -281,16 +451,29 @@ class ImageStore:
                 size=size,
                 created=datetime.now(UTC),
                 blobs=sorted(plan.blobs),
-                layers=[layer.diff_id or layer.digest or "" for layer in plan.layers],
+                layers=diff_ids,
+                chain=chain,
             )
             data = record.model_dump_json(indent=2).encode()
             self._write_atomic(self._record_path(hex_id), data, hex_id)
         except BaseException:
             self._delete(hex_id)
             raise
-        logger.info(
-            "unpacked image %s (%d bytes) in %.1fs", plan.id, size, time.monotonic() - started
-        )
+        return size
+
+    def _prune(self, only: set[str] | None = None) -> PruneReport:
+        """Delete the layers (of `only`, or all) no image refers to; `LAYERS_KEY` held."""
+        return self._layers.remove_unused(self._references(), only, LAYERS_KEY)
+
+    def _references(self) -> set[str]:
+        """The chain ids every image in the store refers to."""
+        used: set[str] = set()
+        for path in self._dirs["images"].iterdir():
+            if path.name.endswith(".json") and is_id_prefix(path.stem):
+                record = self._read_record(path.stem)
+                if record is not None:
+                    used.update(record.chain or [])
+        return used
 
     def _write_blob(self, digest: str, data: bytes, hex_id: str) -> None:
         path = self._dirs["blobs/sha256"] / hex_of(digest)
@@ -299,35 +482,21 @@ class ImageStore:
 
     def _write_atomic(self, path: Path, data: bytes, hex_id: str) -> None:
         # Named for the image whose lock we hold, so start-up cleanup leaves it alone.
-        tmp = self._dirs["tmp"] / f"{hex_id}.{secrets.token_hex(6)}.part"
-        try:
-            with open(tmp, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(path, data, self._dirs["tmp"], hex_id)
 
-    def _delete(self, hex_id: str) -> None:
-        """Delete image `hex_id`: metadata first, so it is never seen half-deleted."""
+    def _delete(self, hex_id: str) -> builtins.list[str]:
+        """Delete image `hex_id`: metadata first, so it is never seen half-deleted. Its
+        layers stay (others may share them); their chain ids are returned."""
         record = self._read_record(hex_id)
         self._record_path(hex_id).unlink(missing_ok=True)
         self._discard(self._dirs["rootfs"] / hex_id, hex_id)
         for digest in record.blobs if record is not None else []:
             with suppress(ImageError, FileNotFoundError):
                 (self._dirs["blobs/sha256"] / hex_of(digest)).unlink()
+        return list(record.chain or []) if record is not None else []
 
     def _discard(self, path: Path, hex_id: str) -> None:
-        """Remove a directory tree, renaming it into tmp/ first so it vanishes at once."""
-        if not path.exists():
-            return
-        if path.parent != self._dirs["tmp"]:
-            trash = self._dirs["tmp"] / f"{hex_id}.{secrets.token_hex(6)}.removing"
-            os.rename(path, trash)
-            path = trash
-        rmtree(path)
+        discard(path, self._dirs["tmp"], hex_id)
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -372,10 +541,20 @@ class ImageStore:
             raise ImageNotFound(f"image {image_id} is no longer in the image store at {self.root}")
         if names is None:
             names = read_names(self._names_path)
+        rootfs = self._dirs["rootfs"] / hex_id
+        lowers = [rootfs]
+        if record.chain is not None:
+            layers = [self._layers.path(c) for c in reversed(record.chain)]
+            if len(layers) == 1:
+                rootfs = layers[0]
+            # Past the kernel's limits the merged rootfs is the one lower layer.
+            lowers = layers if lowerdir_fits(layers) else [rootfs]
         return Image(
             id=record.id,
             names=sorted(n for n, i in names.items() if i == record.id),
-            rootfs=self._dirs["rootfs"] / hex_id,
+            rootfs=rootfs,
+            lowers=lowers,
+            layers=record.layers if record.chain is not None else [],
             config=record.config,
             size=record.size,
         )
@@ -389,14 +568,21 @@ class ImageStore:
         return sorted(images, key=lambda i: (not i.names, i.names, i.id))
 
     def _complete_ids(self) -> builtins.list[str]:
+        # The metadata is written last and deleted first: its presence means complete.
         return [
             p.name.removesuffix(".json")
             for p in self._dirs["images"].iterdir()
-            if p.name.endswith(".json") and (self._dirs["rootfs"] / p.stem).is_dir()
+            if p.name.endswith(".json")
         ]
 
     def _complete(self, hex_id: str) -> bool:
-        return self._read_record(hex_id) is not None and (self._dirs["rootfs"] / hex_id).is_dir()
+        record = self._read_record(hex_id)
+        if record is None:
+            return False
+        merged = record.chain is None or len(record.chain) != 1
+        if merged and not (self._dirs["rootfs"] / hex_id).is_dir():
+            return False
+        return all(self._layers.complete(c) for c in record.chain or [])
 
     def _record_path(self, hex_id: str) -> Path:
         return self._dirs["images"] / f"{hex_id}.json"
@@ -425,7 +611,7 @@ class ImageStore:
     def _lock_path(self, key: str) -> Path:
         # Lock files cannot be deleted safely, so images share 256 of them (by the first
         # two hex digits): a bounded set, and a rare wait between unrelated imports.
-        whole = key in (NAMES_KEY, PULLS_KEY)
+        whole = key in (NAMES_KEY, PULLS_KEY, LAYERS_KEY) or key.startswith(LAYER_LOCK_PREFIX)
         return self._dirs["locks"] / f"{key if whole else key[:2]}.lock"
 
     async def _update_names(self, change: Callable[[dict[str, str]], None]) -> None:
@@ -456,8 +642,16 @@ class ImageStore:
         for hex_id in os.listdir(self._dirs["rootfs"]):
             if not self._record_path(hex_id).exists():
                 stale.setdefault(hex_id, []).append(self._dirs["rootfs"] / hex_id)
+        for entry_name in os.listdir(self._layers.layers):
+            layer = self._layers.layers / entry_name
+            if is_id_prefix(entry_name) and not layer.with_name(f"{entry_name}.json").exists():
+                stale.setdefault(LAYER_LOCK_PREFIX + entry_name[:2], []).append(layer)
         for key, entries in stale.items():
-            if not (key in (NAMES_KEY, PULLS_KEY) or is_id_prefix(key)):
+            if not (
+                key in (NAMES_KEY, PULLS_KEY, LAYERS_KEY)
+                or key.startswith(LAYER_LOCK_PREFIX)
+                or is_id_prefix(key)
+            ):
                 continue
             fd = try_lock_file(self._lock_path(key))
             if fd is None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandman.errors import ImageError
+from sandman.images.merged import MergedView
 from sandman.images.paths import secure_join
 
 __all__ = ["resolve_user"]
@@ -14,8 +16,11 @@ __all__ = ["resolve_user"]
 MAX_DB_SIZE = 16 << 20
 
 
-def resolve_user(rootfs: Path, user: str) -> tuple[int, int]:
+def resolve_user(rootfs: Path | Sequence[Path], user: str) -> tuple[int, int]:
     """Return ``(uid, gid)`` for `user` as the image config spells it.
+
+    `rootfs` is one directory (`Image.rootfs`) or the image's layers, topmost
+    first (`Image.lowers`): files are then found as overlayfs would merge them.
 
     ``""`` is root. ``"uid"`` takes its gid from the passwd entry for that uid,
     or 0 when there is none (docker does the same). ``"uid:gid"`` needs no
@@ -48,13 +53,19 @@ def resolve_user(rootfs: Path, user: str) -> tuple[int, int]:
     return uid, int(found[2])
 
 
-def _read_db(rootfs: Path, name: str) -> list[list[str]]:
+def _read_db(rootfs: Path | Sequence[Path], name: str) -> list[list[str]]:
     """The colon-separated entries of a rootfs file; [] when the file is missing.
 
     The path is resolved inside the rootfs, and only a regular file is read:
     the image controls it, and a fifo or ``/dev/zero`` must not hang us.
     """
-    path = secure_join(rootfs, name)
+    if isinstance(rootfs, Path):
+        path = secure_join(rootfs, name)
+    else:
+        found = MergedView(rootfs).find(name)
+        if found is None:
+            return []
+        path = found
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

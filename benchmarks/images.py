@@ -1,0 +1,235 @@
+"""The layer store: 10 images over one base, on disk, imported and pulled; a re-pull's
+downloads; create→ready from a single-layer and a layered image.
+
+Builds 10 OCI images offline that share one base layer (``--base-mib`` of incompressible
+files) and each add ``--own-mib`` of their own, then:
+
+1. imports them into a fresh store and measures its disk (blocks of every inode once,
+   directories and metadata included) against the base plus the 10 own layers, and
+   against what the store took before layers (each image as its own full rootfs: the
+   sum of the images' sizes);
+2. with a registry (Debian's ``docker-registry`` and skopeo, as the tests use), pushes
+   them, pulls all 10 into a fresh store counting the blobs the registry serves, then
+   pulls all 10 again: ``repull_blobs`` is what that second round downloads;
+3. as root with crun, times create→ready of sandboxes from a single-layer image and from
+   a two-layer one, interleaved (``--ready N`` rounds; 0 skips it).
+
+    python benchmarks/images.py                  # 80 MiB base, 1 MiB each, as the issue
+    python benchmarks/images.py --base-mib 8     # quick
+
+Last line: ``images=10 stored_mib=<x> base_mib=<x> own_mib=<x> repull_blobs=<n>`` then
+``before_mib=<x>`` (the same images stored before layers), ``pull_blobs=<n>``
+(the first round) and ``ready_p50_ms=<single>/<layered>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import io
+import os
+import shutil
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.images.registry_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import new_cgroup_parent
+
+from sandman.images import Image, ImageStore
+
+IMAGES = 10
+MIB = 1 << 20
+
+
+def layer(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def random_files(prefix: str, mib: float) -> dict[str, bytes]:
+    count = max(1, int(mib * 4))  # 256 KiB each
+    size = int(mib * MIB) // count
+    return {f"{prefix}/f{i:04d}": os.urandom(size) for i in range(count)}
+
+
+def write_layout(path: Path, layers: list[bytes], tag: str) -> Path:
+    """An OCI layout of one image made of `layers` (uncompressed), tagged `tag`."""
+    import json
+
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(data: bytes, media_type: str) -> dict[str, object]:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)}
+
+    diff_ids = [f"sha256:{hashlib.sha256(x).hexdigest()}" for x in layers]
+    config = {
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    }  # fmt: skip
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": blob(json.dumps(config).encode(), "application/vnd.oci.image.config.v1+json"),
+        "layers": [blob(x, "application/vnd.oci.image.layer.v1.tar") for x in layers],
+    }
+    descriptor = blob(json.dumps(manifest).encode(), "application/vnd.oci.image.manifest.v1+json")
+    descriptor["annotations"] = {"org.opencontainers.image.ref.name": tag}
+    index = {"schemaVersion": 2, "manifests": [descriptor]}
+    (path / "index.json").write_text(json.dumps(index))
+    (path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return path
+
+
+def disk_bytes(root: Path) -> int:
+    """What `root` takes on disk: the blocks of every inode under it, each counted once."""
+    seen: set[int] = set()
+    total = 0
+    for directory, dirs, files in os.walk(root):
+        for name in [*dirs, *files, "."]:
+            st = os.lstat(os.path.join(directory, name))
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
+async def imports(layouts: list[Path], state: Path) -> tuple[float, float, list[Image]]:
+    store = ImageStore(state / "import-store")
+    started = time.monotonic()
+    images = [
+        await store.import_oci_layout(p, name=f"bench/img:{i}") for i, p in enumerate(layouts)
+    ]
+    elapsed = time.monotonic() - started
+    stored = disk_bytes(store.root) / MIB
+    before = sum(i.size for i in images) / MIB
+    print(f"import of {IMAGES} images: {elapsed:.1f} s; store {stored:.1f} MiB on disk")
+    print(f"before layers (each image a full rootfs): {before:.1f} MiB of files")
+    return stored, before, images
+
+
+async def pulls(layouts: list[Path], state: Path) -> tuple[str, str]:
+    try:
+        from tests.images.registry_server import blob_fetches, missing_tools, push, start_registry
+    except ImportError:
+        return "na(run from the repository)", "na"
+    missing = missing_tools()
+    if missing is not None:
+        print(f"no pull: {missing}")
+        return "na(no registry)", "na"
+    registry = start_registry(state / "registry", access_log=True)
+    try:
+        references = [
+            push(layout, str(i), registry, "bench/img") for i, layout in enumerate(layouts)
+        ]
+        store = ImageStore(state / "pull-store")
+        before = len(blob_fetches(registry))
+        started = time.monotonic()
+        for reference in references:
+            await store.pull(reference, tls_verify=False)
+        first = len(blob_fetches(registry)) - before
+        print(
+            f"pull of {IMAGES} images: {time.monotonic() - started:.1f} s, {first} blobs "
+            f"downloaded (a config and a layer each, and the base once: {2 * IMAGES + 1})"
+        )
+        print(f"pull store {disk_bytes(store.root) / MIB:.1f} MiB on disk")
+        mark = len(blob_fetches(registry))
+        started = time.monotonic()
+        for reference in references:
+            await store.pull(reference, tls_verify=False)
+        again = len(blob_fetches(registry)) - mark
+        print(f"re-pull of {IMAGES} images: {time.monotonic() - started:.2f} s, {again} blobs")
+        return str(again), str(first)
+    finally:
+        registry.stop()
+
+
+async def ready_times(rounds: int, state: Path, layered: Path) -> str:
+    if rounds <= 0:
+        return "na(skipped)"
+    if os.geteuid() != 0 or shutil.which("crun") is None:
+        return "na(needs root and crun)"
+
+    from sandman.images.busybox import busybox_rootfs_tar
+    from sandman.models import SandboxSpec
+    from sandman.providers.local import LocalProvider
+    from sandman.settings import LocalConfig
+
+    short = Path(tempfile.mkdtemp(prefix="smi-", dir="/tmp"))  # socket paths are short
+    provider = LocalProvider(LocalConfig(state_dir=short, cgroup_parent=new_cgroup_parent()))
+    try:
+        busybox = busybox_rootfs_tar(short / "busybox.tar")
+        await provider.images.import_archive(busybox, name="single")
+        extra = layer({"opt/extra": b"x" * 4096})
+        layout = write_layout(state / "ready-layout", [busybox.read_bytes(), extra], "1")
+        await provider.images.import_oci_layout(layout, name="layered:1")
+        samples: dict[str, list[float]] = {"single": [], "layered:1": []}
+        for _ in range(rounds):
+            for image, times in samples.items():
+                started = time.monotonic()
+                info = await provider.create(SandboxSpec(image=image, memory="128Mi", pids=32))
+                assert info.endpoint is not None
+                client = info.endpoint.client()
+                await client.wait_ready(timeout=10)
+                times.append(time.monotonic() - started)
+                await client.aclose()
+                await provider.delete(info.id)
+        single, two = (statistics.median(v) * 1000 for v in samples.values())
+        print(f"create->ready p50: single-layer {single:.0f} ms, two layers {two:.0f} ms")
+    finally:
+        await provider.aclose()
+        shutil.rmtree(short, ignore_errors=True)
+    return f"{single:.0f}/{two:.0f}"
+
+
+async def run(args: argparse.Namespace, state: Path) -> str:
+    base = layer(random_files("base", args.base_mib))
+    own = [layer(random_files(f"own{i}", args.own_mib)) for i in range(IMAGES)]
+    layouts = [write_layout(state / f"layout{i}", [base, own[i]], str(i)) for i in range(IMAGES)]
+    stored, before, _ = await imports(layouts, state)
+    repull, first = await pulls(layouts, state)
+    ready = await ready_times(args.ready, state, layouts[0])
+    base_mib = args.base_mib
+    own_mib = args.own_mib * IMAGES
+    print(f"base {base_mib:.1f} MiB + own layers {own_mib:.1f} MiB = {base_mib + own_mib:.1f} MiB")
+    return (
+        f"images={IMAGES} stored_mib={stored:.1f} base_mib={base_mib:.1f} own_mib={own_mib:.1f} "
+        f"repull_blobs={repull} before_mib={before:.1f} pull_blobs={first} "
+        f"ready_p50_ms={ready}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-mib", type=float, default=80.0, help="the shared base layer")
+    parser.add_argument("--own-mib", type=float, default=1.0, help="each image's own layer")
+    parser.add_argument("--ready", type=int, default=10, help="create->ready rounds (0: skip)")
+    parser.add_argument("--state-dir", type=Path, help="an empty directory (default: a new one)")
+    args = parser.parse_args()
+    state = args.state_dir or Path(tempfile.mkdtemp(prefix="smb-images-", dir="/var/tmp"))
+    try:
+        line = asyncio.run(run(args, state))
+    finally:
+        if args.state_dir is None:
+            shutil.rmtree(state, ignore_errors=True)
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
