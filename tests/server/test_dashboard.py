@@ -478,6 +478,15 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
                 await expect(error_row.locator("td").nth(3)).to_have_text("no-such-image")
                 await expect(error_row.locator("td").nth(5)).to_have_text("a")
                 await expect(page.locator("#admin")).to_be_hidden()
+                # Tenant a's own 16, paged by 50, each with what it uses now.
+                await _number(page, "#sandboxes-total", "16")
+                rows = page.locator("#sandboxes tbody tr")
+                await expect(rows).to_have_count(16)
+                mine = {sb.id for sb in sandboxes[:16]}
+                shown = {await rows.nth(i).get_attribute("data-sandbox") for i in range(16)}
+                assert shown == mine
+                await expect(rows.first.locator("td").nth(1)).to_have_text("leased")
+                await expect(rows.first.locator("td").nth(5)).to_contain_text("MiB")
                 # Drawn once two samples (a second apart) hold leased sandboxes.
                 leased_area = page.locator("#chart-states polygon[data-state=leased]")
                 await expect(leased_area).to_have_count(1, timeout=15_000)
@@ -504,3 +513,25 @@ async def test_the_page_shows_a_live_burst_in_chromium(busybox_tar: Path, tmp_pa
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             assert not left, f"chromium left running: {left}"
+
+
+async def test_the_sandbox_list_is_the_tenants_own_and_paged(
+    sampled: tuple[Pool, Sampler, FakeProvider],
+) -> None:
+    pool, _, _ = sampled
+    app = create_app(pool, settings())
+    session = pool.open_session()
+    for image, tenant in [("img-1", "a"), ("img-2", "a"), ("img-3", "a"), ("img-4", "b")]:
+        await pool.acquire(_spec(image, tenant), session=session)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as api:
+        first = (await api.get("/v1/dashboard/sandboxes?size=2", headers=AUTH_A)).json()
+        second = (await api.get("/v1/dashboard/sandboxes?size=2&page=1", headers=AUTH_A)).json()
+        theirs = (await api.get("/v1/dashboard/sandboxes", headers=AUTH_B)).json()
+        bad = await api.get("/v1/dashboard/sandboxes?size=0", headers=AUTH_A)
+    assert (first["total"], len(first["sandboxes"]), len(second["sandboxes"])) == (3, 2, 1)
+    images = [row["image"] for row in first["sandboxes"] + second["sandboxes"]]
+    assert images == ["img-1", "img-2", "img-3"]  # oldest first, a's alone
+    assert [row["image"] for row in theirs["sandboxes"]] == ["img-4"]
+    assert first["sandboxes"][0]["state"] == "leased" and first["sandboxes"][0]["age"] >= 0
+    assert bad.status_code == 422

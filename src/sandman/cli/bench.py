@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "runtimes": "runtimes.py",
     "snapshot": "snapshot.py",
     "images": "images.py",
+    "dashboard": "dashboard.py",
     "run-code": "run_code.py",
     "eval-determinism": "eval_determinism.py",
     "eval-corpus": "eval_corpus.py",

@@ -24,6 +24,8 @@ __all__ = [
     "RestoreRequest",
     "SandboxList",
     "SandboxOut",
+    "SandboxPage",
+    "SandboxRow",
     "SessionOut",
     "SessionRequest",
     "SnapshotList",
@@ -105,6 +107,28 @@ class SandboxOut(_Out):
 
 class SandboxList(_Out):
     sandboxes: list[SandboxOut]
+
+
+class SandboxRow(_Out):
+    """One live sandbox on the dashboard: what it is and what it uses now."""
+
+    id: str
+    state: State
+    image: str
+    age: float
+    """Seconds since its create was called."""
+    session: str | None = None
+    cpu_seconds: float | None = None
+    memory_bytes: int | None = None
+
+
+class SandboxPage(_Out):
+    """One page of the tenant's live sandboxes, oldest first."""
+
+    total: int
+    page: int
+    size: int
+    sandboxes: list[SandboxRow]
 
 
 class SnapshotRequest(_In):

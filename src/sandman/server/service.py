@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
@@ -24,7 +25,7 @@ from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
 from sandman.pool.records import LABEL_TENANT
 from sandman.providers.base import SnapshotInfo
 from sandman.server.errors import ApiError, from_exception
-from sandman.server.schemas import AcquireRequest
+from sandman.server.schemas import AcquireRequest, SandboxPage, SandboxRow
 from sandman.server.settings import ServerSettings
 
 __all__ = ["LABEL_TENANT", "ClientGone", "Service", "tenant_of"]
@@ -364,6 +365,40 @@ class Service:
             return await self.pool.usage(sandbox_id)
         except errors.SandboxError as exc:
             raise from_exception(exc) from exc
+
+    async def page(self, tenant: str, page: int, size: int) -> SandboxPage:
+        """Page ``page`` of the tenant's live sandboxes, oldest first, with what each uses
+        now (read for that page only: a page costs the same at 10 or 10,000)."""
+        now = time.time()
+        live = [
+            r
+            for r in self.pool.list()
+            if tenant_of(r) == tenant and r.state not in ("releasing", "gone", "failed")
+        ]
+        live.sort(key=lambda r: (r.timeline.get("create_called", now), r.id))
+        chosen = live[page * size : (page + 1) * size]
+
+        async def used(record: Record) -> Usage | None:
+            if record.state not in ("ready", "leased"):
+                return None
+            with contextlib.suppress(errors.SandboxError, OSError):
+                return await self.pool.usage(record.id)
+            return None
+
+        usages = await asyncio.gather(*(used(r) for r in chosen))
+        rows = [
+            SandboxRow(
+                id=r.id,
+                state=r.state,
+                image=r.spec.image,
+                age=max(0.0, now - r.timeline.get("create_called", now)),
+                session=r.session,
+                cpu_seconds=u.cpu_seconds if u else None,
+                memory_bytes=u.memory_bytes if u else None,
+            )
+            for r, u in zip(chosen, usages, strict=True)
+        ]
+        return SandboxPage(total=len(live), page=page, size=size, sandboxes=rows)
 
     # -- snapshots ----------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ $("forget-key").addEventListener("click", () => {
 // -- polling --------------------------------------------------------------------------
 
 let timer = null;
+const PAGE_SIZE = 50;
+let sandboxPage = 0;
 
 async function poll() {
   clearTimeout(timer);
@@ -77,6 +79,9 @@ async function poll() {
     }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     render(await response.json());
+    const rows = await fetch(`/v1/dashboard/sandboxes?page=${sandboxPage}&size=${PAGE_SIZE}`,
+                             { headers, cache: "no-store" });
+    if (rows.ok) renderSandboxes(await rows.json());
     $("forget-key").hidden = !key;
     $("status").textContent = `live · ${clock(Date.now() / 1000)}`;
     $("status").classList.remove("down");
@@ -259,6 +264,47 @@ function renderGroups(table, groups) {
                el("td", { class: "waiting", "data-waiting": group.waiting ?? 0 }, waiting));
     body.append(row);
   }
+}
+
+$("sandboxes-prev").addEventListener("click", () => {
+  sandboxPage = Math.max(0, sandboxPage - 1);
+  poll();
+});
+$("sandboxes-next").addEventListener("click", () => {
+  sandboxPage += 1;
+  poll();
+});
+
+function age(seconds) {
+  if (seconds < 120) return `${Math.round(seconds)} s`;
+  if (seconds < 7200) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function mib(bytes) {
+  return bytes === null || bytes === undefined ? "–" : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+}
+
+function renderSandboxes(page) {
+  const pages = Math.max(1, Math.ceil(page.total / page.size));
+  if (page.page >= pages && page.page > 0) {
+    sandboxPage = pages - 1;  // the list shrank under this page: the last one next time
+  }
+  const body = $("sandboxes").tBodies[0];
+  body.replaceChildren();
+  for (const s of page.sandboxes) {
+    const row = el("tr", { "data-sandbox": s.id });
+    const cpu = s.cpu_seconds === null || s.cpu_seconds === undefined ? "–" : s.cpu_seconds.toFixed(2);
+    for (const text of [s.id, s.state, age(s.age), s.image, cpu, mib(s.memory_bytes), s.session ?? ""]) {
+      row.append(el("td", {}, text));
+    }
+    body.append(row);
+  }
+  $("sandboxes-total").textContent = page.total;
+  $("sandboxes-empty").hidden = page.sandboxes.length > 0;
+  $("sandboxes-page").textContent = `page ${page.page + 1} of ${pages}`;
+  $("sandboxes-prev").disabled = page.page === 0;
+  $("sandboxes-next").disabled = page.page + 1 >= pages;
 }
 
 function renderErrors(errors) {
