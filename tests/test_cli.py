@@ -30,6 +30,8 @@ def test_doctor_reports_each_check() -> None:
     assert "overlayfs available" in result.output
     assert result.exit_code in (0, 1)
     assert ("ready for the local provider" in result.output) == (result.exit_code == 0)
+    # Which gVisor is in use (the second wall), and whether its KVM platform can run here.
+    assert "[info] runsc" in result.output and "gVisor platform kvm" in result.output
 
 
 def test_doctor_names_the_fix_for_a_missing_runtime() -> None:

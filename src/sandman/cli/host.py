@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
-from sandman.providers.local.host import check_capacity, check_host
+from sandman.providers.local.host import check_capacity, check_gvisor, check_host
 
 
 @click.command()
@@ -28,9 +29,19 @@ def doctor(runtime: str, sandboxes: int) -> None:
         if not finding.ok:
             line += f"\n       fix: {finding.fix}"
         click.echo(line)
+    for line in check_gvisor(_built_runsc()):
+        click.echo(f"[info] {line}")
     failed = sum(not f.ok for f in findings)
     click.echo("ready for the local provider" if not failed else f"{failed} problem(s) to fix")
     sys.exit(1 if failed else 0)
+
+
+def _built_runsc() -> Path | None:
+    """``hack/gvisor/.bin/runsc`` of the checkout this runs from, if it is one."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "hack" / "gvisor" / "build").exists():
+            return parent / "hack" / "gvisor" / ".bin" / "runsc"
+    return None
 
 
 COMMANDS: list[click.Command] = [doctor]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -326,3 +327,48 @@ def beyond_host(memory: int, cpu: float, host_memory: int, host_cpus: int) -> st
     if cpu > host_cpus:
         beyond.append(f"cpu {cpu:g} > the host's {host_cpus} CPUs")
     return "; ".join(beyond) or None
+
+
+def check_gvisor(built: Path | None = None) -> list[str]:
+    """What `sandman doctor` says of gVisor (the optional second wall): which runsc is in
+    use and on which platforms it can run here. Lines of information, never a failure."""
+    lines = []
+    candidates: list[tuple[str, Path | None]] = [("built (hack/gvisor/build)", built)]
+    on_path = shutil.which("runsc")
+    candidates.append(("on PATH", Path(on_path) if on_path else None))
+    found = False
+    for where, binary in candidates:
+        if binary is None or not binary.exists():
+            continue
+        found = True
+        version = _first_line([str(binary), "--version"])
+        lines.append(f"runsc {where}: {binary} ({version or 'version unknown'})")
+    if not found:
+        lines.append("runsc: none (optional; apt-get install -y runsc, or hack/gvisor/build)")
+        return lines
+    cpuinfo = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not Path("/dev/kvm").exists():
+        lines.append("gVisor platform kvm: no /dev/kvm; use systrap (runsc >= 2023) or ptrace")
+    elif not flags & {"vmx", "svm"}:
+        lines.append(
+            "gVisor platform kvm: /dev/kvm is not hardware virtualization here (no vmx/svm: a "
+            "paravirtual KVM such as PVM, where gVisor's sentry cannot run); use systrap or "
+            "ptrace (hack/gvisor/README.md)"
+        )
+    else:
+        lines.append("gVisor platform kvm: /dev/kvm with hardware virtualization: may work")
+    return lines
+
+
+def _first_line(argv: list[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        return (done.stdout or done.stderr).strip().splitlines()[0] if done.returncode == 0 else ""
+    return ""
