@@ -67,7 +67,7 @@ async def corpus(state_dir: Path, out: Path) -> None:
     ]
     async with sandman.local(state_dir=state_dir) as client:
         result = await run_batch(
-            load_instances(EXAMPLES / "instances.jsonl"), predictions, pool=client, out=out,
+            load_instances(EXAMPLES / "instances.jsonl"), predictions, client=client, out=out,
             conditions=CONDITIONS, concurrency=4, images=ImageStore(state_dir / "images"),
         )  # fmt: skip
     status = {v.model: v.status for v in result.verdicts}
@@ -109,7 +109,7 @@ async def honest(state_dir: Path, honest_dir: Path, out: Path) -> None:
         ]
         async with sandman.local(state_dir=state) as client:
             result = await run_batch(
-                loaded, chosen, pool=client, out=out / str(number), conditions=CONDITIONS,
+                loaded, chosen, client=client, out=out / str(number), conditions=CONDITIONS,
                 concurrency=4, images=ImageStore(state / "images"),
             )  # fmt: skip
         for v in result.verdicts:

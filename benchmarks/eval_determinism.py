@@ -74,7 +74,7 @@ async def grade(
     result = await run_batch(
         load_instances(EXAMPLES / "instances.jsonl"),
         [p for name in PREDICTIONS for p in load_predictions(EXAMPLES / name)],
-        pool=client, out=out, conditions=conditions, concurrency=concurrency,
+        client=client, out=out, conditions=conditions, concurrency=concurrency,
         images=ImageStore(state_dir / "images"),
     )  # fmt: skip
     ordered = sorted(result.verdicts, key=lambda v: (v.model, v.instance_id))

@@ -60,7 +60,7 @@ async def test_every_forging_patch_is_graded_as_it_deserves(
     rows = [json.loads(line) for line in (EXAMPLES / "adversarial.jsonl").read_text().splitlines()]
     result = await run_batch(
         load_instances(demo.instances), load_predictions(EXAMPLES / "adversarial.jsonl"),
-        pool=client, out=tmp_path, conditions=CONDITIONS, concurrency=4,
+        client=client, out=tmp_path, conditions=CONDITIONS, concurrency=4,
         images=ImageStore(demo.state_dir / "images"),
     )  # fmt: skip
     got = {v.model: v for v in result.verdicts}
@@ -105,7 +105,7 @@ async def test_no_held_out_route_is_resolved(
     """Routes written by people who never saw the defence: none may grade itself resolved."""
     predictions = [p for path in HELD_OUT for p in load_predictions(path)]
     result = await run_batch(
-        load_instances(demo.instances), predictions, pool=client, out=tmp_path,
+        load_instances(demo.instances), predictions, client=client, out=tmp_path,
         conditions=CONDITIONS, concurrency=4, images=ImageStore(demo.state_dir / "images"),
     )  # fmt: skip
     assert len(result.verdicts) == len(predictions)

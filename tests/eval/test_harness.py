@@ -51,7 +51,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
         seen.append((verdict.model, verdict.instance_id, reused))
 
     result = await run_batch(
-        instances, predictions, pool=client, out=tmp_path, conditions=CONDITIONS,
+        instances, predictions, client=client, out=tmp_path, conditions=CONDITIONS,
         concurrency=4, images=images, progress=progress,
     )  # fmt: skip
     got = {(v.model, v.instance_id): v for v in result.verdicts}
@@ -138,7 +138,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
     # Again into the same directory: nothing is re-run, the verdicts are the same bytes.
     seen.clear()
     again = await run_batch(
-        instances, predictions, pool=client, out=tmp_path, conditions=CONDITIONS,
+        instances, predictions, client=client, out=tmp_path, conditions=CONDITIONS,
         images=images, progress=progress,
     )  # fmt: skip
     assert again.reused == len(predictions) and all(reused for *_, reused in seen)
@@ -148,7 +148,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
 
 async def test_a_hanging_test_run_is_a_timeout(demo: Demo, client: AsyncClient) -> None:
     instance, patch = demo.shipped("calc-1", "hang")
-    report = await evaluate_report(instance, patch, pool=client, conditions=SHORT)
+    report = await evaluate_report(instance, patch, client=client, conditions=SHORT)
     assert report.verdict.status == "timeout"
     assert report.verdict.category == "error"
     assert report.verdict.reason == (
@@ -164,19 +164,19 @@ async def test_changed_inputs_are_graded_again(
 ) -> None:
     instances = load_instances(demo.instances)
     gold = [p for p in load_predictions(demo.predictions) if p.model_name_or_path == "gold"]
-    first = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=CONDITIONS)
+    first = await run_batch(instances, gold, client=client, out=tmp_path, conditions=CONDITIONS)
     assert first.reused == 0 and first.summary.resolved == len(gold)
     assert first.verdicts[0].image_digest is None  # no image store: a bare name pins nothing
     other = CONDITIONS.model_copy(update={"env": {**CONDITIONS.env, "EXTRA": "1"}})
-    second = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=other)
+    second = await run_batch(instances, gold, client=client, out=tmp_path, conditions=other)
     assert second.reused == 0 and second.summary.resolved == len(gold)
-    third = await run_batch(instances, gold, pool=client, out=tmp_path, conditions=other)
+    third = await run_batch(instances, gold, client=client, out=tmp_path, conditions=other)
     assert third.reused == len(gold)
 
 
 async def test_the_sdk_call_a_reward_function_makes(demo: Demo, client: AsyncClient) -> None:
     instance, patch = demo.shipped("textkit-1", "gold")
-    verdict = await evaluate(instance, patch, pool=client, conditions=CONDITIONS)
+    verdict = await evaluate(instance, patch, client=client, conditions=CONDITIONS)
     assert verdict.resolved
     assert verdict.pass_to_pass == {
         "test_accents (tests.test_slug.SlugifyTest)": "PASSED",
@@ -199,7 +199,7 @@ async def test_pre_test_runs_first_and_its_environment_reaches_the_tests(
             + instance.test_cmd,
         }
     )  # fmt: skip
-    report = await evaluate_report(staged, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(staged, patch, client=client, conditions=CONDITIONS)
     assert report.verdict.status == "resolved", (report.verdict.reason, report.test_output)
 
 
@@ -209,12 +209,12 @@ async def test_a_test_patch_that_does_not_apply_is_a_harness_error(
     instance, patch = demo.shipped("calc-1", "gold")
     _, stale = demo.shipped("calc-1", "noapply")
     broken = instance.model_copy(update={"test_patch": stale})
-    report = await evaluate_report(broken, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(broken, patch, client=client, conditions=CONDITIONS)
     assert report.verdict.status == "error"
     assert report.verdict.reason.startswith("the test patch does not apply")
     missing = instance.model_copy(update={"image": "no-such-image:1"})
     images = ImageStore(demo.state_dir / "images")
-    verdict = await evaluate(missing, patch, pool=client, images=images)
+    verdict = await evaluate(missing, patch, client=client, images=images)
     assert verdict.status == "error" and "no-such-image" in verdict.reason
 
 
@@ -240,7 +240,7 @@ async def test_a_sandbox_that_dies_is_reported_as_such(demo: Demo, client: Async
     verdicts: list[Verdict] = []
 
     async def grade() -> None:
-        verdicts.append(await evaluate(instance, patch, pool=client, conditions=slow))
+        verdicts.append(await evaluate(instance, patch, client=client, conditions=slow))
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(grade)

@@ -143,7 +143,7 @@ async def _grade_corpus(
     rows = {(r["model_name_or_path"], r["instance_id"]): r for r in ROWS if r["instance_id"] in ids}
     assert len(predictions) == len(rows) > 0
     result = await run_batch(
-        instances, predictions, pool=pool, out=out, conditions=CONDITIONS, concurrency=4,
+        instances, predictions, client=pool, out=out, conditions=CONDITIONS, concurrency=4,
         images=ImageStore(built.state_dir / "images"),
     )  # fmt: skip
     official = _official()

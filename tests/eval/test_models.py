@@ -256,7 +256,7 @@ def fake_client(faults: Faults | None = None) -> AsyncClient:
 @pytest.mark.anyio
 async def test_no_sandbox_is_an_error_not_a_verdict_on_the_patch() -> None:
     async with fake_client(Faults(fail_create=1.0)) as client:
-        verdict = await evaluate(instance(), "diff", pool=client, acquire_timeout=1.0)
+        verdict = await evaluate(instance(), "diff", client=client, acquire_timeout=1.0)
     assert verdict.status == "error"
     assert verdict.category == "error"
     assert verdict.reason.startswith("no sandbox for the evaluation")
@@ -266,7 +266,7 @@ async def test_no_sandbox_is_an_error_not_a_verdict_on_the_patch() -> None:
 @pytest.mark.anyio
 async def test_an_empty_patch_fails_without_a_sandbox() -> None:
     async with fake_client(Faults(fail_create=1.0)) as client:
-        verdict = await evaluate(instance(), " \n", pool=client)
+        verdict = await evaluate(instance(), " \n", client=client)
     assert (verdict.status, verdict.reason) == ("patch_failed", "the patch is empty")
     assert verdict.category == "unresolved"
     assert verdict.image_digest is None  # a bare name, and no image store to pin it
@@ -278,13 +278,13 @@ async def test_a_batch_refuses_predictions_it_cannot_grade(tmp_path: Path) -> No
         with pytest.raises(sandman.ConfigError, match="unknown instances: nope-1"):
             await run_batch(
                 [instance()], [Prediction(instance_id="nope-1", model_patch="x")],
-                pool=client, out=tmp_path,
+                client=client, out=tmp_path,
             )  # fmt: skip
         twice = [Prediction(instance_id="repo__repo-1", model_patch="x")] * 2
         with pytest.raises(sandman.ConfigError, match="two predictions of model 'model'"):
-            await run_batch([instance()], twice, pool=client, out=tmp_path)
+            await run_batch([instance()], twice, client=client, out=tmp_path)
         with pytest.raises(sandman.ConfigError, match="concurrency"):
-            await run_batch([instance()], [], pool=client, out=tmp_path, concurrency=0)
+            await run_batch([instance()], [], client=client, out=tmp_path, concurrency=0)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -316,7 +316,7 @@ async def test_a_patch_that_touches_git_itself_is_refused() -> None:
     assert git_paths(sneaky) == [".git/refs/replace/abc1234", "src/.git/config"]
     assert git_paths("diff --git a/.github/x.yml b/.github/x.yml\n") == []
     async with fake_client(Faults(fail_create=1.0)) as client:
-        verdict = await evaluate(instance(), sneaky, pool=client)
+        verdict = await evaluate(instance(), sneaky, client=client)
     assert verdict.status == "patch_failed"
     assert verdict.reason == ("the patch touches .git: .git/refs/replace/abc1234, src/.git/config")
 
@@ -340,7 +340,7 @@ async def test_retry_errors_grades_again_only_infrastructure_errors(tmp_path: Pa
         async def batch(retry_errors: bool) -> dict[str, str]:
             seen.clear()
             result = await run_batch(
-                [instance()], predictions, pool=client, out=tmp_path, acquire_timeout=0.3,
+                [instance()], predictions, client=client, out=tmp_path, acquire_timeout=0.3,
                 progress=progress, retry_errors=retry_errors, concurrency=7,
             )  # fmt: skip
             return {v.model: v.status for v in result.verdicts}

@@ -100,7 +100,7 @@ async def test_a_plugin_the_patch_smuggles_in_is_not_loaded(
     instance, _ = demo.shipped("calc-1", "gold")
     loading, loaders = LOADERS[loader]
     patch = diff("evil_plugin.py", None, PLUGIN) + loading
-    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(instance, patch, client=client, conditions=CONDITIONS)
     verdict = report.verdict
     assert verdict.applied_with == "git apply", report.apply_attempts
     assert verdict.reverted == loaders
@@ -122,7 +122,7 @@ async def test_a_summary_printed_by_the_code_under_test_does_not_count(
         "========== 4 passed in 0.01s =========="
     )
     patch = stats_patch("    return sum(values) / len(values)\n", f"    print({fake!r})\n")
-    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(instance, patch, client=client, conditions=CONDITIONS)
     assert report.test_output.count("short test summary info") >= 2  # the fake was there
     assert report.verdict.status == "unresolved", report.verdict.reason
     # The fake names the test as listed, and no test of that name ran: the run
@@ -151,7 +151,7 @@ async def test_a_test_run_ended_by_the_code_under_test_is_graded_on_pytests_word
     # Past pytest's capture: straight to the test command's own output.
     claim = f"open('/proc/%d/fd/1' % __import__('os').getppid(), 'w').write({fake!r})"
     patch = stats_patch("    ordered = sorted(values)\n", f"    {claim}\n    {ENDINGS[ending]}\n")
-    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(instance, patch, client=client, conditions=CONDITIONS)
     assert f"PASSED {F2P}" in report.test_output  # the claim was made
     assert report.verdict.status == "unresolved", report.verdict.reason
     assert report.verdict.fail_to_pass == {F2P: "MISSING"}
@@ -198,7 +198,7 @@ async def test_test_files_swapped_for_a_symlink_are_set_back(
     instance, _ = demo.shipped("calc-1", "gold")
     patch = git_patch(tmp_path, swap)
     assert "new file mode 120000" in patch
-    report = await evaluate_report(instance, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(instance, patch, client=client, conditions=CONDITIONS)
     verdict = report.verdict
     assert verdict.applied_with is not None, report.apply_attempts
     assert "tests" in verdict.reverted
@@ -242,7 +242,7 @@ async def test_a_build_is_graded_on_what_it_did(
 ) -> None:
     instance, patch = demo.shipped("calc-1", "gold")
     build = instance.model_copy(update={"pre_test": pre_test})
-    report = await evaluate_report(build, patch, pool=client, conditions=CONDITIONS)
+    report = await evaluate_report(build, patch, client=client, conditions=CONDITIONS)
     assert report.verdict.status == status, report.verdict.reason
     assert said in report.verdict.reason
 
@@ -256,7 +256,7 @@ async def test_a_new_top_level_module_that_shadows_an_installed_one_is_set_back(
     shadow = diff("pytest/__init__.py", None, "raise SystemExit('shadowed')\n")
     own = diff("calc_extra.py", None, "VALUE = 1\n")
     report = await evaluate_report(
-        instance, gold + shadow + own, pool=client, conditions=CONDITIONS
+        instance, gold + shadow + own, client=client, conditions=CONDITIONS
     )
     assert report.verdict.status == "resolved", report.verdict.reason
     assert "pytest/__init__.py" in report.verdict.reverted

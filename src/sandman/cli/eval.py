@@ -160,7 +160,7 @@ def eval_command(
                 return await run_batch(
                     loaded,
                     wanted,
-                    pool=client,
+                    client=client,
                     out=out,
                     conditions=conditions,
                     concurrency=concurrency,

@@ -1,4 +1,4 @@
-"""Where a client gets its sandboxes: a pool in this process, or (later) the service over HTTP.
+"""Where a client gets its sandboxes: a pool in this process, or the service over HTTP.
 
 The client talks to a `Backend`; only acquire, release and heartbeat go
 through it. Commands and files go straight to the sandbox's daemon.

@@ -1,6 +1,6 @@
 """Evaluation under controlled conditions, SWE-bench style.
 
-``await evaluate(instance, patch, pool=client)`` grades one patch in a fresh
+``await evaluate(instance, patch, client=client)`` grades one patch in a fresh
 sandbox and returns a `Verdict`; `run_batch` grades many, resumably, writing
 reports and summaries. Instances and predictions load from SWE-bench JSON or
 JSONL (`load_instances`, `load_predictions`).

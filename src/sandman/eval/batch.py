@@ -131,7 +131,7 @@ async def run_batch(
     instances: Sequence[Instance],
     predictions: Sequence[Prediction],
     *,
-    pool: AsyncClient,
+    client: AsyncClient,
     out: str | Path,
     conditions: Conditions | None = None,
     concurrency: int = 4,
@@ -179,7 +179,7 @@ async def run_batch(
             report = await evaluate_report(
                 instance,
                 prediction.patch,
-                pool=pool,
+                client=client,
                 conditions=conditions,
                 images=store,
                 model=prediction.model_name_or_path,

@@ -234,7 +234,7 @@ class _Evaluation:
             canaries={c.token: c.describe() for c in self.plan.canaries},
         )
 
-    async def run(self, pool: AsyncClient, acquire_timeout: float) -> Report:
+    async def run(self, client: AsyncClient, acquire_timeout: float) -> Report:
         if not self.patch.strip():
             return self.report("patch_failed", "the patch is empty")
         if touched := git_paths(self.patch):
@@ -250,7 +250,7 @@ class _Evaluation:
         self.step = "acquire"
         begun = time.monotonic()
         try:
-            sandbox = await pool.acquire(spec, timeout=acquire_timeout)
+            sandbox = await client.acquire(spec, timeout=acquire_timeout)
         except errors.SandboxError as exc:
             return self.report("error", f"no sandbox for the evaluation: {exc}")
         self.durations["acquire"] = round(time.monotonic() - begun, 3)
@@ -780,7 +780,7 @@ async def evaluate_report(
     instance: Instance,
     patch: str,
     *,
-    pool: AsyncClient,
+    client: AsyncClient,
     conditions: Conditions | None = None,
     images: ImageStore | None = None,
     model: str = "model",
@@ -792,22 +792,22 @@ async def evaluate_report(
         evaluation.ref, evaluation.digest = await pin_image(instance.image, images)
     except errors.ImageError as exc:
         return evaluation.report("error", f"image {instance.image!r}: {exc}")
-    return await evaluation.run(pool, acquire_timeout)
+    return await evaluation.run(client, acquire_timeout)
 
 
 async def evaluate(
     instance: Instance,
     patch: str,
     *,
-    pool: AsyncClient,
+    client: AsyncClient,
     conditions: Conditions | None = None,
     images: ImageStore | None = None,
     model: str = "model",
     acquire_timeout: float = 600.0,
 ) -> Verdict:
-    """Grade ``patch`` on ``instance`` in a fresh sandbox from ``pool`` (an `AsyncClient`).
+    """Grade ``patch`` on ``instance`` in a fresh sandbox from ``client`` (an `AsyncClient`).
 
-    For an RL reward: ``(await evaluate(instance, patch, pool=client)).resolved``.
+    For an RL reward: ``(await evaluate(instance, patch, client=client)).resolved``.
     ``conditions`` fixes the sandbox's CPU, memory, network and environment
     and the test run's wall-clock limit (`Conditions` defaults). With
     ``images`` (the local image store) the image is pinned to its id. Never
@@ -817,7 +817,7 @@ async def evaluate(
     report = await evaluate_report(
         instance,
         patch,
-        pool=pool,
+        client=client,
         conditions=conditions,
         images=images,
         model=model,
