@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "sandman"
 
 LAYERS = {
     "errors": 0, "models": 0, "settings": 0, "_version": 0, "_transport": 0, "_flock": 0,
+    "_tracing": 0,
     "daemon": 1, "images": 1,
     "providers": 2,
     "pool": 3, "testing": 3,
@@ -69,6 +70,7 @@ FENCED = {
     "fastapi": "only for the service (sandman.server, the [server] extra)",
     "aiohttp": "only for the Kubernetes provider (the [kubernetes] extra)",
     "pydantic_settings": "only where the environment is read (cli, server)",
+    "opentelemetry": "only if the program set up tracing itself (_tracing.py looks, never imports)",
 }
 
 

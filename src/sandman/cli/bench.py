@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "snapshot": "snapshot.py",
     "images": "images.py",
     "dashboard": "dashboard.py",
+    "tracing": "tracing.py",
     "run-code": "run_code.py",
     "eval-determinism": "eval_determinism.py",
     "eval-corpus": "eval_corpus.py",

@@ -14,6 +14,7 @@ from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from pydantic import ValidationError
 
 from sandman import errors
+from sandman._tracing import span
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
 from sandman.models import SandboxSpec, Snapshot, Usage, explain
@@ -30,10 +31,22 @@ T = TypeVar("T")
 
 def _guarded(
     method: Callable[Concatenate[DaemonClient, P], Awaitable[T]],
+    *,
+    traced: str | None = None,
 ) -> Callable[Concatenate[AsyncSandbox, P], Coroutine[Any, Any, T]]:
     """The daemon's ``method`` as a sandbox's: same signature and docstring, with
     "the daemon is gone" turned into SandboxLost (why) or SandboxNotFound when the
-    sandbox is."""
+    sandbox is; with ``traced``, in a span of that name where tracing is set up."""
+
+    if traced is not None:
+
+        @functools.wraps(method)
+        async def spanned(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            with span(traced, sandbox=self.id):
+                async with self._guard():
+                    return await method(self._daemon, *args, **kwargs)
+
+        return spanned
 
     @functools.wraps(method)
     async def call(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -121,8 +134,9 @@ class AsyncSandbox:
         self._released = True
         if self._on_release is not None:
             self._on_release(self)
-        await self._daemon.aclose()
-        return await self._backend.release(self.id)
+        with span("release", sandbox=self.id):
+            await self._daemon.aclose()
+            return await self._backend.release(self.id)
 
     async def usage(self) -> Usage | None:
         """What the sandbox has used so far: CPU seconds, peak and current memory, disk
@@ -229,7 +243,7 @@ class AsyncSandbox:
     # (`aclose`, `wait_ready`), with its signature and docstring.
 
     health = _guarded(DaemonClient.health)
-    exec = _guarded(DaemonClient.exec)
+    exec = _guarded(DaemonClient.exec, traced="exec")
     exec_stream = _guarded_stream(DaemonClient.exec_stream)
 
     spawn = _guarded(DaemonClient.spawn)
@@ -421,12 +435,15 @@ class AsyncClient:
         session = await self._ensure_session()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            lease = await self._backend.acquire(full, session=session, timeout=timeout)
-        except errors.SessionExpired:
-            session = await self._replace_session(session, reason="acquire")
-            left = None if timeout is None else max(0.0, timeout - (loop.time() - started))
-            lease = await self._backend.acquire(full, session=session, timeout=left)
+        with span("acquire", image=full.image, snapshot=full.snapshot) as current:
+            try:
+                lease = await self._backend.acquire(full, session=session, timeout=timeout)
+            except errors.SessionExpired:
+                session = await self._replace_session(session, reason="acquire")
+                left = None if timeout is None else max(0.0, timeout - (loop.time() - started))
+                lease = await self._backend.acquire(full, session=session, timeout=left)
+            if current is not None:
+                current.set_attribute("sandman.sandbox", lease.id)
         sandbox = AsyncSandbox(lease, self._backend, on_release=self._forget, client=self)
         self._held[sandbox.id] = (session, sandbox)
         return sandbox

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from sandman import errors
+from sandman._tracing import span
 from sandman.models import SandboxSpec, Usage
 from sandman.pool import owner as owners
 from sandman.pool.events import EventHook, PoolEvent, emit
@@ -804,9 +805,10 @@ class Pool:
         started = request.creating_since = time.monotonic()
         request.creating = record.id
         try:
-            info = await self.provider.create(
-                request.spec, sandbox_id=record.id, labels=record.labels
-            )
+            with span("create", sandbox=record.id, image=request.spec.image):
+                info = await self.provider.create(
+                    request.spec, sandbox_id=record.id, labels=record.labels
+                )
             self._contact = time.monotonic()
             record.info = info
             self._set_state(record, "starting")
@@ -814,8 +816,9 @@ class Pool:
             record.stamp("accepted")
             record.stamp("running")
             if info.endpoint is not None:
-                async with info.endpoint.client() as daemon:
-                    await daemon.wait_ready(self.config.ready_timeout)
+                with span("ready", sandbox=record.id):
+                    async with info.endpoint.client() as daemon:
+                        await daemon.wait_ready(self.config.ready_timeout)
         except asyncio.CancelledError:
             self._pacer.on_abandoned(time.monotonic())
             self._release(record, reason="cancelled during create", state="failed", force=True)
