@@ -72,6 +72,7 @@ from sandman.models import (
     Snapshot,
     Usage,
 )
+from sandman.pool.events import EventLog
 
 __all__ = [
     "ArchiveResult",
@@ -86,6 +87,7 @@ __all__ = [
     "DaemonError",
     "DaemonUnavailable",
     "DirectoryNotEmpty",
+    "EventLog",
     "ExecEvent",
     "ExecResult",
     "ExecTimeout",

@@ -26,7 +26,7 @@ def build() -> click.Group:
     import click
 
     from sandman import errors
-    from sandman.cli import bench, host, images, prepare, sandboxes, serve, shell, snapshots
+    from sandman.cli import bench, host, images, prepare, report, sandboxes, serve, shell, snapshots
     from sandman.cli import eval as evaluation
     from sandman.cli._common import fail
 
@@ -50,7 +50,18 @@ def build() -> click.Group:
         """Sandboxes for agentic reinforcement learning."""
         ctx.obj = {"debug": debug, "state_dir": state_dir}
 
-    for module in (host, sandboxes, snapshots, images, serve, prepare, shell, evaluation, bench):
+    for module in (
+        host,
+        sandboxes,
+        snapshots,
+        images,
+        serve,
+        prepare,
+        shell,
+        evaluation,
+        bench,
+        report,
+    ):
         for command in module.COMMANDS:
             cli.add_command(command)
     return cli

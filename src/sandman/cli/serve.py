@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -137,6 +138,11 @@ def default_pool_name() -> str:
     metavar="TENANT=IMAGE:N",
     help="Keep N ready spares of IMAGE (default limits) for TENANT; repeatable.",
 )
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Append the pool's events to this file (JSON lines) for `sandman report`.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def serve(
@@ -151,6 +157,7 @@ def serve(
     lifetime: float,
     anonymous_tenant: str | None,
     warm: tuple[str, ...],
+    events: Path | None,
     log_level: str,
 ) -> None:
     """Serve the HTTP API (and /metrics) over one pool until SIGTERM or SIGINT."""
@@ -183,6 +190,7 @@ def serve(
                 adopt=adopt,
                 pool_name=pool_name or default_pool_name(),
                 log_level=log_level,
+                events=events,
             )
         )
     except (errors.SandboxError, OSError) as exc:
@@ -219,10 +227,11 @@ async def _serve(
     adopt: bool,
     pool_name: str,
     log_level: str,
+    events: Path | None = None,
 ) -> None:
     import uvicorn
 
-    from sandman.pool import Pool, PoolConfig
+    from sandman.pool import EventLog, Pool, PoolConfig
     from sandman.server import create_app, service_of
 
     class Server(uvicorn.Server):
@@ -246,7 +255,8 @@ async def _serve(
             self.handle_exit(sig, None)
 
     config = PoolConfig(name=pool_name, lease=lease, lifetime=lifetime, adopt_orphans=adopt)
-    pool = Pool(provider, config)
+    log = EventLog(events) if events is not None else None
+    pool = Pool(provider, config, hook=log)
     app = create_app(pool, settings)
     watchdog = _watchdog(ctx, provider, pool_name) if settings.release_on_shutdown else None
     server_config = uvicorn.Config(
@@ -277,6 +287,8 @@ async def _serve(
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if log is not None:
+            log.close()
         close = getattr(provider, "aclose", None)
         if close is not None:
             await close()

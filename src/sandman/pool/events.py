@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
-__all__ = ["EventHook", "PoolEvent", "emit"]
+__all__ = ["EventHook", "EventLog", "PoolEvent", "emit"]
 
 logger = logging.getLogger("sandman.pool")
 
@@ -52,3 +55,36 @@ def emit(hook: EventHook | None, event: PoolEvent) -> None:
             hook(event)
         except Exception:
             logger.exception("pool event hook failed on %s", event.name)
+
+
+class EventLog:
+    """A hook that appends every event to ``path`` as a JSON line, for `sandman report`:
+    ``sandman.local(hook=EventLog("run.jsonl"))``. Each line is written whole and flushed,
+    so a run killed midway leaves every event up to then. Close it (or use ``with``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()  # hooks of several pools, or a sync client's thread
+
+    def __call__(self, event: PoolEvent) -> None:
+        line = json.dumps(
+            {"name": event.name, "pool": event.pool, "sandbox": event.sandbox_id,
+             "session": event.session, "at": event.at, "detail": event.detail},
+            default=str,
+        )  # fmt: skip
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        """Stop writing; idempotent."""
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

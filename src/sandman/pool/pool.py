@@ -981,7 +981,10 @@ class Pool:
             self._set_state(record, "gone")
         elif record.session is not None and not record.release_requested:
             self._remember_lost(record)
-        self._emit("delete.complete", record)
+        # Where its time went, with the sandbox it was: `sandman report` reads it.
+        self._emit(
+            "delete.complete", record, image=record.spec.image, timeline=dict(record.timeline)
+        )
 
     async def _last_usage(self, record: Record) -> None:
         """Read what a sandbox used, once more before it is deleted (a rollout's cost);
