@@ -30,15 +30,22 @@ class LocalConfig(BaseModel):
     namespace, which every runsc sandbox then has (``network="none"`` acts as
     ``"isolated"``: the sandbox can reach nothing, the host reaches it)."""
     runsc_platform: str = Field(default="ptrace", pattern=r"^[a-z0-9]+$")
-    """gVisor's platform (``--platform``): ``ptrace`` works everywhere, ``kvm``
-    or ``systrap`` are faster where available."""
+    """gVisor's platform (``--platform``): ``ptrace`` works everywhere; ``systrap``
+    needs runsc >= 2023 (``hack/gvisor/build``); ``kvm`` needs hardware
+    virtualization (not a paravirtual ``/dev/kvm``: hack/gvisor/README.md)."""
     runsc_network: Literal["host", "sandbox"] = "host"
     """gVisor's network stack (``--network``) inside the sandbox's own network
-    namespace. ``sandbox``: gVisor's user-space stack. ``host``: socket calls
-    served by the host kernel, in that namespace only — the default, because
-    Debian 12's runsc (2022) mistakes every namespace for the root one on
-    kernels >= 6.x (``net.core.rmem_default`` became per-namespace) and
-    refuses to start with ``sandbox``."""
+    namespace. ``sandbox``: gVisor's user-space stack, so no socket call reaches the
+    host kernel; memory snapshots need it. ``host`` (the default): socket calls served
+    by the host kernel, in that namespace only; it cannot be checkpointed. Not yet the
+    default: under ``sandbox`` a sandbox killed from the host answers nothing (no
+    reset), so a call to it waits out its timeout instead of failing at once. Debian
+    12's runsc mistakes every namespace for the root one on kernels >= 6.x; the
+    provider hides ``/proc/sys/net`` from it (``sandmand hide-sys-net``)."""
+    runsc_args: list[str] = Field(default_factory=list)
+    """More runsc global flags, after the provider's own. For runsc >= 2025
+    (``hack/gvisor/build``): ``["--gofer-network-namespace=new"]``, else each create
+    leaves an empty ``<state_dir>/runtime/runsc/null-netns`` (Debian's refuses it)."""
     runtime_path: str | None = None
     """The runtime binary; default: ``runtime`` looked up on PATH."""
     cgroup_parent: str = Field(default="/sandman", pattern=r"^/[A-Za-z0-9_./-]*$")

@@ -43,6 +43,11 @@ func main() {
 		logger.Print(err) // only reached when the exec did not happen
 		os.Exit(125)
 	}
+	if len(os.Args) > 1 && os.Args[1] == "hide-sys-net" {
+		err := hideSysNetExec(os.Args[2:])
+		logger.Print(err) // only reached when the exec did not happen
+		os.Exit(125)
+	}
 	if len(os.Args) > 1 && os.Args[1] == "install" {
 		if err := install(os.Args[2:]); err != nil {
 			logger.Print(err)

@@ -9,29 +9,79 @@ import (
 	"syscall"
 )
 
-// overlayExec is the host-side helper `sandmand overlay-exec LOWER UPPER WORK
-// TARGET -- PROG ARGS...`: it enters a new, private mount namespace, mounts
-// the overlay at TARGET there, and execs PROG (the OCI runtime's `create`).
-// The container inherits the namespace, so the mount exists only for it and
-// vanishes with it: nothing is ever mounted on the host, and nothing can
-// leak if the provider dies. Doing this here rather than in a Python
-// preexec_fn lets the provider spawn with vfork, without forking itself.
+// hideSysNetFlag hides the host's /proc/sys/net from the program run (see
+// hideSysNet).
+const hideSysNetFlag = "--hide-sys-net"
+
+// overlayExec is the host-side helper `sandmand overlay-exec [--hide-sys-net]
+// LOWER[:LOWER...] UPPER WORK TARGET -- PROG ARGS...`: it enters a new, private mount
+// namespace, mounts the overlay at TARGET there (`mountLayers`), and execs PROG (the OCI
+// runtime's `create`). The container inherits the namespace, so the mount
+// exists only for it and vanishes with it: nothing is ever mounted on the
+// host, and nothing can leak if the provider dies. Doing this here rather
+// than in a Python preexec_fn lets the provider spawn with vfork, without
+// forking itself.
 func overlayExec(args []string) error {
+	hide := len(args) > 0 && args[0] == hideSysNetFlag
+	if hide {
+		args = args[1:]
+	}
 	if len(args) < 6 || args[4] != "--" {
-		return fmt.Errorf("usage: sandmand overlay-exec LOWER UPPER WORK TARGET -- PROG [ARGS...]")
+		return fmt.Errorf("usage: sandmand overlay-exec [%s] LOWER UPPER WORK TARGET -- PROG [ARGS...]", hideSysNetFlag)
 	}
-	lower, upper, work, target := args[0], args[1], args[2], args[3]
-	for _, p := range []string{lower, upper, work} {
-		if strings.ContainsAny(p, ",:") {
-			return fmt.Errorf("overlay path %q must not contain ',' or ':'", p)
-		}
-	}
+	// LOWER: one directory, or several joined by ':' (topmost first), as overlayfs's
+	// lowerdir; each is checked by mountLayers.
+	lowers, upper, work, target := strings.Split(args[0], ":"), args[1], args[2], args[3]
 	prog, err := exec.LookPath(args[5])
 	if err != nil {
 		return err
 	}
 	// unshare and mount apply to this thread; exec then carries its
 	// namespace into the new program.
+	if err := privateMounts(); err != nil {
+		return err
+	}
+	if hide {
+		if err := hideSysNet(); err != nil {
+			return err
+		}
+	}
+	if err := mountLayers(lowers, upper, work, target); err != nil {
+		return err
+	}
+	return syscall.Exec(prog, args[5:], os.Environ())
+}
+
+// hideSysNetExec is `sandmand hide-sys-net -- PROG ARGS...`: PROG runs in a
+// private mount namespace where /proc/sys/net is an empty read-only tmpfs.
+//
+// Debian 12's runsc (2022) tells the root network namespace by
+// /proc/sys/net/core/rmem_default existing; since Linux 6.x that file is in
+// every namespace, so with --network=sandbox it refuses to start or restore
+// any sandbox ("cannot run with network enabled in root network
+// namespace"). The sandbox's own namespace is never the root one (the
+// provider made it), so hiding the file from runsc alone is safe; nothing
+// on the host changes.
+func hideSysNetExec(args []string) error {
+	if len(args) < 2 || args[0] != "--" {
+		return fmt.Errorf("usage: sandmand hide-sys-net -- PROG [ARGS...]")
+	}
+	prog, err := exec.LookPath(args[1])
+	if err != nil {
+		return err
+	}
+	if err := privateMounts(); err != nil {
+		return err
+	}
+	if err := hideSysNet(); err != nil {
+		return err
+	}
+	return syscall.Exec(prog, args[1:], os.Environ())
+}
+
+// privateMounts moves this thread into a new mount namespace whose mounts
+// propagate nowhere.
+func privateMounts() error {
 	runtime.LockOSThread()
 	if err := syscall.Unshare(syscall.CLONE_NEWNS); err != nil {
 		return fmt.Errorf("unshare(CLONE_NEWNS): %w", err)
@@ -39,9 +89,12 @@ func overlayExec(args []string) error {
 	if err := syscall.Mount("none", "/", "", syscall.MS_REC|syscall.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make / private: %w", err)
 	}
-	opts := "lowerdir=" + lower + ",upperdir=" + upper + ",workdir=" + work
-	if err := syscall.Mount("overlay", target, "overlay", 0, opts); err != nil {
-		return fmt.Errorf("mount overlay on %s: %w", target, err)
+	return nil
+}
+
+func hideSysNet() error {
+	if err := syscall.Mount("none", "/proc/sys/net", "tmpfs", syscall.MS_RDONLY|syscall.MS_NOSUID|syscall.MS_NODEV|syscall.MS_NOEXEC, "size=4k"); err != nil {
+		return fmt.Errorf("mount a tmpfs over /proc/sys/net: %w", err)
 	}
-	return syscall.Exec(prog, args[5:], os.Environ())
+	return nil
 }

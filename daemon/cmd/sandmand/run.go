@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -99,19 +100,112 @@ func listen(a string) (net.Listener, string, error) {
 // listenFD serves on a socket the host created and bound where no sandbox
 // can write (socket activation): the host then never follows a path the
 // workload controls. listen(2) is ours, so the kernel records this process
-// as the peer that the host checks with SO_PEERCRED.
+// as the peer that the host checks with SO_PEERCRED. The descriptor itself
+// stays open (close-on-exec) so that the daemon can serve on it again
+// after a checkpoint (listenerSet.Open).
 func listenFD(num string) (net.Listener, string, error) {
 	fd, _ := strconv.Atoi(num)
 	if err := syscall.Listen(fd, 4096); err != nil {
 		return nil, "", fmt.Errorf("listen on descriptor %d: %w", fd, err)
 	}
-	f := os.NewFile(uintptr(fd), "listen-fd")
-	defer f.Close() // FileListener holds its own (close-on-exec) copy
-	ln, err := net.FileListener(f)
+	f := passedFDs[fd]
+	if f == nil {
+		// Kept for good: a dropped *os.File's finalizer would close the descriptor.
+		syscall.CloseOnExec(fd)
+		f = os.NewFile(uintptr(fd), "listen-fd")
+		passedFDs[fd] = f
+	}
+	ln, err := net.FileListener(f) // its own (close-on-exec) copy
 	if err != nil {
 		return nil, "", fmt.Errorf("descriptor %d: %w", fd, err)
 	}
 	return ln, "fd:" + num + " (" + ln.Addr().String() + ")", nil
+}
+
+// passedFDs holds the sockets passed as fd:N, by number.
+var passedFDs = map[int]*os.File{}
+
+// listenerSet is the daemon's listening sockets, served by one http.Server;
+// the server closes and reopens them around a checkpoint (server.Listeners).
+type listenerSet struct {
+	addrs   []string
+	hs      *http.Server
+	errs    chan error
+	mu      sync.Mutex
+	open    []net.Listener
+	sockets []string // unix socket paths to remove at exit
+	closed  bool     // by Close, for a checkpoint: Serve's error is expected
+	gen     int      // how many times Close was called
+}
+
+// Open listens on every address and serves each.
+func (ls *listenerSet) Open() error {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.hs.SetKeepAlivesEnabled(true)
+	for i, a := range ls.addrs {
+		raw, name, err := listen(a)
+		if err != nil {
+			for _, l := range ls.open {
+				l.Close()
+			}
+			ls.open = nil
+			return err
+		}
+		ln := server.AbortIdle(raw)
+		ls.open = append(ls.open, ln)
+		if strings.HasPrefix(a, "tcp:") {
+			ls.addrs[i] = name // the port chosen for :0, kept for the next Open
+		}
+		if strings.HasPrefix(name, "unix:") {
+			ls.sockets = append(ls.sockets, name[len("unix:"):])
+		}
+		fmt.Fprintf(os.Stderr, "sandmand: listening on %s\n", name)
+		go func(gen int) {
+			err := ls.hs.Serve(ln)
+			ls.mu.Lock()
+			expected := ls.closed || ls.gen != gen
+			ls.mu.Unlock()
+			if !expected {
+				ls.errs <- err
+			}
+		}(ls.gen)
+	}
+	ls.closed = false
+	return nil
+}
+
+// Close closes the listening sockets and the idle connections (a
+// checkpoint's prepare); connections in use close after their answer.
+func (ls *listenerSet) Close() {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.closed = true
+	ls.gen++
+	for _, l := range ls.open {
+		l.Close()
+	}
+	ls.open = nil
+	ls.hs.SetKeepAlivesEnabled(false)
+}
+
+// current returns the open listeners (for shutdown).
+func (ls *listenerSet) current() []net.Listener {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.closed = true // from now on Serve returning is no error
+	return append([]net.Listener(nil), ls.open...)
+}
+
+func (ls *listenerSet) removeSockets() {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, l := range ls.open {
+		l.Close()
+	}
+	for _, p := range ls.sockets {
+		_ = os.Remove(p)
+	}
 }
 
 func run(cfg config, logger *log.Logger) error {
@@ -129,55 +223,51 @@ func run(cfg config, logger *log.Logger) error {
 		logger.Printf("cannot become a child subreaper (orphans will not be reaped): %v", err)
 	}
 	rp := reaper.New()
+	hs := &http.Server{
+		ErrorLog:          logger,
+		ReadHeaderTimeout: cfg.readHeaderTimeout, IdleTimeout: cfg.idleTimeout,
+	}
+	ls := &listenerSet{addrs: append([]string(nil), cfg.listen...), hs: hs, errs: make(chan error, len(cfg.listen))}
 	srv, err := server.New(server.Options{
 		Token: cfg.token, NoAuth: cfg.noAuth, Version: version,
 		KillGrace: cfg.killGrace, Reaper: rp, Env: proc.DaemonEnv(), Log: logger,
-		ChildOOMScoreAdj: cfg.childOOMScoreAdj,
+		ChildOOMScoreAdj: cfg.childOOMScoreAdj, Listeners: ls,
 	})
 	if err != nil {
 		return err
 	}
+	hs.Handler = srv
+	hs.ConnState = srv.ConnState
 	// Handle the signals before listening: as PID 1 an unhandled SIGTERM is
-	// simply dropped by the kernel.
+	// simply dropped by the kernel. SIGUSR2: serve again after a checkpoint
+	// (the host sends it to the restored sandbox, `runsc kill ID USR2`).
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	resume := make(chan os.Signal, 1)
+	signal.Notify(resume, syscall.SIGUSR2)
 
-	hs := &http.Server{
-		Handler: srv, ErrorLog: logger,
-		ReadHeaderTimeout: cfg.readHeaderTimeout, IdleTimeout: cfg.idleTimeout,
+	defer ls.removeSockets()
+	if err := ls.Open(); err != nil {
+		return err
 	}
-	var sockets []string
-	var listeners []net.Listener
-	defer func() {
-		for _, l := range listeners {
-			l.Close()
+	for {
+		select {
+		case sig := <-sigs:
+			logger.Printf("got %v, shutting down", sig)
+			shutdown(hs, srv, ls.current(), rp, cfg.shutdownGrace, logger)
+			return nil
+		case <-resume:
+			if !srv.Quiesced() {
+				continue
+			}
+			if err := srv.Resume(); err != nil {
+				return fmt.Errorf("serving again after a checkpoint: %w", err)
+			}
+			logger.Printf("serving again after a checkpoint")
+		case err := <-ls.errs:
+			return fmt.Errorf("serving: %w", err)
 		}
-		for _, p := range sockets {
-			_ = os.Remove(p)
-		}
-	}()
-	serveErr := make(chan error, len(cfg.listen))
-	for _, a := range cfg.listen {
-		ln, name, err := listen(a)
-		if err != nil {
-			return err
-		}
-		listeners = append(listeners, ln)
-		if strings.HasPrefix(name, "unix:") {
-			sockets = append(sockets, name[len("unix:"):])
-		}
-		fmt.Fprintf(os.Stderr, "sandmand: listening on %s\n", name)
-		go func() { serveErr <- hs.Serve(ln) }()
 	}
-
-	select {
-	case sig := <-sigs:
-		logger.Printf("got %v, shutting down", sig)
-	case err := <-serveErr:
-		return fmt.Errorf("serving: %w", err)
-	}
-	shutdown(hs, srv, listeners, rp, cfg.shutdownGrace, logger)
-	return nil
 }
 
 // shutdown stops in order. First it stops accepting: the listening sockets

@@ -2,6 +2,7 @@ package server
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -124,6 +125,16 @@ func FuzzDecodeMove(f *testing.F) {
 		src, dst, _, err := parseMove(b)
 		if err == nil && (src == "" || dst == "") {
 			panic("accepted an empty path")
+		}
+		return err
+	})
+}
+
+func FuzzDecodeToken(f *testing.F) {
+	fuzzDecoder(f, func(b []byte) error {
+		tok, err := parseToken(b)
+		if err == nil && (len(tok) < minToken || strings.ContainsAny(tok, " \t\r\n\x00")) {
+			panic("accepted a bad token")
 		}
 		return err
 	})

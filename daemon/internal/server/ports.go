@@ -66,15 +66,25 @@ func (ts *tunnels) remove(t *tunnel) {
 
 // CloseTunnels closes every connection handed over to a port and refuses
 // new ones (at shutdown).
-func (s *Server) CloseTunnels() {
-	s.tunnels.mu.Lock()
-	s.tunnels.closed = true
-	open := s.tunnels.open
-	s.tunnels.open = nil
-	s.tunnels.mu.Unlock()
+func (s *Server) CloseTunnels() { s.tunnels.shut() }
+
+// shut closes every tunnel and refuses new ones until reopen.
+func (ts *tunnels) shut() {
+	ts.mu.Lock()
+	ts.closed = true
+	open := ts.open
+	ts.open = nil
+	ts.mu.Unlock()
 	for t := range open {
 		t.close()
 	}
+}
+
+// reopen accepts tunnels again (after a checkpoint).
+func (ts *tunnels) reopen() {
+	ts.mu.Lock()
+	ts.closed = false
+	ts.mu.Unlock()
 }
 
 // Tunnels is the number of connections handed over to ports and still open.

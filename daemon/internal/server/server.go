@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"os"
 	"runtime/debug"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"sandman/daemon/internal/apierr"
@@ -37,11 +39,14 @@ type Options struct {
 	// oom_score_adj, so that under memory pressure the kernel kills the
 	// commands rather than the daemon (PID 1: the whole sandbox).
 	ChildOOMScoreAdj int
+	// Listeners lets POST /v1/checkpoint/prepare stop the serving (and
+	// Resume restart it); nil: the daemon refuses to prepare.
+	Listeners Listeners
 }
 
 // Server implements the v1 protocol.
 type Server struct {
-	auth      []byte // "Bearer <token>"; nil with NoAuth
+	auth      atomic.Pointer[[]byte] // "Bearer <token>"; nil with NoAuth; POST /v1/token replaces it
 	version   string
 	killGrace time.Duration
 	started   time.Time
@@ -51,6 +56,10 @@ type Server struct {
 	sessions  *proc.SessionManager
 	tunnels   tunnels
 	routes    []route
+	conns     conns
+	listeners Listeners
+	ckptMu    sync.Mutex // one prepare or resume at a time
+	quiesced  bool       // prepared for a checkpoint: not serving
 }
 
 // New builds a Server.
@@ -72,16 +81,20 @@ func New(o Options) (*Server, error) {
 	s := &Server{
 		version: o.Version, killGrace: o.KillGrace, started: time.Now(), log: o.Log,
 		runner: runner, procs: proc.NewManager(runner), sessions: proc.NewSessionManager(runner),
+		listeners: o.Listeners,
 	}
 	if s.log == nil {
 		s.log = log.New(discard{}, "", 0)
 	}
 	if !o.NoAuth {
-		s.auth = []byte("Bearer " + o.Token)
+		auth := []byte("Bearer " + o.Token)
+		s.auth.Store(&auth)
 	}
 	s.routes = []route{
 		{"GET", "/v1/health", true, s.health},
 		{"GET", "/v1/openapi.json", true, s.openapi},
+		{"POST", "/v1/token", false, s.tokenReplace},
+		{"POST", "/v1/checkpoint/prepare", false, s.checkpointPrepare},
 		{"POST", "/v1/exec", false, s.exec},
 		{"POST", "/v1/exec/stream", false, s.execStream},
 		{"POST", "/v1/processes", false, s.processStart},
@@ -136,8 +149,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	if !rt.public && s.auth != nil &&
-		subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), s.auth) != 1 {
+	if auth := s.auth.Load(); !rt.public && auth != nil &&
+		subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), *auth) != 1 {
 		writeError(w, apierr.New(http.StatusUnauthorized, "unauthorized", "missing or wrong bearer token"))
 		return
 	}

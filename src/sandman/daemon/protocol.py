@@ -61,6 +61,9 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     # whose connection to it is closed instead, the reason in `ExposedPort.last_failure`.
     "connection_refused": errors.DaemonError,
     "connect_timeout": errors.DaemonError,
+    # A memory checkpoint refused: the sandbox's processes hold TCP sockets, or requests
+    # are in flight (`sandman.daemon.checkpoint.prepare_checkpoint`); the message names them.
+    "not_checkpointable": errors.DaemonError,
     # From the service's proxy route: what answers at the sandbox's socket is not its daemon.
     "untrusted_daemon": errors.UntrustedDaemon,
 }

@@ -32,11 +32,6 @@ GVISOR = REPO / "hack" / "gvisor"
 RUNSC = GVISOR / ".bin" / "runsc"
 # A cold build of runsc and its shim: about 3-6 minutes on two cores.
 BUILD_TIMEOUT = 1200
-# runsc >= 2025 pins the gofers' empty network namespace at <--root>/null-netns,
-# inside the private mount namespace the provider creates containers in, so the
-# mount is gone and the empty file stays. The provider does not pass
-# --gofer-network-namespace=new yet (hack/gvisor/README.md, "With Sandman").
-PINNED_NETNS = "null-netns"
 
 pytestmark = [
     pytest.mark.anyio,
@@ -66,13 +61,16 @@ async def systrap(
     built_runsc: Path, state_dir: Path, busybox_tar: Path
 ) -> AsyncIterator[LocalConfig]:
     """Settings for the built runsc on systrap with netstack, the busybox image in their
-    store; at the end, nothing of any sandbox may be left but the known pinned-netns file."""
+    store; at the end, nothing of any sandbox may be left."""
     config = config_for(
         state_dir,
         runtime="runsc",
         runtime_path=str(built_runsc),
         runsc_platform="systrap",
         runsc_network="sandbox",
+        # Else each create leaves an empty <state_dir>/runtime/runsc/null-netns: runsc
+        # pins the gofers' namespace inside the private mount namespace it runs in.
+        runsc_args=["--gofer-network-namespace=new"],
     )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")
@@ -92,7 +90,7 @@ async def systrap(
 
 
 def _left(provider: LocalProvider) -> list[str]:
-    return [item for item in leftovers(provider, closed=True) if PINNED_NETNS not in item]
+    return leftovers(provider, closed=True)
 
 
 async def test_a_sandbox_runs_on_systrap_with_gvisors_own_network_stack(
@@ -121,11 +119,6 @@ async def test_a_sandbox_runs_on_systrap_with_gvisors_own_network_stack(
             assert out.exit_code not in (0, 127), out  # refused, not "no nc"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the provider does not pass --gofer-network-namespace=new: runsc leaves "
-    "<state_dir>/runtime/runsc/null-netns (hack/gvisor/README.md)",
-)
 async def test_nothing_is_left_in_the_runtimes_state_directory(systrap: LocalConfig) -> None:
     async with (
         sandman.local(systrap) as client,

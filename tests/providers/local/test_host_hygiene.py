@@ -131,3 +131,19 @@ async def test_no_sandbox_sees_the_hosts_btrfs_quota_groups(
         assert seen.stdout == "", seen
         for info in (a, b):
             await provider.delete(info.id)
+
+
+async def test_the_mount_table_names_no_sandbox(state_dir: Path, busybox_tar: Path) -> None:
+    # The overlay's options (lowerdir, upperdir, workdir) are in every sandbox's
+    # /proc/self/mountinfo: they named the host's state directory and the sandbox's id.
+    async with provider_for(config_for(state_dir), busybox_tar) as provider:
+        info = await provider.create(SPEC.model_copy(update={"disk": 64 * 2**20}))
+        async with await ready(info) as sb:
+            table = (await sb.exec("cat /proc/self/mountinfo")).stdout
+        (root,) = [line for line in table.splitlines() if line.split()[4] == "/"]
+        assert "lowerdir=/run/sandman-layers/0,upperdir=/run/sandman-layers/w/upper" in root
+        assert str(state_dir) not in root, root
+        # No line names the sandbox (the binds of the daemon and of the masked
+        # directories still show their sources' host paths: docs/security.md).
+        assert info.id not in table, table
+        await provider.delete(info.id)

@@ -678,6 +678,25 @@ class NetworkManager:
         if left:
             raise errors.ProviderError(f"could not remove {', '.join(left)}")
 
+    async def readdress(self, sandbox_id: str) -> None:
+        """Put the sandbox's address and default route back into its namespace (idempotent).
+
+        gVisor's own network stack (``runsc --network=sandbox``) takes them from the
+        namespace into itself when it starts, so a restore of the same sandbox in the
+        same namespace would find none, and its daemon would be unreachable."""
+        attachment = await self.get(sandbox_id)
+        if attachment is None:
+            raise errors.ProviderError(f"sandbox {sandbox_id} has no network to readdress")
+        netns, _ = names(sandbox_id)
+        await _run(
+            "ip", "-n", netns, "-batch", "-",
+            stdin=(
+                f"addr replace {attachment.sandbox_ip}/30 dev {SANDBOX_INTERFACE}\n"
+                f"link set {SANDBOX_INTERFACE} up\n"
+                f"route replace default via {attachment.host_ip}\n"
+            ),
+        )  # fmt: skip
+
     # -- list / reset -------------------------------------------------------
 
     async def list(self) -> builtins.list[str]:

@@ -47,6 +47,7 @@ import anyio
 
 from sandman import errors
 from sandman.daemon import daemon_path
+from sandman.daemon.checkpoint import prepare_checkpoint, replace_token
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec, Usage
 from sandman.providers.base import (
@@ -71,7 +72,12 @@ from sandman.providers.local.host import (
 )
 from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
 from sandman.providers.local.runtime import OCIRuntime, read_pid
-from sandman.providers.local.snapshots import SnapshotStore, check_id, new_snapshot_id
+from sandman.providers.local.snapshots import (
+    SnapshotStore,
+    check_id,
+    new_snapshot_id,
+    tree_size,
+)
 from sandman.providers.local.trees import remove_tree
 from sandman.providers.local.usage import read_usage
 from sandman.settings import LocalConfig
@@ -124,10 +130,18 @@ class LocalProvider:
                 f"OCI runtime {self.config.runtime!r} not found: apt-get install -y {self.config.runtime}"
             )
         global_args = []
+        self._daemon = (self.config.daemon_path or daemon_path()).resolve()
+        netstack = self.config.runtime == "runsc" and self.config.runsc_network == "sandbox"
         if self.config.runtime == "runsc":
             global_args = [
                 f"--platform={self.config.runsc_platform}",
                 f"--network={self.config.runsc_network}",
+                # The workload's files in the sandbox's layer, as under crun: runsc
+                # >= 2023 defaults to root:self, one opaque .gvisor.filestore.<id> file
+                # (nothing for a snapshot to keep; a restore refuses it). Debian's
+                # runsc's default, which it accepts too.
+                "--overlay2=none",
+                *self.config.runsc_args,
             ]
         self._runtime = OCIRuntime(
             binary,
@@ -135,8 +149,10 @@ class LocalProvider:
             kind=self.config.runtime,
             timeout=self.config.stop_timeout,
             global_args=global_args,
+            # Debian's runsc refuses its own network stack on kernels >= 6.x unless
+            # /proc/sys/net is hidden from it (`sandmand hide-sys-net`).
+            hide_sys_net=self._daemon if netstack else None,
         )
-        self._daemon = (self.config.daemon_path or daemon_path()).resolve()
         self._warned_beyond: set[str] = set()
         self.network = NetworkManager(
             state_dir=state,
@@ -293,7 +309,11 @@ class LocalProvider:
                     f"the image of snapshot {snapshot_id} ({snapshot.image}, "
                     f"{snapshot.image_id}) is no longer in the store"
                 ) from None
-            return await self._create(spec, image, sandbox_id, labels, source=snapshot_id)
+            if snapshot.memory:
+                self._check_memory()
+            return await self._create(
+                spec, image, sandbox_id, labels, source=snapshot_id, memory=snapshot.memory
+            )
         finally:
             await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
 
@@ -305,6 +325,7 @@ class LocalProvider:
         labels: Mapping[str, str] | None,
         *,
         source: str | None = None,
+        memory: bool = False,
     ) -> SandboxInfo:
         sid = sandbox_id or new_sandbox_id()
         directory = self._dir(sid)
@@ -326,7 +347,7 @@ class LocalProvider:
         try:
             token = secrets.token_urlsafe(32)
             endpoint = await self._start(
-                sid, directory, spec, image, uid, gid, token, all_labels, source
+                sid, directory, spec, image, uid, gid, token, all_labels, source, memory
             )
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
@@ -360,8 +381,10 @@ class LocalProvider:
         token: str,
         labels: Mapping[str, str],
         source: str | None = None,
+        memory: bool = False,
     ) -> DaemonEndpoint:
-        """Create and start the container; returns where its daemon listens."""
+        """Create and start the container (or, with ``memory``, restore the processes of
+        the snapshot ``source``); returns where its daemon listens."""
         (directory / "rootfs").mkdir()
         layer = await self._layer(sid, directory, spec, source)
         # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
@@ -408,6 +431,9 @@ class LocalProvider:
             seccomp=await seccomp.resolve(spec.seccomp),
         )
         _write(directory / "config.json", json.dumps(config))
+        if memory:
+            assert source is not None
+            return await self._restore_memory(sid, directory, image, layer, source, token)
         return await self._launch(sid, directory, image, layer, token)
 
     async def _layer(
@@ -430,7 +456,7 @@ class LocalProvider:
         self, sid: str, directory: Path, image: Image, layer: Path, token: str
     ) -> DaemonEndpoint:
         """Create and start the container of a bundle written whole (``config.json``)."""
-        overlay = (image.rootfs, layer / "upper", layer / "work", directory / "rootfs")
+        overlay = (_lowerdir(image), layer / "upper", layer / "work", directory / "rootfs")
         if self.config.runtime == "runsc":
             await self._runtime.create(
                 sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
@@ -531,26 +557,47 @@ class LocalProvider:
     ) -> SnapshotInfo:
         """Keep the sandbox's files: a btrfs snapshot of its layer (constant time), or a
         copy without a disk filesystem. Its processes are frozen meanwhile, so the files
-        are as of one instant. ``memory`` is refused: crun has no working CRIU here."""
+        are as of one instant.
+
+        ``memory`` (gVisor with its own network stack only: ``runtime="runsc"``,
+        ``runsc_network="sandbox"``) keeps every process too: the daemon stops serving
+        (refused, `DaemonError` ``not_checkpointable``, while the sandbox's processes hold
+        TCP sockets), ``runsc checkpoint`` saves the sandbox (which stops it) and its files
+        are kept as of then; the sandbox is then restored in place and goes on running,
+        same id, address and token."""
         if memory:
-            raise errors.ConfigError(
-                "a snapshot with memory needs a runtime that can checkpoint processes: "
-                f"this provider runs {self.config.runtime!r}, and the CRIU that crun would use "
-                "fails `criu check` on this kernel; snapshot(memory=False) keeps the files"
-            )
+            self._check_memory()
         meta = self._meta(sandbox_id)
         status = await self._running(sandbox_id)
+        if memory and status != "running":
+            raise errors.SandboxPaused(f"sandbox {sandbox_id} is paused: resume it first")
         sid = check_id(snapshot_id) if snapshot_id else new_snapshot_id()
         record = {
             "id": sid, "labels": dict(labels or {}), "image": meta.get("image", ""),
             "image_id": meta.get("image_id", ""), "created_at": time.time(),
-            "source": sandbox_id, "spec": _own_spec(meta.get("spec")), "memory": False,
+            "source": sandbox_id, "spec": _own_spec(meta.get("spec")), "memory": memory,
         }  # fmt: skip
         store = self.snapshot_store
         try:
             await anyio.to_thread.run_sync(store.record, sid, record)
         except FileExistsError:
             raise errors.ConfigError(f"snapshot {sid} already exists") from None
+        except OSError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            # The state directory read-only or full: typed, as a create's is.
+            raise errors.ProviderError(
+                f"cannot record snapshot {sid}: the state directory failed at "
+                f"{exc.filename or store.root}: {exc.strerror or exc}"
+            ) from exc
+        if memory:
+            try:
+                await self._checkpoint(sandbox_id, sid)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(store.delete, sid)
+                raise
+            return await anyio.to_thread.run_sync(store.get, sid)
         try:
             if status == "running":
                 await self._runtime.pause(sandbox_id)
@@ -567,6 +614,142 @@ class LocalProvider:
                 await anyio.to_thread.run_sync(store.delete, sid)
             raise
         return await anyio.to_thread.run_sync(store.get, sid)
+
+    def _check_memory(self) -> None:
+        """ConfigError unless this provider can keep and restore processes."""
+        if self.config.runtime != "runsc":
+            raise errors.ConfigError(
+                "a snapshot with memory needs a runtime that can checkpoint processes: "
+                f"this provider runs {self.config.runtime!r}, and the CRIU that crun would use "
+                "fails `criu check` on this kernel; use LocalConfig(runtime='runsc', "
+                "runsc_network='sandbox'), or snapshot(memory=False) to keep the files"
+            )
+        if self.config.runsc_network != "sandbox":
+            raise errors.ConfigError(
+                "a snapshot with memory needs gVisor's own network stack: "
+                f"runsc_network={self.config.runsc_network!r} (host networking) cannot be "
+                "checkpointed; use LocalConfig(runsc_network='sandbox')"
+            )
+
+    async def _checkpoint(self, sandbox_id: str, snapshot_id: str) -> None:
+        """Save the running sandbox's processes and files into the snapshot (recorded),
+        then bring the sandbox back as it was, in place."""
+        directory = self._dir(sandbox_id)
+        # One checkpoint of a sandbox at a time (across processes too): a second one's
+        # prepare would find the daemon deaf, and its SIGUSR2 would wake it mid-save.
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise errors.ProviderError(
+                    f"a memory snapshot of {sandbox_id} is being taken already"
+                ) from None
+            await self._checkpoint_locked(sandbox_id, snapshot_id, directory)
+        finally:
+            os.close(fd)
+
+    async def _checkpoint_locked(self, sandbox_id: str, snapshot_id: str, directory: Path) -> None:
+        store = self.snapshot_store
+        token = (directory / "token").read_text()
+        endpoint = _endpoint(directory, self._socket(directory), token)
+        try:
+            await prepare_checkpoint(token=token, host=endpoint.host, port=endpoint.port)
+        except BaseException as exc:
+            # Refused (typed) while the workload holds TCP sockets: nothing happened
+            # then. Any other failure may have left the daemon prepared, and deaf.
+            if not (isinstance(exc, errors.DaemonError) and exc.code == "not_checkpointable"):
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await self._runtime.kill(sandbox_id, "USR2")
+            raise
+        image_path = await anyio.to_thread.run_sync(store.make_memory, snapshot_id, token)
+        try:
+            await self._runtime.checkpoint(sandbox_id, image_path)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                # A failed checkpoint may have left the sandbox running, its daemon deaf.
+                with contextlib.suppress(errors.SandboxError):
+                    await self._runtime.kill(sandbox_id, "USR2")
+            raise
+        try:
+            # The files as of the checkpoint: the sandbox is stopped.
+            await anyio.to_thread.run_sync(
+                store.keep, snapshot_id, sandbox_id, self._layer_of(sandbox_id)
+            )
+            size = await anyio.to_thread.run_sync(tree_size, image_path)
+            await anyio.to_thread.run_sync(store.add_size, snapshot_id, size)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._resume_from(sandbox_id, image_path, token)
+
+    async def _resume_from(self, sandbox_id: str, image_path: Path, token: str) -> None:
+        """Restore the checkpointed (stopped) sandbox in place: same container id, bundle,
+        layer, network and token; its daemon serves again."""
+        directory = self._dir(sandbox_id)
+        meta = self._meta(sandbox_id)
+        image = await self.images.get(meta["image_id"])
+        await self._runtime.delete(sandbox_id)
+        await self._remove_cgroups(sandbox_id)
+        await self.network.readdress(sandbox_id)
+        (directory / "pid").unlink(missing_ok=True)
+        layer = self._layer_of(sandbox_id)
+        await self._restored(sandbox_id, directory, image, layer, image_path, token, token)
+
+    async def _restore_memory(
+        self,
+        sid: str,
+        directory: Path,
+        image: Image,
+        layer: Path,
+        snapshot_id: str,
+        token: str,
+    ) -> DaemonEndpoint:
+        """The new sandbox ``sid`` (its bundle and layer made) running the processes of
+        the memory snapshot: in its own network namespace, with its own token."""
+        store = self.snapshot_store
+        held = await anyio.to_thread.run_sync(store.token, snapshot_id)
+        return await self._restored(
+            sid, directory, image, layer, store.memory(snapshot_id), held, token
+        )
+
+    async def _restored(
+        self,
+        sid: str,
+        directory: Path,
+        image: Image,
+        layer: Path,
+        image_path: Path,
+        held: str,
+        token: str,
+    ) -> DaemonEndpoint:
+        """``runsc restore`` of the bundle in ``directory``; then the daemon (which holds
+        the token ``held``) serves again (SIGUSR2) and is given ``token``."""
+        overlay = (_lowerdir(image), layer / "upper", layer / "work", directory / "rootfs")
+        await self._runtime.restore(
+            sid, directory, image_path, log=directory / "log", overlay=overlay,
+            helper=self._daemon,
+        )  # fmt: skip
+        await self._runtime.kill(sid, "USR2")
+        endpoint = _endpoint(directory, self._socket(directory), token)
+        assert endpoint.host is not None and endpoint.port is not None
+        deadline = time.monotonic() + self.config.stop_timeout
+        while True:
+            try:
+                if held != token:
+                    await replace_token(token, token=held, host=endpoint.host, port=endpoint.port)
+                else:
+                    async with endpoint.client() as daemon:
+                        await daemon.health()
+                break
+            except errors.DaemonUnavailable:
+                # USR2 is asynchronous: its listener comes up a few ms later.
+                if time.monotonic() > deadline:
+                    raise errors.ProviderError(
+                        f"the daemon of {sid}, restored, did not serve again within "
+                        f"{self.config.stop_timeout} s"
+                    ) from None
+                await anyio.sleep(0.002)
+        return endpoint
 
     async def snapshots(
         self, *, labels: Mapping[str, str] | None = None
@@ -585,7 +768,8 @@ class LocalProvider:
 
     async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
         """Reset the sandbox to the snapshot's files: its container is made again over a
-        new layer from the snapshot (same id, token and network; new processes)."""
+        new layer from the snapshot (same id, token and network; new processes, or with a
+        memory snapshot the snapshot's processes, restored)."""
         meta = self._meta(sandbox_id)
         directory = self._dir(sandbox_id)
         hold = self.snapshot_store.using(snapshot_id)
@@ -596,6 +780,8 @@ class LocalProvider:
                     f"snapshot {snapshot_id} is of image {snapshot.image!r}; sandbox "
                     f"{sandbox_id} runs {meta.get('image')!r}: restore needs the same image"
                 )
+            if snapshot.memory:
+                self._check_memory()
             image = await self.images.get(snapshot.image_id)
             spec = SandboxSpec.model_validate(_own_spec(meta["spec"]))
             token = (directory / "token").read_text()
@@ -606,7 +792,14 @@ class LocalProvider:
             # container, which the pool finds lost and deletes, record and all.
             await anyio.to_thread.run_sync(self._drop_layer, sandbox_id, directory)
             layer = await self._layer(sandbox_id, directory, spec, snapshot_id)
-            endpoint = await self._launch(sandbox_id, directory, image, layer, token)
+            if snapshot.memory:
+                # Its processes from the image, in its own namespace, with its own token.
+                await self.network.readdress(sandbox_id)
+                endpoint = await self._restore_memory(
+                    sandbox_id, directory, image, layer, snapshot_id, token
+                )
+            else:
+                endpoint = await self._launch(sandbox_id, directory, image, layer, token)
         finally:
             await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
         self._seen.pop(sandbox_id, None)  # a new daemon pid
@@ -800,6 +993,12 @@ class LocalProvider:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
         self._exits.close()
         await anyio.to_thread.run_sync(self.disk.release)
+
+
+def _lowerdir(image: Image) -> Path:
+    """The image's layers as one overlay lowerdir, topmost first (``a:b:c``): stacked as
+    the layer store keeps them (`Image.lowers`), not copied."""
+    return Path(":".join(str(p) for p in image.lowers))
 
 
 def _own_spec(spec: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The OCI runtime (crun or runc) driven as a command: create, start, delete, list."""
+"""The OCI runtime (crun, runc or runsc) driven as a command: create, start, delete, list;
+and gVisor's checkpoint and restore."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 # 1000 went at 67 a second; and the memory of thousands of processes at once on a
 # host that is full of sandboxes.
 MAX_PROCESSES = 32
+# Checkpoint and restore move the sandbox's memory: bounded by this many stop timeouts.
+_SLOW = 6
 
 
 class OCIRuntime:
@@ -42,6 +45,7 @@ class OCIRuntime:
         kind: Literal["crun", "runc", "runsc"],
         timeout: float,
         global_args: Sequence[str] = (),
+        hide_sys_net: Path | None = None,
     ) -> None:
         self.binary = binary
         self.root = root.resolve()  # crun misbehaves with a relative --root
@@ -49,6 +53,9 @@ class OCIRuntime:
         self.timeout = timeout
         # Flags every call takes before the command (runsc: --platform).
         self._global = ["--root", str(self.root), *global_args]
+        # Debian's runsc with --network=sandbox: the commands that set up its network
+        # run where /proc/sys/net is hidden (`sandmand hide-sys-net`, this helper).
+        self._hide = hide_sys_net
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
@@ -62,15 +69,21 @@ class OCIRuntime:
         return gate
 
     async def _spawn(
-        self, argv: list[str], what: str, log: Path | None = None, pass_fds: Sequence[int] = ()
+        self,
+        argv: list[str],
+        what: str,
+        log: Path | None = None,
+        pass_fds: Sequence[int] = (),
+        timeout: float | None = None,
     ) -> spawn.Completed:
+        limit = timeout or self.timeout
         try:
             # Queued here, not in the kernel: the timeout counts from the start.
             async with self._gate():
-                return await spawn.run(argv, log=log, timeout=self.timeout, pass_fds=pass_fds)
+                return await spawn.run(argv, log=log, timeout=limit, pass_fds=pass_fds)
         except TimeoutError:
             raise errors.ProviderError(
-                f"{self.kind} {what} did not finish within {self.timeout} s"
+                f"{self.kind} {what} did not finish within {limit} s"
             ) from None
         except BlockingIOError as exc:
             # EAGAIN from fork: the host is out of processes (pid_max, threads-max).
@@ -80,10 +93,15 @@ class OCIRuntime:
         except OSError as exc:
             raise errors.ProviderError(f"cannot start {self.kind} {what}: {exc}") from exc
 
-    async def _run(self, *args: str) -> tuple[int, str]:
+    def _hidden(self) -> list[str]:
+        return [] if self._hide is None else [str(self._hide), "hide-sys-net", "--"]
+
+    async def _run(
+        self, *args: str, hide: bool = False, timeout: float | None = None
+    ) -> tuple[int, str]:
         """Run the runtime; returns (exit code, stdout, or stderr on failure)."""
-        argv = [self.binary, *self._global, *args]
-        done = await self._spawn(argv, args[0])
+        argv = [*(self._hidden() if hide else []), self.binary, *self._global, *args]
+        done = await self._spawn(argv, args[0], timeout=timeout)
         if done.returncode != 0:
             message = done.stderr.decode(errors="replace")
             logger.debug("%s %s failed: %s", self.kind, " ".join(args), message)
@@ -106,18 +124,61 @@ class OCIRuntime:
         ``pass_fds`` are the container process's descriptors 3, 4, ...
         Returns the pid of the container's init (on this host).
         """
-        pid_file = bundle / "pid"
         preserve = ["--preserve-fds", str(len(pass_fds))] if pass_fds else []
+        command = [
+            "create", *preserve, "--bundle", str(bundle), "--pid-file", str(bundle / "pid"),
+            sandbox_id,
+        ]  # fmt: skip
+        return await self._overlaid(
+            sandbox_id, command, log=log, overlay=overlay, helper=helper, pass_fds=pass_fds
+        )
+
+    async def restore(
+        self,
+        sandbox_id: str,
+        bundle: Path,
+        image_path: Path,
+        *,
+        log: Path,
+        overlay: tuple[Path, Path, Path, Path],
+        helper: Path,
+    ) -> int:
+        """gVisor: a new container ``sandbox_id`` of ``bundle``, running the processes of
+        the checkpoint at ``image_path`` (`checkpoint`), over the overlay as `create` has
+        it. Returns the pid of its sandbox process (on this host)."""
+        command = [
+            "restore", "--image-path", str(image_path), "--bundle", str(bundle),
+            "--pid-file", str(bundle / "pid"), "--detach", sandbox_id,
+        ]  # fmt: skip
+        return await self._overlaid(
+            sandbox_id, command, log=log, overlay=overlay, helper=helper, slow=True
+        )
+
+    async def _overlaid(
+        self,
+        sandbox_id: str,
+        command: list[str],
+        *,
+        log: Path,
+        overlay: tuple[Path, Path, Path, Path],
+        helper: Path,
+        pass_fds: Sequence[int] = (),
+        slow: bool = False,
+    ) -> int:
+        what = command[0]
+        bundle = Path(command[command.index("--bundle") + 1])
+        pid_file = bundle / "pid"
+        hide = ["--hide-sys-net"] if self._hide is not None else []
         argv = [
-            str(helper), "overlay-exec", *(str(p) for p in overlay), "--",
-            self.binary, *self._global, "create", *preserve,
-            "--bundle", str(bundle), "--pid-file", str(pid_file), sandbox_id,
+            str(helper), "overlay-exec", *hide, *(str(p) for p in overlay), "--",
+            self.binary, *self._global, *command,
         ]  # fmt: skip
         # Both streams go to the log: the container's PID 1 inherits them as its stdio.
         # Not interrupted by cancellation: a create killed half-way leaves a
         # container the runtime does not know. It is short (and bounded by the
         # timeout); on cancellation we let it finish, then the caller deletes.
-        running = asyncio.ensure_future(self._spawn(argv, "create", log, pass_fds))
+        timeout = self.timeout * _SLOW if slow else None
+        running = asyncio.ensure_future(self._spawn(argv, what, log, pass_fds, timeout))
         try:
             done = await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -127,17 +188,38 @@ class OCIRuntime:
         if done.returncode != 0:
             tail = (await anyio.Path(log).read_text(errors="replace"))[-2000:].strip()
             raise errors.ProviderError(
-                f"{self.kind} create {sandbox_id} failed ({done.returncode}): {tail}"
+                f"{self.kind} {what} {sandbox_id} failed ({done.returncode}): {tail}"
             )
         pid = read_pid(pid_file)
         if pid is None:
             raise errors.ProviderError(
-                f"{self.kind} create {sandbox_id} wrote no pid to {pid_file}"
+                f"{self.kind} {what} {sandbox_id} wrote no pid to {pid_file}"
             )
         return pid
 
+    async def checkpoint(self, sandbox_id: str, image_path: Path) -> None:
+        """gVisor: save every process of the container to ``image_path``; the container
+        stops. Refused by gVisor with host networking, and fatal to the sandbox if a TCP
+        endpoint is in use (the daemon's prepare rules that out)."""
+        code, message = await self._run(
+            "checkpoint", "--image-path", str(image_path), sandbox_id,
+            hide=True, timeout=self.timeout * _SLOW,
+        )  # fmt: skip
+        if code != 0:
+            raise errors.ProviderError(
+                f"{self.kind} checkpoint {sandbox_id} failed: {message.strip()}"
+            )
+
+    async def kill(self, sandbox_id: str, signal: str) -> None:
+        """Send ``signal`` (``"USR2"``) to the container's init."""
+        code, message = await self._run("kill", sandbox_id, signal)
+        if code != 0:
+            raise errors.ProviderError(
+                f"{self.kind} kill {sandbox_id} {signal} failed: {message.strip()}"
+            )
+
     async def start(self, sandbox_id: str) -> None:
-        code, message = await self._run("start", sandbox_id)
+        code, message = await self._run("start", sandbox_id, hide=True)
         if code != 0:
             raise errors.ProviderError(f"{self.kind} start {sandbox_id} failed: {message.strip()}")
 

@@ -2,7 +2,9 @@
 
 Under ``<state_dir>/snapshots/<id>/``: ``meta.json`` (the record, written first under a
 staging name and renamed into place, as a sandbox's is) and, without a disk filesystem,
-``upper/`` (a copy of the sandbox's overlay layer). With one (`disk`), the files are a
+``upper/`` (a copy of the sandbox's overlay layer). A snapshot with memory (gVisor) also
+has ``memory/`` (``runsc checkpoint``'s image of every process) and ``token`` (the
+daemon's token in that image, which a sandbox restored from it replaces at once). With one (`disk`), the files are a
 read-only btrfs snapshot of the sandbox's layer subvolume, ``<state_dir>/disk/.snapshots/<id>``:
 made in constant time whatever the tree's size, and shared, block for block, with the
 sandbox and with every sandbox made from it until one of them writes.
@@ -33,11 +35,13 @@ from sandman.providers.base import SnapshotInfo
 from sandman.providers.local.disk import SNAPSHOTS, DiskPool
 from sandman.providers.local.trees import remove_tree
 
-__all__ = ["SnapshotStore", "new_snapshot_id"]
+__all__ = ["SnapshotStore", "new_snapshot_id", "tree_size"]
 
 _ID = re.compile(r"^sn-[a-z0-9]{1,60}$")
 _META = "meta.json"
 _UPPER = "upper"
+_MEMORY = "memory"
+_TOKEN = "token"
 _STAGING = ".new-"
 _TRASH = ".old-"
 _STRAY_GRACE = 60.0
@@ -94,6 +98,30 @@ class SnapshotStore:
             size = _size(target)
         self._update(snapshot_id, {"size": size, "complete": True})
         return size
+
+    def memory(self, snapshot_id: str) -> Path:
+        """The directory of the snapshot's memory image (made empty, root's, by `record`'s
+        caller through `make_memory`)."""
+        return self._dir(snapshot_id) / _MEMORY
+
+    def make_memory(self, snapshot_id: str, token: str) -> Path:
+        """An empty directory for the memory image, and the token that image's daemon has."""
+        directory = self.memory(snapshot_id)
+        directory.mkdir(mode=0o700)
+        fd = os.open(self._dir(snapshot_id) / _TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token)
+        return directory
+
+    def token(self, snapshot_id: str) -> str:
+        """The daemon's token held in the snapshot's memory image."""
+        return (self._dir(snapshot_id) / _TOKEN).read_text()
+
+    def add_size(self, snapshot_id: str, extra: int) -> None:
+        """Count ``extra`` bytes more in the snapshot's size (its memory image)."""
+        info = self._read(self._dir(snapshot_id))
+        if info is not None:
+            self._update(snapshot_id, {"size": info[0].size + extra})
 
     def _update(self, snapshot_id: str, changes: Mapping[str, Any]) -> None:
         path = self._dir(snapshot_id) / _META
@@ -244,6 +272,11 @@ def _copy_tree(source: Path, target: Path) -> None:
         with contextlib.suppress(OSError):
             remove_tree(target)
         raise errors.ProviderError(f"cannot copy {source}: {done.stderr.strip()}")
+
+
+def tree_size(root: Path) -> int:
+    """What the files under ``root`` take on disk, in bytes."""
+    return _size(root)
 
 
 def _size(root: Path) -> int:
