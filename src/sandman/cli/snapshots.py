@@ -248,32 +248,42 @@ def restore(
     click.echo(f"restored {sandbox_id} to {snapshot_id}")
 
 
-def _pausing(resume: bool) -> click.Command:
-    verb = "resume" if resume else "pause"
+@click.command()
+@click.argument("sandbox_id", metavar="ID")
+@click.option("--memory", is_flag=True, help="Free its memory too: checkpointed (runsc).")
+@client_options
+@click.pass_context
+def pause(
+    ctx: click.Context, sandbox_id: str, memory: bool, url: str | None, api_key: str | None
+) -> None:
+    """Stop every process of sandbox ID (no CPU) until `sandman resume ID`; with --memory,
+    checkpointed to disk (no memory either; gVisor with its own network stack)."""
 
-    @click.command(verb)
-    @click.argument("sandbox_id", metavar="ID")
-    @client_options
-    @click.pass_context
-    def command(ctx: click.Context, sandbox_id: str, url: str | None, api_key: str | None) -> None:
-        async def remote(backend: RemoteBackend) -> None:
-            await (backend.resume if resume else backend.pause)(sandbox_id)
+    async def remote(backend: RemoteBackend) -> None:
+        await backend.pause(sandbox_id, memory=memory)
 
-        async def local(provider: LocalProvider) -> None:
-            if resume:
-                await provider.resume(sandbox_id)
-            else:
-                await provider.pause(sandbox_id)
+    async def local(provider: LocalProvider) -> None:
+        await provider.pause(sandbox_id, memory=memory)
 
-        _on(ctx, url, api_key, remote, local)
-        click.echo(f"{verb}d {sandbox_id}")
-
-    command.help = (
-        "Let paused sandbox ID run again."
-        if resume
-        else "Stop every process of sandbox ID (no CPU) until `sandman resume ID`."
-    )
-    return command
+    _on(ctx, url, api_key, remote, local)
+    click.echo(f"paused {sandbox_id}")
 
 
-COMMANDS: list[click.Command] = [snapshot, fork, restore, _pausing(False), _pausing(True)]
+@click.command()
+@click.argument("sandbox_id", metavar="ID")
+@client_options
+@click.pass_context
+def resume(ctx: click.Context, sandbox_id: str, url: str | None, api_key: str | None) -> None:
+    """Let paused sandbox ID run again."""
+
+    async def remote(backend: RemoteBackend) -> None:
+        await backend.resume(sandbox_id)
+
+    async def local(provider: LocalProvider) -> None:
+        await provider.resume(sandbox_id)
+
+    _on(ctx, url, api_key, remote, local)
+    click.echo(f"resumed {sandbox_id}")
+
+
+COMMANDS: list[click.Command] = [snapshot, fork, restore, pause, resume]

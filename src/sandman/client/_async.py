@@ -197,11 +197,13 @@ class AsyncSandbox:
         self._paused = False
         await old.aclose()
 
-    async def pause(self) -> None:
-        """Stop every process of the sandbox: it uses no CPU until `resume` (its memory
-        stays held). Its lease and lifetime go on; calls meanwhile raise `SandboxPaused`."""
+    async def pause(self, *, memory: bool = False) -> None:
+        """Stop every process of the sandbox: it uses no CPU until `resume`. Its memory
+        stays held, unless ``memory`` (gVisor with its own network stack: see
+        `snapshot`) checkpoints the processes to disk, to be restored on `resume`. Its
+        lease and lifetime go on; calls meanwhile raise `SandboxPaused`."""
         self._check_usable()
-        await self._backend.pause(self.id)
+        await self._backend.pause(self.id, memory=memory)
         self._paused = True
 
     async def resume(self) -> None:

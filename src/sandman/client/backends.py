@@ -69,7 +69,7 @@ class Backend(Protocol):
         """Reset the sandbox to the snapshot; its daemon's new endpoint."""
         ...
 
-    async def pause(self, sandbox_id: str) -> None: ...
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None: ...
     async def resume(self, sandbox_id: str) -> None: ...
 
 
@@ -146,8 +146,8 @@ class InProcessBackend:
             raise errors.ProviderError(f"sandbox {sandbox_id} has no daemon endpoint")
         return record.info.endpoint
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self.pool.pause(sandbox_id)
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        await self.pool.pause(sandbox_id, memory=memory)
 
     async def resume(self, sandbox_id: str) -> None:
         await self.pool.resume(sandbox_id)

@@ -563,11 +563,12 @@ class RemoteBackend:
         await self._call("POST", path, json={"snapshot": snapshot_id}, timeout=None)
         return await self.endpoint(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/pause")
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        path = f"/v1/sandboxes/{_segment(sandbox_id)}/pause"
+        await self._call("POST", path, json={"memory": memory}, timeout=None)
 
     async def resume(self, sandbox_id: str) -> None:
-        await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/resume")
+        await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/resume", timeout=None)
 
     async def check(self, sandbox_id: str) -> None:
         response = await self._call(

@@ -713,18 +713,30 @@ class Pool:
         self._emit("sandbox.restored", record, snapshot=snapshot_id)
         return record
 
-    async def pause(self, sandbox_id: str) -> None:
-        """Stop a held sandbox's processes until `resume`; its lease and expiry go on."""
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        """Stop a held sandbox's processes until `resume` (with ``memory``, checkpointed
+        to disk: no memory held either); its lease and expiry go on."""
         self._check_open()
-        self._held(sandbox_id)
-        await self._book.keeper().pause(sandbox_id)
+        record = self._held(sandbox_id)
+        record.restoring = memory  # its daemon is away until resumed, not lost
+        try:
+            await self._book.keeper().pause(sandbox_id, memory=memory)
+        except BaseException:
+            record.restoring = False
+            raise
         self._emit("sandbox.paused", self._records.get(sandbox_id))
 
     async def resume(self, sandbox_id: str) -> Record:
         """Let a paused sandbox run again."""
         self._check_open()
         record = self._held(sandbox_id)
-        await self._book.keeper().resume(sandbox_id)
+        try:
+            info = await self._book.keeper().resume(sandbox_id)
+        finally:
+            record.restoring = False
+        if info.endpoint is not None:
+            record.info = info
+            self._watch(info)
         self._emit("sandbox.resumed", record)
         return record
 

@@ -229,8 +229,10 @@ class Snapshots(Protocol):
         snapshot, with memory). Returns it with its daemon's new endpoint."""
         ...
 
-    async def pause(self, sandbox_id: str) -> None:
-        """Stop every process of the sandbox (it uses no CPU) until `resume`."""
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        """Stop every process of the sandbox (it uses no CPU) until `resume`; with
+        ``memory``, checkpoint them to disk so that it holds no memory either
+        (ConfigError where the backend cannot)."""
         ...
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:

@@ -21,6 +21,7 @@ __all__ = [
     "HealthOut",
     "LatencyBucket",
     "PacingOut",
+    "PauseRequest",
     "RestoreRequest",
     "SandboxList",
     "SandboxOut",
@@ -144,6 +145,12 @@ class WarmRequest(_In):
 
     spec: SandboxSpec
     count: int = Field(ge=0, le=100_000)
+
+
+class PauseRequest(_In):
+    """Pause a leased sandbox; with ``memory``, its processes checkpointed to disk."""
+
+    memory: bool = False
 
 
 class RestoreRequest(_In):

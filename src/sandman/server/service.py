@@ -452,14 +452,16 @@ class Service:
         except errors.SandboxError as exc:
             raise from_exception(exc) from exc
 
-    async def pause(self, tenant: str, sandbox_id: str, *, resume: bool = False) -> Record:
+    async def pause(
+        self, tenant: str, sandbox_id: str, *, resume: bool = False, memory: bool = False
+    ) -> Record:
         """Pause (or resume) the tenant's leased sandbox."""
         record = self._leased(tenant, sandbox_id)
         try:
             if resume:
                 await self.pool.resume(sandbox_id)
             else:
-                await self.pool.pause(sandbox_id)
+                await self.pool.pause(sandbox_id, memory=memory)
         except errors.SandboxError as exc:
             raise from_exception(exc) from exc
         return record

@@ -228,3 +228,48 @@ async def _gather(*calls: Awaitable[SnapshotInfo]) -> list[SnapshotInfo | BaseEx
         for call in calls:
             group.start_soon(one, call)
     return results
+
+
+async def test_a_pause_with_memory_frees_it_and_resume_brings_every_process_back(
+    gvisor: LocalProvider,
+) -> None:
+    info = await gvisor.create(SPEC)
+    daemon = await ready(info)
+    try:
+        await daemon.spawn(["sh", "-c", COUNTER])
+        with anyio.fail_after(10):
+            while (await count(daemon))[1] < 3:
+                await anyio.sleep(0.05)
+        word, before = await count(daemon)
+    finally:
+        await daemon.aclose()
+    parent = gvisor.config.cgroup_parent.strip("/")
+    memory_cgroup = Path("/sys/fs/cgroup/memory") / parent / info.id
+    assert memory_cgroup.is_dir()
+
+    await gvisor.pause(info.id, memory=True)
+    # Nothing runs and nothing is held: no container, no cgroup; still listed, held.
+    assert not memory_cgroup.exists()
+    (listed,) = await gvisor.list()
+    assert listed.id == info.id and listed.state == "running"
+    with pytest.raises(errors.SandboxPaused):
+        await gvisor.pause(info.id, memory=True)
+    with pytest.raises(errors.SandboxPaused):
+        await gvisor.snapshot(info.id)
+
+    resumed = await gvisor.resume(info.id)
+    assert (
+        resumed.endpoint is not None and resumed.endpoint.token == info.endpoint.token
+        if info.endpoint
+        else False
+    )
+    daemon = await ready(resumed)
+    try:
+        again, after = await count(daemon)
+        assert again == word and after >= before  # the same shell, its memory back
+        with anyio.fail_after(10):
+            while (await count(daemon))[1] <= after:
+                await anyio.sleep(0.05)  # and it goes on counting
+    finally:
+        await daemon.aclose()
+    assert not (gvisor.config.state_dir / "sandboxes" / info.id / "paused-memory").exists()

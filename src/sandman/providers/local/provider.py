@@ -92,7 +92,8 @@ _SOCKET_NAME = "sandmand.sock"
 _META = "meta.json"
 _STAGING = ".new-"  # a sandbox's directory before its record is whole: never a valid id
 _TRASH = ".old-"  # a sandbox's directory on its way out, record and all: never a valid id
-_TCP_ENDPOINT = "endpoint.json"  # runsc: the daemon's address on the sandbox's network
+_TCP_ENDPOINT = "endpoint.json"
+_PAUSED = "paused-memory"  # a sandbox paused with its memory: the checkpoint, until resumed  # runsc: the daemon's address on the sandbox's network
 GVISOR_DAEMON_PORT = 8731
 GVISOR_PIDS_HEADROOM = 256
 GVISOR_MEMORY_HEADROOM = 128 * 2**20
@@ -538,6 +539,8 @@ class LocalProvider:
         status = (await self._runtime.states()).get(sandbox_id)
         if status in ("running", "paused"):
             return status
+        if status is None and (self._dir(sandbox_id) / _PAUSED).is_dir():
+            raise errors.SandboxPaused(f"sandbox {sandbox_id} is paused with its memory: resume it")
         raise errors.SandboxLost.of(
             sandbox_id, "daemon_exit", f"its container is {status or 'gone'}: nothing to keep"
         )
@@ -831,16 +834,56 @@ class LocalProvider:
         for name in (_SOCKET_NAME, "pid"):
             (directory / name).unlink(missing_ok=True)
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
         """Freeze the sandbox's processes (its freezer cgroup): it uses no CPU; its memory
-        stays (a checkpoint to disk would need CRIU, which fails on this kernel)."""
+        stays. With ``memory`` (gVisor with its own network stack, as for a memory
+        snapshot) its processes are checkpointed to disk and the container is removed:
+        no CPU and no memory, until `resume` restores them (same id, address, token)."""
         self._meta(sandbox_id)
-        await self._running(sandbox_id)
-        await self._runtime.pause(sandbox_id)
+        if not memory:
+            await self._running(sandbox_id)
+            await self._runtime.pause(sandbox_id)
+            return
+        self._check_memory()
+        if (await self._running(sandbox_id)) != "running":
+            raise errors.SandboxPaused(f"sandbox {sandbox_id} is paused already")
+        directory = self._dir(sandbox_id)
+        token = (directory / "token").read_text()
+        endpoint = _endpoint(directory, self._socket(directory), token)
+        image_path = directory / _PAUSED
+        try:
+            await prepare_checkpoint(token=token, host=endpoint.host, port=endpoint.port)
+        except BaseException as exc:
+            if not (isinstance(exc, errors.DaemonError) and exc.code == "not_checkpointable"):
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await self._runtime.kill(sandbox_id, "USR2")
+            raise
+        try:
+            await anyio.to_thread.run_sync(lambda: image_path.mkdir(mode=0o700))
+            await self._runtime.checkpoint(sandbox_id, image_path)
+            # Gone from the runtime: memory and cgroups freed; the record, layer,
+            # network and the image stay, and `list` tells it paused (`_read`).
+            await self._runtime.delete(sandbox_id)
+            await self._remove_cgroups(sandbox_id)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_remove_tree, image_path)
+                with contextlib.suppress(errors.SandboxError):
+                    await self._runtime.kill(sandbox_id, "USR2")
+            raise
+        self._seen.pop(sandbox_id, None)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        """Thaw a paused sandbox."""
+        """Thaw a paused sandbox, or restore one paused with its memory."""
         self._meta(sandbox_id)
+        directory = self._dir(sandbox_id)
+        image_path = directory / _PAUSED
+        if await anyio.to_thread.run_sync(image_path.is_dir):
+            token = (directory / "token").read_text()
+            await self._resume_from(sandbox_id, image_path, token)
+            await anyio.to_thread.run_sync(_remove_tree, image_path)
+            self._seen.pop(sandbox_id, None)
+            return await self.inspect(sandbox_id)
         await self._running(sandbox_id)
         await self._runtime.resume(sandbox_id)
         return await self.inspect(sandbox_id)
@@ -941,6 +984,8 @@ class LocalProvider:
             with contextlib.suppress(OSError):
                 token = (directory / "token").read_text()
         state = _STATES.get(states.get(sid, ""), "creating" if meta else "unknown")
+        if sid not in states and meta and (directory / _PAUSED).is_dir():
+            state = "running"  # paused with its memory on disk (`pause`): held, not gone
         endpoint = None
         if token is not None and state == "running":
             endpoint = known or _endpoint(directory, self._socket(directory), token)

@@ -11,6 +11,7 @@ from sandman.models import Snapshot
 from sandman.pool.snapshots import to_snapshot
 from sandman.server.routes._deps import Tenant, errors, service
 from sandman.server.schemas import (
+    PauseRequest,
     RestoreRequest,
     SandboxOut,
     SnapshotList,
@@ -52,9 +53,12 @@ async def restore(tenant: Tenant, sandbox_id: str, body: RestoreRequest, request
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", status_code=204, responses=errors(*_HELD))
-async def pause(tenant: Tenant, sandbox_id: str, request: Request) -> Response:
-    """Stop every process of the leased sandbox (no CPU) until resumed."""
-    await service(request).pause(tenant, sandbox_id)
+async def pause(
+    tenant: Tenant, sandbox_id: str, request: Request, body: PauseRequest | None = None
+) -> Response:
+    """Stop every process of the leased sandbox (no CPU) until resumed; with ``memory``,
+    checkpointed to disk (no memory held either; gVisor with its own network stack)."""
+    await service(request).pause(tenant, sandbox_id, memory=body.memory if body else False)
     return Response(status_code=204)
 
 
