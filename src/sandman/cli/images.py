@@ -45,6 +45,54 @@ def images_pull(ctx: click.Context, reference: str, insecure: bool) -> None:
     click.echo(f"{image.short_id}  {', '.join(image.names)}")
 
 
+@images.command("build")
+@click.argument(
+    "context", type=click.Path(exists=True, file_okay=False, path_type=Path), default="."
+)
+@click.option(
+    "-f",
+    "--file",
+    "dockerfile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The Dockerfile (default: CONTEXT/Dockerfile).",
+)
+@click.option("-t", "--tag", "name", help="Name the image (e.g. task:1).")
+@click.option(
+    "--build-arg", "build_args", multiple=True, metavar="KEY=VALUE", help="An ARG's value."
+)
+@click.option("--network", is_flag=True, help="Let RUN steps use the host's network.")
+@click.option("--no-cache", is_flag=True, help="Build from nothing, without buildah's cache.")
+@click.pass_context
+def images_build(
+    ctx: click.Context,
+    context: Path,
+    dockerfile: Path | None,
+    name: str | None,
+    build_args: tuple[str, ...],
+    network: bool,
+    no_cache: bool,
+) -> None:
+    """Build an image from a Dockerfile with buildah; FROM names an image of this store."""
+    args: dict[str, str] = {}
+    for item in build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--build-arg")
+        args[key] = value
+    image = run_async(
+        ctx,
+        _store(ctx).build(
+            dockerfile if dockerfile is not None else context / "Dockerfile",
+            context,
+            name=name,
+            build_args=args,
+            network=network,
+            cache=not no_cache,
+        ),
+    )
+    click.echo(f"{image.short_id}  {', '.join(image.names) or '<none>'}")
+
+
 @images.command("ls")
 @click.pass_context
 def images_ls(ctx: click.Context) -> None:
@@ -67,11 +115,16 @@ def images_rm(ctx: click.Context, reference: str) -> None:
 
 
 @images.command("prune")
+@click.option("--build-cache", is_flag=True, help="Also drop buildah's build cache.")
 @click.pass_context
-def images_prune(ctx: click.Context) -> None:
+def images_prune(ctx: click.Context, build_cache: bool) -> None:
     """Remove stored layers that no image uses (images and their layers stay)."""
-    report = run_async(ctx, _store(ctx).prune())
+    store = _store(ctx)
+    report = run_async(ctx, store.prune())
     click.echo(f"removed {len(report.layers)} layers, {report.bytes / 2**20:.1f} MiB")
+    if build_cache:
+        freed = run_async(ctx, store.drop_build_cache())
+        click.echo(f"dropped the build cache, {freed / 2**20:.1f} MiB")
 
 
 COMMANDS: list[click.Command] = [images]

@@ -15,8 +15,10 @@ On disk, under ``root``::
                            layer-<xx>.lock for layers; names.lock for the table;
                            pulls.lock, held shared by every pull; layers.lock, held shared
                            while an image is installed and exclusively to delete layers
-    tmp/                   unpacks and pulls (``pulls.<random>/``) in progress; stale
-                           entries go at the next start
+    tmp/                   unpacks, pulls and builds (``pulls.<random>/``) in progress;
+                           stale entries go at the next start
+    buildah/               buildah's storage, its layer cache for `ImageStore.build`
+                           (``build.lock`` held while a build uses it)
 
 A layer is stored once, under its *chain id* (the digest of its diff id and those of
 the layers below, as docker keys them: a layer's unpacked form depends on what it
@@ -33,15 +35,17 @@ from __future__ import annotations
 
 import builtins
 import fcntl
+import json
 import logging
 import os
 import secrets
+import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar, TypeVarTuple
+from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
 import anyio.to_thread
@@ -49,6 +53,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sandman import _flock
 from sandman.errors import ImageError, ImageNotFound
+from sandman.images.build import (
+    BuildahStorage,
+    BuildRequest,
+    base_refs,
+    find_buildah,
+    run_buildah_build,
+    storage_driver,
+    unmount_under,
+)
 from sandman.images.digests import hex_of
 from sandman.images.formats import (
     ArchiveSource,
@@ -87,7 +100,9 @@ logger = logging.getLogger(__name__)
 NAMES_KEY = "names"
 PULLS_KEY = "pulls"
 LAYERS_KEY = "layers"
+BUILD_KEY = "build"
 LAYER_LOCK_PREFIX = "layer-"
+BUILDAH_DIR = "buildah"
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -230,6 +245,120 @@ class ImageStore:
                 return await self.import_oci_layout(layout, name=parsed.name)
             finally:
                 os.close(fd)
+
+    async def build(
+        self,
+        dockerfile: Path,
+        context: Path,
+        *,
+        name: str | None = None,
+        build_args: Mapping[str, str] | None = None,
+        network: bool = False,
+        cache: bool = True,
+        timeout: float = 3600,
+    ) -> Image:
+        """Build `dockerfile` over the directory `context` with buildah, and store the result.
+
+        Needs buildah (``apt-get install -y buildah``). Each ``FROM`` names an image
+        of this store (``FROM busybox``; ``scratch`` and earlier stages too): nothing
+        is pulled. ``RUN`` steps get no network unless `network` (then the host's).
+        The result is named `name` and shares its base image's stored layers: only
+        the build's own layers are added. With `cache`, buildah keeps its storage in
+        ``buildah/`` under the store as a layer cache (an unchanged rebuild reruns no
+        step) and builds take turns; without it each build starts from nothing in a
+        scratch directory. Raises `ImageNotFound` for a ``FROM`` image not in the
+        store, `ImageError` with buildah's message when the build fails; buildah's
+        containers and mounts are gone either way, and nothing is stored.
+        """
+        await self._start()
+        buildah = find_buildah()
+        wanted = normalize_name(name) if name is not None else None
+        dockerfile = Path(await anyio.Path(dockerfile).absolute())
+        context = Path(await anyio.Path(context).absolute())
+        if not await anyio.Path(context).is_dir():
+            raise ImageError(f"the build context {context} is not a directory")
+        try:
+            text = await anyio.Path(dockerfile).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ImageError(f"cannot read the Dockerfile {dockerfile}: {exc}") from exc
+        bases: dict[str, tuple[Image, builtins.list[dict[str, Any]]]] = {}
+        for ref in base_refs(text):
+            try:
+                image = await self.get(ref)
+            except ImageNotFound as exc:
+                raise ImageNotFound(
+                    f"{dockerfile}: FROM {ref}: no such image in the image store; pull or "
+                    f"import it first (`sandman images pull {ref}`, `sandman images import`)"
+                ) from exc
+            bases[ref] = (image, await _run(self._layer_descriptors, image))
+        request = BuildRequest(
+            dockerfile=text,
+            context=context,
+            bases=bases,
+            build_args=build_args or {},
+            network=network,
+            cache=cache,
+            timeout=timeout,
+        )
+        # Held shared until the import is done, as by a pull: the bases' layers, which
+        # the result refers to but does not carry, cannot be pruned meanwhile.
+        layers_fd = await _flock.lock(self._lock_path(LAYERS_KEY), fcntl.LOCK_SH)
+        try:
+            async with self._scratch() as scratch:
+                root = self.root / BUILDAH_DIR if cache else scratch / BUILDAH_DIR
+                started = time.monotonic()
+                # A kept storage serves one build at a time: each removes all containers.
+                lock = await _flock.lock(self._lock_path(BUILD_KEY)) if cache else None
+                try:
+                    driver = await _run(storage_driver, self.root)
+                    storage = BuildahStorage(root, buildah, driver)
+                    final = await run_buildah_build(storage, request, scratch)
+                finally:
+                    if lock is not None:
+                        os.close(lock)
+                logger.info("buildah built %s in %.1fs", dockerfile, time.monotonic() - started)
+                return await self.import_oci_layout(final, name=wanted)
+        finally:
+            os.close(layers_fd)
+
+    async def drop_build_cache(self) -> int:
+        """Delete buildah's storage (`build`'s layer cache and its copies of base
+        images), waiting for a running build; the bytes freed. The next build starts cold."""
+        await self._start()
+        lock = await _flock.lock(self._lock_path(BUILD_KEY))
+        try:
+            path = self.root / BUILDAH_DIR
+            if not await anyio.Path(path).exists():
+                return 0
+            if (buildah := shutil.which("buildah")) is not None:
+                await BuildahStorage(path, buildah).clean()
+
+            def drop() -> int:
+                size = disk_usage(path)
+                unmount_under(path)
+                rmtree(path)
+                return size
+
+            freed = await _run(drop)
+            logger.info("dropped the build cache (%d bytes)", freed)
+            return freed
+        finally:
+            os.close(lock)
+
+    def _layer_descriptors(self, image: Image) -> builtins.list[dict[str, Any]]:
+        """The layer descriptors of `image`'s stored manifest, bottom first; made up from
+        its diff ids (an uncompressed layer's digest) when no manifest was kept."""
+        record = self._read_record(hex_of(image.id))
+        for digest in record.blobs if record is not None else []:
+            with suppress(OSError, ValueError):
+                document = json.loads((self._dirs["blobs/sha256"] / hex_of(digest)).read_bytes())
+                layers = document.get("layers") if isinstance(document, dict) else None
+                if isinstance(layers, builtins.list) and len(layers) == len(image.layers):
+                    return [dict(layer) for layer in layers]
+        return [
+            {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": diff_id}
+            for diff_id in image.layers
+        ]
 
     async def prune(self) -> PruneReport:
         """Remove every stored layer no image refers to; what went, and the bytes freed.
@@ -611,7 +740,9 @@ class ImageStore:
     def _lock_path(self, key: str) -> Path:
         # Lock files cannot be deleted safely, so images share 256 of them (by the first
         # two hex digits): a bounded set, and a rare wait between unrelated imports.
-        whole = key in (NAMES_KEY, PULLS_KEY, LAYERS_KEY) or key.startswith(LAYER_LOCK_PREFIX)
+        whole = key in (NAMES_KEY, PULLS_KEY, LAYERS_KEY, BUILD_KEY) or key.startswith(
+            LAYER_LOCK_PREFIX
+        )
         return self._dirs["locks"] / f"{key if whole else key[:2]}.lock"
 
     async def _update_names(self, change: Callable[[dict[str, str]], None]) -> None:
@@ -660,6 +791,7 @@ class ImageStore:
                 for entry in entries:
                     logger.info("removing stale %s", entry)
                     if entry.is_dir() and not entry.is_symlink():
+                        unmount_under(entry)  # a killed build's buildah mounts
                         rmtree(entry)
                     else:
                         entry.unlink(missing_ok=True)
