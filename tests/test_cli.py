@@ -28,6 +28,7 @@ def test_doctor_reports_each_check() -> None:
     result = CliRunner().invoke(_build(), ["doctor", "--runtime", "runc"])
     assert "OCI runtime runc installed" in result.output
     assert "overlayfs available" in result.output
+    assert "skopeo pulls images" in result.output and "buildah builds images" in result.output
     assert result.exit_code in (0, 1)
     assert ("ready for the local provider" in result.output) == (result.exit_code == 0)
     # Which gVisor is in use (the second wall), and whether its KVM platform can run here.
@@ -61,7 +62,10 @@ def test_images_run_ls_gc(busybox_tar: Path) -> None:
 
         missing = runner.invoke(_build(), [*base, "run", "nope", "--", "true"])
         assert missing.exit_code == 1
-        assert "error:" in missing.output and "hint: import it first" in missing.output
+        assert (
+            "error:" in missing.output
+            and "hint: get it first: `sandman images pull REF`" in missing.output
+        )
 
         # run released its sandbox
         empty = "no sandboxes (`sandman create IMAGE` makes one)\n"
@@ -296,7 +300,10 @@ async def test_create_makes_a_sandbox_that_outlives_the_command(busybox_tar: Pat
         removed = await _cli(*options, "rm", sandbox_id, env=env)
         assert removed.output == f"deleted {sandbox_id}\n"
         missing = await _cli(*options, "create", "no-such-image", env=env)
-        assert missing.exit_code == 1 and "hint: import it first" in missing.output
+        assert (
+            missing.exit_code == 1
+            and "hint: get it first: `sandman images pull REF`" in missing.output
+        )
         assert await provider.list() == []
 
 

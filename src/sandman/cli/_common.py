@@ -24,7 +24,10 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _HINTS: dict[type[errors.SandboxError], str] = {
-    errors.ImageNotFound: "import it first: sandman images import ARCHIVE --name NAME",
+    errors.ImageNotFound: (
+        "get it first: `sandman images pull REF`, `sandman images build -f Dockerfile "
+        "CONTEXT -t NAME`, or `sandman images import ARCHIVE --name NAME`"
+    ),
     errors.ImageError: "check the archive or reference; `sandman images ls` lists what is here",
     errors.CapacityError: "the machine is full: release sandboxes or try again later",
     errors.CreateTimeout: "raise --timeout, or check `sandman doctor`",

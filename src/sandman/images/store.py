@@ -653,10 +653,10 @@ class ImageStore:
             if known
             else ""
         )
+        # No store path (a service's callers have no business with it) and no API
+        # name: the CLI's hint says which command, the SDK's docs which method.
         raise ImageNotFound(
-            f"no image {ref!r} in the image store at {self.root}.{listing} Import it first: "
-            "`docker save IMAGE -o image.tar` (or an OCI archive, or a rootfs tarball), then "
-            "ImageStore.import_archive(path, name=...); or ImageStore.import_oci_layout(dir)."
+            f"no image {ref!r} in the image store.{listing} Pull, build or import it first."
         )
 
     def _get(self, ref: str) -> Image:
@@ -667,7 +667,7 @@ class ImageStore:
         hex_id = hex_of(image_id)
         record = self._read_record(hex_id)
         if record is None:
-            raise ImageNotFound(f"image {image_id} is no longer in the image store at {self.root}")
+            raise ImageNotFound(f"image {image_id} is no longer in the image store")
         if names is None:
             names = read_names(self._names_path)
         rootfs = self._dirs["rootfs"] / hex_id

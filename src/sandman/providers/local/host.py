@@ -309,6 +309,11 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
             "(or set LocalConfig.disk=None: no default limit)",
         )
     )
+    for tool, use in (("skopeo", "pulls images (sandman images pull)"),
+                      ("buildah", "builds images (sandman images build)")):  # fmt: skip
+        findings.append(
+            Finding(shutil.which(tool) is not None, f"{tool} {use}", f"apt-get install -y {tool}")
+        )
     return findings
 
 
