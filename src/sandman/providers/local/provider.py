@@ -803,6 +803,15 @@ class LocalProvider:
                 )
             else:
                 endpoint = await self._launch(sandbox_id, directory, image, layer, token)
+        except OSError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            # The state directory read-only or full (its socket, its layer): typed, as a
+            # create's is; the sandbox has no container now, so the pool finds it lost.
+            raise errors.ProviderError(
+                f"cannot restore sandbox {sandbox_id}: the state directory failed at "
+                f"{exc.filename or directory}: {exc.strerror or exc}"
+            ) from exc
         finally:
             await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
         self._seen.pop(sandbox_id, None)  # a new daemon pid
@@ -814,7 +823,14 @@ class LocalProvider:
         (one more layer; the image's config kept): later creates name it."""
         hold = self.snapshot_store.using(snapshot_id)
         snapshot = await anyio.to_thread.run_sync(hold.__enter__)
-        layout = Path(tempfile.mkdtemp(prefix=".commit-", dir=self.config.state_dir))
+        try:
+            layout = Path(tempfile.mkdtemp(prefix=".commit-", dir=self.config.state_dir))
+        except OSError as exc:
+            await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
+            raise errors.ProviderError(
+                f"cannot make an image of {snapshot_id}: the state directory failed at "
+                f"{exc.filename or self.config.state_dir}: {exc.strerror or exc}"
+            ) from exc
         try:
             image = await self.images.get(snapshot.image_id)
             upper = self.snapshot_store.upper(snapshot_id)
