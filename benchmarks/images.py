@@ -17,9 +17,11 @@ files) and each add ``--own-mib`` of their own, then:
     python benchmarks/images.py                  # 80 MiB base, 1 MiB each, as the issue
     python benchmarks/images.py --base-mib 8     # quick
 
-Last line: ``images=10 stored_mib=<x> base_mib=<x> own_mib=<x> repull_blobs=<n>`` then
-``before_mib=<x>`` (the same images stored before layers), ``pull_blobs=<n>``
-(the first round) and ``ready_p50_ms=<single>/<layered>``.
+4. builds a Dockerfile over the busybox image with buildah, cold, then unchanged.
+
+Last line: ``store_mib_10_images=<x> base_mib=<x> repull_blobs=<n> cold_build_s=<s>
+cached_rebuild_s=<s>`` then ``own_mib=<x>``, ``before_mib=<x>`` (the same images stored
+before layers), ``pull_blobs=<n>`` (the first round) and ``ready_p50_ms=<single>/<layered>``.
 """
 
 from __future__ import annotations
@@ -197,6 +199,39 @@ async def ready_times(rounds: int, state: Path, layered: Path) -> str:
     return f"{single:.0f}/{two:.0f}"
 
 
+BUILD = """\
+FROM busybox
+COPY app /app
+RUN i=0; while [ $i -lt 2000 ]; do echo $i > /app/f$i; i=$((i+1)); done
+ENV APP=/app
+CMD ["sh", "/app/run.sh"]
+"""
+
+
+async def builds(state: Path) -> tuple[float, float]:
+    """A Dockerfile over the busybox image built cold, then rebuilt unchanged (cached)."""
+    from sandman.images.busybox import busybox_rootfs_tar
+
+    if shutil.which("buildah") is None:
+        print("no build: buildah is not installed (apt-get install -y buildah)")
+        return float("nan"), float("nan")
+    store = ImageStore(state / "build-store")
+    await store.import_archive(busybox_rootfs_tar(state / "busybox.tar"), name="busybox")
+    context = state / "context"
+    (context / "app").mkdir(parents=True)
+    (context / "app" / "run.sh").write_text("echo hello\n")
+    (context / "Dockerfile").write_text(BUILD)
+    started = time.monotonic()
+    await store.build(context / "Dockerfile", context, name="app:1")
+    cold = time.monotonic() - started
+    started = time.monotonic()
+    await store.build(context / "Dockerfile", context, name="app:1")
+    cached = time.monotonic() - started
+    print(f"build over busybox: cold {cold:.2f} s, unchanged rebuild {cached:.2f} s")
+    await store.drop_build_cache()
+    return cold, cached
+
+
 async def run(args: argparse.Namespace, state: Path) -> str:
     base = layer(random_files("base", args.base_mib))
     own = [layer(random_files(f"own{i}", args.own_mib)) for i in range(IMAGES)]
@@ -204,13 +239,14 @@ async def run(args: argparse.Namespace, state: Path) -> str:
     stored, before, _ = await imports(layouts, state)
     repull, first = await pulls(layouts, state)
     ready = await ready_times(args.ready, state, layouts[0])
+    cold, cached = await builds(state)
     base_mib = args.base_mib
     own_mib = args.own_mib * IMAGES
     print(f"base {base_mib:.1f} MiB + own layers {own_mib:.1f} MiB = {base_mib + own_mib:.1f} MiB")
     return (
-        f"images={IMAGES} stored_mib={stored:.1f} base_mib={base_mib:.1f} own_mib={own_mib:.1f} "
-        f"repull_blobs={repull} before_mib={before:.1f} pull_blobs={first} "
-        f"ready_p50_ms={ready}"
+        f"store_mib_10_images={stored:.1f} base_mib={base_mib:.1f} repull_blobs={repull} "
+        f"cold_build_s={cold:.2f} cached_rebuild_s={cached:.2f} own_mib={own_mib:.1f} "
+        f"before_mib={before:.1f} pull_blobs={first} ready_p50_ms={ready}"
     )
 
 
