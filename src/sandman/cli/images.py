@@ -8,10 +8,12 @@ import click
 
 from sandman.cli._common import echo_table, local_config, run_async
 from sandman.images import ImageStore
+from sandman.providers.local.snapshots import image_users
 
 
 def _store(ctx: click.Context) -> ImageStore:
-    return ImageStore(local_config(ctx).state_dir / "images")
+    state = local_config(ctx).state_dir
+    return ImageStore(state / "images", in_use=image_users(state))
 
 
 @click.group()

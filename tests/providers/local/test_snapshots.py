@@ -142,3 +142,20 @@ async def test_a_snapshot_becomes_an_image_later_creates_name(provider: LocalPro
     assert seen.split() == ["prepared", "/etc", "gone"]
     await provider.delete(made.id)
     await provider.images.remove("prepared:v1")
+
+
+async def test_an_image_a_sandbox_or_snapshot_is_made_of_is_not_removed(
+    provider: LocalProvider,
+) -> None:
+    await provider.images.tag("busybox", "doomed")
+    info = await provider.create(SandboxSpec(image="doomed"))
+    image = await provider.images.get("doomed")
+    with pytest.raises(errors.ImageError, match="in use"):
+        await provider.images.remove(image.id)
+    snapshot = await provider.snapshot(info.id)
+    await provider.delete(info.id)
+    with pytest.raises(errors.ImageError, match="in use"):
+        await provider.images.remove(image.id)  # the snapshot still needs it
+    await provider.delete_snapshot(snapshot.id)
+    await provider.images.remove("doomed")  # a name only: busybox stays
+    assert [i.names for i in await provider.images.list()] == [["busybox:latest"]]

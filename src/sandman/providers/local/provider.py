@@ -75,6 +75,7 @@ from sandman.providers.local.runtime import OCIRuntime, read_pid
 from sandman.providers.local.snapshots import (
     SnapshotStore,
     check_id,
+    image_users,
     new_snapshot_id,
     tree_size,
 )
@@ -124,7 +125,7 @@ class LocalProvider:
         self.config = config or LocalConfig()
         state = self.config.state_dir.resolve()
         self._sandboxes = state / "sandboxes"
-        self.images = images or ImageStore(state / "images")
+        self.images = images or ImageStore(state / "images", in_use=image_users(state))
         binary = self.config.runtime_path or shutil.which(self.config.runtime)
         if binary is None or not os.access(binary, os.X_OK):
             raise errors.ConfigError(

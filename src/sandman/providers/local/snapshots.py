@@ -25,17 +25,18 @@ import re
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from sandman import errors
+from sandman.images import Image
 from sandman.models import SandboxSpec
 from sandman.providers.base import SnapshotInfo
 from sandman.providers.local.disk import SNAPSHOTS, DiskPool
 from sandman.providers.local.trees import remove_tree
 
-__all__ = ["SnapshotStore", "new_snapshot_id", "tree_size"]
+__all__ = ["SnapshotStore", "image_users", "new_snapshot_id", "tree_size"]
 
 _ID = re.compile(r"^sn-[a-z0-9]{1,60}$")
 _META = "meta.json"
@@ -286,3 +287,21 @@ def _size(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(directory, name)).st_blocks * 512
     return total
+
+
+def image_users(state_dir: Path) -> Callable[[Image], bool]:
+    """Whether a sandbox or a snapshot of ``state_dir`` is made of an image (the image
+    store's ``in_use`` hook: an image in use is not removed, nor are its layers pruned).
+    Reads each record's ``image_id``: a few small files per sandbox, on a removal only."""
+
+    def in_use(image: Image) -> bool:
+        for records in (state_dir / "sandboxes", state_dir / "snapshots"):
+            with contextlib.suppress(FileNotFoundError), os.scandir(records) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError, ValueError):
+                        meta = json.loads((Path(entry.path) / _META).read_text())
+                        if meta.get("image_id") == image.id:
+                            return True
+        return False
+
+    return in_use
