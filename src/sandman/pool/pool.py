@@ -40,7 +40,7 @@ import secrets
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
@@ -594,11 +594,12 @@ class Pool:
         """
         record = self.get(sandbox_id)
         if record.state == "leased":
+            changes = record.changes
             try:
                 info: SandboxInfo | None = await self.provider.inspect(sandbox_id)
             except errors.SandboxNotFound:
                 info = None
-            if record.state == "leased" and _dead(info):
+            if record.state == "leased" and _dead(info) and record.changes == changes:
                 self._lose(record, _loss_of(sandbox_id, info))
         if record.lost is not None:
             raise errors.SandboxLost.of(sandbox_id, record.lost.reason, record.lost.detail)
@@ -674,8 +675,9 @@ class Pool:
         this pool's, deleted after ``ttl`` seconds (the sandbox lifetime by default), when
         the pool closes, or by its watchdog if the pool dies. The sandbox goes on."""
         self._check_open()
-        self._held(sandbox_id)
-        info = await self._book.make(sandbox_id, memory=memory, ttl=ttl, labels=labels)
+        record = self._held(sandbox_id)
+        with _changing(record):
+            info = await self._book.make(sandbox_id, memory=memory, ttl=ttl, labels=labels)
         self._emit("snapshot.made", self._records.get(sandbox_id), snapshot=info.id, size=info.size)
         return info
 
@@ -700,14 +702,12 @@ class Pool:
         record = self._held(sandbox_id)
         self._book.get(snapshot_id)
         keeper = self._book.keeper()
-        record.restoring = True
-        try:
+        with _changing(record):
             info = await keeper.restore(sandbox_id, snapshot_id)
             if info.endpoint is not None:
                 async with info.endpoint.client() as daemon:
                     await daemon.wait_ready(self.config.ready_timeout)
-        finally:
-            record.restoring = False
+            record.paused_memory = False
         record.info = info
         self._watch(info)
         self._emit("sandbox.restored", record, snapshot=snapshot_id)
@@ -718,22 +718,18 @@ class Pool:
         to disk: no memory held either); its lease and expiry go on."""
         self._check_open()
         record = self._held(sandbox_id)
-        record.restoring = memory  # its daemon is away until resumed, not lost
-        try:
+        with _changing(record):
             await self._book.keeper().pause(sandbox_id, memory=memory)
-        except BaseException:
-            record.restoring = False
-            raise
+            record.paused_memory = memory  # no container until resumed: no loss
         self._emit("sandbox.paused", self._records.get(sandbox_id))
 
     async def resume(self, sandbox_id: str) -> Record:
         """Let a paused sandbox run again."""
         self._check_open()
         record = self._held(sandbox_id)
-        try:
+        with _changing(record):
             info = await self._book.keeper().resume(sandbox_id)
-        finally:
-            record.restoring = False
+            record.paused_memory = False
         if info.endpoint is not None:
             record.info = info
             self._watch(info)
@@ -1045,7 +1041,7 @@ class Pool:
 
     def _lose(self, record: Record, lost: Lost) -> None:
         """A ready or leased sandbox died by itself: mark it lost, delete what is left."""
-        if record.state not in ("ready", "leased") or record.restoring:
+        if record.state not in ("ready", "leased") or record.changing or record.paused_memory:
             return  # being created (its create fails), released, or restored (no daemon for now)
         record.lost = lost
         if record.session is not None and (session := self._sessions.get(record.session)):
@@ -1122,13 +1118,16 @@ class Pool:
                 self._pacer.enqueue(_WARM_CLIENT, request)
                 self._wake.set()
 
-    def _notice_lost(self, held: Iterable[Record], infos: Iterable[SandboxInfo]) -> None:
-        """Mark lost each of ``held`` (ready or leased before the provider listed ``infos``)
-        that the provider lists as dead (stopped, its container gone), or no more."""
+    def _notice_lost(
+        self, held: Iterable[tuple[Record, int]], infos: Iterable[SandboxInfo]
+    ) -> None:
+        """Mark lost each of ``held`` (ready or leased before the provider listed ``infos``,
+        with its count of changes then) that the provider lists as dead (stopped, its
+        container gone), or no more; not one whose container changed meanwhile."""
         listed = {info.id: info for info in infos}
-        for record in held:
+        for record, changes in held:
             info = listed.get(record.id)
-            if _dead(info):
+            if _dead(info) and record.changes == changes:
                 self._lose(record, _loss_of(record.id, info))
 
     async def reconcile(self, *, adopt: bool = False, judge: bool = True) -> None:
@@ -1153,7 +1152,7 @@ class Pool:
         if everyone is None:
             everyone = self.provider.name == "local"
         mine = {LABEL_POOL: self.config.name}
-        held = [r for r in self._records.values() if r.state in ("ready", "leased")]
+        held = [(r, r.changes) for r in self._records.values() if r.state in ("ready", "leased")]
         infos = await self.provider.list(labels=None if everyone else mine)
         self._contact = time.monotonic()
         self._notice_lost(held, infos)
@@ -1287,6 +1286,18 @@ class Pool:
         record = self._record_of(info, expires)
         self._emit("reconcile.orphan", record, state=info.state, reason=reason)
         self._release(record, reason=reason)
+
+
+@contextlib.contextmanager
+def _changing(record: Record) -> Iterator[None]:
+    """While the block changes the record's container (`Record.changing`)."""
+    record.changing += 1
+    record.changes += 1
+    try:
+        yield
+    finally:
+        record.changing -= 1
+        record.changes += 1
 
 
 def _cancelling() -> bool:

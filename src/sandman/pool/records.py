@@ -70,8 +70,14 @@ class Record:
     release_requested: bool = False
     usage: Usage | None = None
     """What it used, as last read (`Pool.usage`); read once more just before its delete."""
-    restoring: bool = False
-    """Being reset to a snapshot: its daemon is away for a moment, not lost."""
+    changing: int = 0
+    """Changes of its container under way (a snapshot freezes it, a restore makes it
+    again, a pause with memory removes it until resumed): meanwhile the backend may
+    list it oddly (missing, stopped), which is no loss."""
+    changes: int = 0
+    """Counts each change's start and end: a listing made across one is not believed."""
+    paused_memory: bool = False
+    """Paused with its memory on disk: no container until resumed, and that is no loss."""
     timeline: dict[str, float] = field(default_factory=dict)
 
     def stamp(self, event: TimelineEvent, at: float | None = None) -> None:
