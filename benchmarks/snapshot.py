@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import leftover, new_cgroup_parent, progress
+from _common import leftover, new_cgroup_parent, progress, timed
 
 import sandman
 from sandman.images.busybox import busybox_rootfs_tar
@@ -47,12 +47,6 @@ async def sh(sb: sandman.AsyncSandbox, script: str, timeout: float = 600) -> str
     if result.exit_code != 0:
         raise RuntimeError(f"{script!r} failed ({result.exit_code}): {result.stderr}")
     return result.stdout
-
-
-async def seconds(awaitable: object) -> float:
-    started = time.perf_counter()
-    await awaitable  # type: ignore[misc]
-    return time.perf_counter() - started
 
 
 def fill(mib: int) -> str:
@@ -142,7 +136,7 @@ async def calibrate(client: sandman.AsyncClient, target: float) -> int:
     """Loop iterations of busybox sh that take about ``target`` CPU seconds here."""
     async with client.sandbox("busybox", **SPEC) as sb:
         n = 200_000
-        took = await seconds(sh(sb, _spin(n)))
+        took = await timed(lambda: sh(sb, _spin(n)))
     return max(1000, int(n * target / took))
 
 

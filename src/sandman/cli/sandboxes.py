@@ -1,5 +1,8 @@
 """Sandbox commands: ``run``, ``create``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
 
+(About 600 lines, one command group: each command is short, and they share the
+options, the local-or-service choice and the error printing below.)
+
 ``create`` makes a sandbox of the local provider that outlives the command
 (until ``rm``, or ``gc`` past its ``--ttl``).
 ``exec``, ``cp``, ``ls`` and ``rm`` act on the local provider's sandboxes, or,

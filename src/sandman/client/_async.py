@@ -38,20 +38,11 @@ def _guarded(
     "the daemon is gone" turned into SandboxLost (why) or SandboxNotFound when the
     sandbox is; with ``traced``, in a span of that name where tracing is set up."""
 
-    if traced is not None:
-
-        @functools.wraps(method)
-        async def spanned(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
-            with span(traced, sandbox=self.id):
-                async with self._guard():
-                    return await method(self._daemon, *args, **kwargs)
-
-        return spanned
-
     @functools.wraps(method)
     async def call(self: AsyncSandbox, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        async with self._guard():
-            return await method(self._daemon, *args, **kwargs)
+        with span(traced, sandbox=self.id) if traced is not None else contextlib.nullcontext():
+            async with self._guard():
+                return await method(self._daemon, *args, **kwargs)
 
     return call
 

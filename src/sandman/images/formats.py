@@ -1,5 +1,8 @@
 """Recognising image archives and reading what to unpack from them.
 
+(About 650 lines, one reader: the three formats share the hostile-input bounds
+and the digest checks, which must not differ between them.)
+
 Three inputs, one result (a `Plan`):
 
 - a ``docker save`` archive: ``manifest.json`` ``[{Config, RepoTags, Layers}]``,

@@ -1,5 +1,9 @@
 """The local, content-addressed image store.
 
+(About 800 lines, one store: its writes, reads, removals and locks keep one
+on-disk layout consistent; the layer store, merging, overlay stacking, builds and
+formats are their own modules.)
+
 On disk, under ``root``::
 
     blobs/sha256/<hex>     verified manifests and configs

@@ -155,6 +155,21 @@ def _problem(kind: str, where: str, message: str, value: object, **ctx: object) 
     return found
 
 
+def _too_much_memory(asked: int, settings: RunCodeSettings) -> dict[str, Any]:
+    limit = settings.max_memory_mb
+    message = f"Input should be less than or equal to {limit}"
+    return _problem("less_than_equal", "memory_limit_MB", message, asked, le=limit)
+
+
+def _too_long(
+    kind: str, where: str, what: str, size: int, settings: RunCodeSettings
+) -> dict[str, Any]:
+    limit = settings.max_code_bytes
+    together = " together" if where == "cells" else ""
+    message = f"{what} at most {limit} bytes{together}, not {size}"
+    return _problem(kind, where, message, f"<{size} bytes>", max_length=limit)
+
+
 def problems(request: RunCodeRequest, settings: RunCodeSettings) -> list[dict[str, Any]]:
     """What in ``request`` is past this service's limits, as FastAPI's validation errors
     (``detail`` items); empty when it may run. A language SandboxFusion knows but this
@@ -191,26 +206,10 @@ def problems(request: RunCodeRequest, settings: RunCodeSettings) -> list[dict[st
                 _problem("greater_than", name, "Input should be greater than 0", value, gt=0)
             )
     if request.memory_limit_MB > settings.max_memory_mb:
-        found.append(
-            _problem(
-                "less_than_equal",
-                "memory_limit_MB",
-                f"Input should be less than or equal to {settings.max_memory_mb}",
-                request.memory_limit_MB,
-                le=settings.max_memory_mb,
-            )
-        )
+        found.append(_too_much_memory(request.memory_limit_MB, settings))
     size = len(request.code.encode("utf-8", "surrogatepass"))
     if size > settings.max_code_bytes:
-        found.append(
-            _problem(
-                "string_too_long",
-                "code",
-                f"String should have at most {settings.max_code_bytes} bytes, not {size}",
-                f"<{size} bytes>",
-                max_length=settings.max_code_bytes,
-            )
-        )
+        found.append(_too_long("string_too_long", "code", "String should have", size, settings))
     # Base64 is 4 characters for 3 bytes: a bound on the decoded size before decoding.
     encoded = sum(len(v) for v in request.files.values() if v is not None)
     if encoded * 3 // 4 > settings.max_files_bytes + 3 * len(request.files):
@@ -246,26 +245,10 @@ def jupyter_problems(request: RunJupyterRequest, settings: RunCodeSettings) -> l
             _problem("greater_than_equal", "cell_timeout", "Input should be >= 0", 0, ge=0)
         )
     if request.memory_limit_MB > settings.max_memory_mb:
-        found.append(
-            _problem(
-                "less_than_equal",
-                "memory_limit_MB",
-                f"Input should be less than or equal to {settings.max_memory_mb}",
-                request.memory_limit_MB,
-                le=settings.max_memory_mb,
-            )
-        )
+        found.append(_too_much_memory(request.memory_limit_MB, settings))
     size = sum(len(c.encode("utf-8", "surrogatepass")) for c in request.cells)
     if size > settings.max_code_bytes:
-        found.append(
-            _problem(
-                "too_long",
-                "cells",
-                f"cells should hold at most {settings.max_code_bytes} bytes together, not {size}",
-                f"<{size} bytes>",
-                max_length=settings.max_code_bytes,
-            )
-        )
+        found.append(_too_long("too_long", "cells", "cells should hold", size, settings))
     return found
 
 

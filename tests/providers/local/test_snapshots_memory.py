@@ -50,6 +50,14 @@ async def count(daemon: DaemonClient) -> tuple[str, int]:
     raise AssertionError("the counter never wrote")
 
 
+async def counted_past(daemon: DaemonClient, n: int) -> tuple[str, int]:
+    """The counter shell's word and count, once its count is past ``n`` (it goes on)."""
+    with anyio.fail_after(10):
+        while (now := await count(daemon))[1] <= n:
+            await anyio.sleep(0.05)
+    return now
+
+
 async def test_a_fork_runs_the_processes_of_its_memory_snapshot_with_a_token_of_its_own(
     gvisor: LocalProvider,
 ) -> None:
@@ -59,9 +67,7 @@ async def test_a_fork_runs_the_processes_of_its_memory_snapshot_with_a_token_of_
     try:
         counter = await daemon.spawn(["sh", "-c", COUNTER])
         await daemon.write_file("/root/before", "kept\n")
-        with anyio.fail_after(10):
-            while (await count(daemon))[1] < 3:
-                await anyio.sleep(0.05)
+        await counted_past(daemon, 2)
     finally:
         await daemon.aclose()
 
@@ -92,8 +98,7 @@ async def test_a_fork_runs_the_processes_of_its_memory_snapshot_with_a_token_of_
         # The same shell, restored: its word from memory, its count going on.
         again, then = await count(forked)
         assert again == word and then >= 3
-        await anyio.sleep(0.3)
-        assert (await count(forked))[1] > then
+        await counted_past(forked, then)
         assert (await forked.poll(counter.id)).running
         # Its files as of the snapshot.
         assert (await forked.read_file("/root/before")) == b"kept\n"
@@ -237,10 +242,7 @@ async def test_a_pause_with_memory_frees_it_and_resume_brings_every_process_back
     daemon = await ready(info)
     try:
         await daemon.spawn(["sh", "-c", COUNTER])
-        with anyio.fail_after(10):
-            while (await count(daemon))[1] < 3:
-                await anyio.sleep(0.05)
-        word, before = await count(daemon)
+        word, before = await counted_past(daemon, 2)
     finally:
         await daemon.aclose()
     parent = gvisor.config.cgroup_parent.strip("/")
@@ -267,9 +269,7 @@ async def test_a_pause_with_memory_frees_it_and_resume_brings_every_process_back
     try:
         again, after = await count(daemon)
         assert again == word and after >= before  # the same shell, its memory back
-        with anyio.fail_after(10):
-            while (await count(daemon))[1] <= after:
-                await anyio.sleep(0.05)  # and it goes on counting
+        await counted_past(daemon, after)  # and it goes on counting
     finally:
         await daemon.aclose()
     assert not (gvisor.config.state_dir / "sandboxes" / info.id / "paused-memory").exists()
