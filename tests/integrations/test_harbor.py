@@ -154,15 +154,63 @@ def test_an_agent_past_its_timeout_is_stopped(
     assert leftovers(busybox_provider) == []
 
 
-def test_a_task_without_an_image_is_refused(
+def test_a_task_without_an_image_or_a_dockerfile_is_refused(
     busybox_provider: LocalProvider, tmp_path: Path
 ) -> None:
     path = task(tmp_path, image=None)
-    (path / "environment" / "Dockerfile").write_text("FROM busybox\n")
     ran = harbor("-p", path, "-a", "oracle", "--env", ENV, "--trials-dir", tmp_path / "trials")
     said = " ".join((ran.stdout + ran.stderr).split())
     assert ran.returncode != 0
-    assert "runs prebuilt images, it does not build them" in said, said
+    assert "names no image and has no Dockerfile" in said, said
+    assert leftovers(busybox_provider) == []
+
+
+BUILT_TEST = TEST.replace(
+    "= 42 ]; then", '= 42 ] && [ "$(cat /opt/built.txt)" = "built offline" ]; then'
+)
+
+
+def harbor_images(provider: LocalProvider) -> dict[str, str]:
+    """The images the adapter built, name: id."""
+    images = asyncio.run(provider.images.list())
+    return {name: i.id for i in images for name in i.names if "harbor-" in name}
+
+
+def test_a_task_with_only_a_dockerfile_is_built_once_and_solved(
+    busybox_provider: LocalProvider, tmp_path: Path
+) -> None:
+    path = task(tmp_path, image=None)
+    dockerfile = path / "environment" / "Dockerfile"
+    dockerfile.write_text(f"FROM {BUSYBOX}\nCOPY built.txt /opt/built.txt\nRUN mkdir -p /app\n")
+    (path / "environment" / "built.txt").write_text("built offline\n")
+    (path / "tests" / "test.sh").write_text(BUILT_TEST)
+    result, _ = trial(tmp_path / "trials", "-p", path)
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"] == {"reward": 1.0}
+    [(name, first)] = harbor_images(busybox_provider).items()
+    assert name.split("/")[-1].startswith("harbor-task:")
+
+    # An unchanged task takes the image it built; a changed one is built again.
+    result, _ = trial(tmp_path / "again", "-p", path)
+    assert result["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert harbor_images(busybox_provider) == {name: first}
+    (path / "environment" / "built.txt").write_text("changed\n")
+    result, _ = trial(tmp_path / "changed", "-p", path)
+    assert result["verifier_result"]["rewards"] == {"reward": 0.0}
+    assert len(harbor_images(busybox_provider)) == 2
+    assert leftovers(busybox_provider) == []
+
+
+def test_a_failing_dockerfile_fails_the_trial_by_its_step(
+    busybox_provider: LocalProvider, tmp_path: Path
+) -> None:
+    path = task(tmp_path, image=None)
+    (path / "environment" / "Dockerfile").write_text(f"FROM {BUSYBOX}\nRUN exit 3\n")
+    ran = harbor("-p", path, "-a", "oracle", "--env", ENV, "--trials-dir", tmp_path / "trials")
+    [result] = (tmp_path / "trials").glob("*/result.json")
+    info = json.loads(result.read_text())["exception_info"]
+    assert info is not None and "exit 3" in info["exception_message"], ran.stdout + ran.stderr
+    assert harbor_images(busybox_provider) == {}
     assert leftovers(busybox_provider) == []
 
 
@@ -188,6 +236,17 @@ async def test_a_state_dir_with_a_service_is_refused(tmp_path: Path) -> None:
     env.options = SandmanEnvironment.parse_options({"url": "http://x", "state_dir": "/var/x"})
     with pytest.raises(ConfigError, match="state_dir /var/x is the embedded pool's"):
         await env.start(force_build=False)
+
+
+@pytest.mark.anyio
+async def test_a_service_does_not_build_a_dockerfile(tmp_path: Path) -> None:
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "Dockerfile").write_text("FROM busybox\n")
+    env = environment(tmp_path, docker_image=None)
+    env.options = SandmanEnvironment.parse_options({"url": "http://127.0.0.1:9"})
+    with pytest.raises(ConfigError, match="does not build images: build on its host"):
+        await env.start(force_build=False)
+    await close_loop_clients()
 
 
 def test_an_unknown_option_is_refused(busybox_provider: LocalProvider, tmp_path: Path) -> None:
@@ -230,10 +289,10 @@ def test_the_task_s_resources_and_network_are_the_sandbox_s(tmp_path: Path) -> N
     env = environment(
         tmp_path, cpus=0.5, memory_mb=256, storage_mb=64, workdir="/app", limits=ResourceMode.LIMIT
     )
-    spec = env._spec()
+    spec = env._spec(BUSYBOX)
     assert (spec.cpu, spec.memory, spec.disk) == (0.5, 256 * 2**20, 64 * 2**20)
     assert (spec.network, spec.workdir, spec.image) == ("none", "/app", BUSYBOX)
-    public = environment(tmp_path, network=NetworkMode.PUBLIC, env={"A": "1"})._spec()
+    public = environment(tmp_path, network=NetworkMode.PUBLIC, env={"A": "1"})._spec(BUSYBOX)
     assert (public.network, public.env) == ("egress", {"A": "1"})
     with pytest.raises(ValueError, match="network_mode='allowlist' is not supported"):
         environment(tmp_path, network=NetworkMode.ALLOWLIST, allowed_hosts=["example.com"])

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
@@ -468,6 +470,32 @@ class AsyncClient:
         full = image if isinstance(image, SandboxSpec) else _spec(image, spec)
         await self._ensure_session()
         await self._backend.warm(full, count)
+
+    async def build_image(
+        self,
+        dockerfile: str | os.PathLike[str],
+        context: str | os.PathLike[str],
+        *,
+        name: str,
+        network: bool = False,
+        cache: bool = True,
+        reuse: bool = False,
+    ) -> str:
+        """Build ``dockerfile`` over the directory ``context`` into image ``name`` where this
+        client's sandboxes are made (the local provider's store, with buildah: see
+        `sandman.images.ImageStore.build`), and return ``name`` for specs to use. ``RUN``
+        steps get no network unless ``network``. With ``reuse``, an image already stored
+        under ``name`` is taken without building (name it by its content). A service or
+        a cluster does not build: `ConfigError` says where to build instead."""
+        await self._backend.build_image(
+            Path(dockerfile),
+            Path(context),
+            name=name,
+            network=network,
+            cache=cache,
+            reuse=reuse,
+        )
+        return name
 
     async def snapshots(self) -> list[Snapshot]:
         """The snapshots this client can make sandboxes from (its pool's, or its tenant's

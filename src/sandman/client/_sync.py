@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
@@ -206,6 +207,20 @@ class Client:
     def warm(self, image: str | SandboxSpec, count: int, **spec: Any) -> None:
         """See `AsyncClient.warm`."""
         self._portal.call(partial(self._async.warm, image, count, **spec))
+
+    def build_image(
+        self,
+        dockerfile: str | os.PathLike[str],
+        context: str | os.PathLike[str],
+        *,
+        name: str,
+        network: bool = False,
+        cache: bool = True,
+        reuse: bool = False,
+    ) -> str:
+        """See `AsyncClient.build_image`."""
+        build = partial(self._async.build_image, network=network, cache=cache, reuse=reuse)
+        return self._portal.call(partial(build, dockerfile, context, name=name))
 
     def snapshots(self) -> list[Snapshot]:
         """See `AsyncClient.snapshots`."""

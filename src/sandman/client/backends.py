@@ -7,6 +7,7 @@ through it. Commands and files go straight to the sandbox's daemon.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from sandman import errors
@@ -71,6 +72,13 @@ class Backend(Protocol):
 
     async def pause(self, sandbox_id: str, *, memory: bool = False) -> None: ...
     async def resume(self, sandbox_id: str) -> None: ...
+
+    async def build_image(
+        self, dockerfile: Path, context: Path, *, name: str, network: bool, cache: bool, reuse: bool
+    ) -> None:
+        """Build ``dockerfile`` over ``context`` as image ``name`` where the sandboxes are
+        made; with ``reuse``, an image already stored under ``name`` is taken as it is."""
+        ...
 
 
 class InProcessBackend:
@@ -151,6 +159,25 @@ class InProcessBackend:
 
     async def resume(self, sandbox_id: str) -> None:
         await self.pool.resume(sandbox_id)
+
+    async def build_image(
+        self, dockerfile: Path, context: Path, *, name: str, network: bool, cache: bool, reuse: bool
+    ) -> None:
+        from sandman.images import ImageStore  # the local provider's store, when it has one
+
+        store = getattr(self.pool.provider, "images", None)
+        if not isinstance(store, ImageStore):
+            raise errors.ConfigError(
+                f"the {self.pool.provider.name} provider takes its images from a registry: "
+                "build there (`sandman images build`, then push) and name the image"
+            )
+        if reuse:
+            try:
+                await store.get(name)
+                return
+            except errors.ImageNotFound:
+                pass
+        await store.build(dockerfile, context, name=name, network=network, cache=cache)
 
     async def aclose(self) -> None:
         if self._own_pool:

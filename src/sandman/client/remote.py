@@ -30,6 +30,7 @@ import ssl
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlencode
 
@@ -506,6 +507,14 @@ class RemoteBackend:
     async def warm(self, spec: SandboxSpec, count: int) -> None:
         await self._call(
             "PUT", "/v1/warm", json={"spec": spec.model_dump(mode="json"), "count": count}
+        )
+
+    async def build_image(
+        self, dockerfile: Path, context: Path, *, name: str, network: bool, cache: bool, reuse: bool
+    ) -> None:
+        raise errors.ConfigError(
+            f"the service at {self.url} does not build images: build on its host "
+            f"(`sandman images build -f {dockerfile} {context} -t {name}`) and name the image"
         )
 
     async def usage(self, sandbox_id: str, *, timeout: float | None = None) -> Usage | None:

@@ -5,28 +5,35 @@ harbor trials start -p TASK -a oracle --env sandman.integrations.harbor:SandmanE
 harbor job start ... --env sandman.integrations.harbor:SandmanEnvironment --ek url=http://sandman:8080
 ```
 
-Each trial's environment is a sandbox of the task's ``[environment].docker_image``
-from one pool per process (paced creation, readiness, cleanup), from the
+Each trial's environment is a sandbox of the task's ``[environment].docker_image``,
+or, for a task without one, of the image built from its ``environment/Dockerfile``
+(on the embedded pool, with buildah, on first use: named by the environment
+directory's content, so a trial of an unchanged task reuses it and a changed one
+builds again; ``--force-build`` rebuilds without the cache), from one pool per process (paced creation, readiness, cleanup), from the
 service at ``url`` or ``$SANDMAN_URL`` (key: ``$SANDMAN_API_KEY``, never an
 option, so never in a trial's ``config.json``), else the embedded local pool
 (on the ``state_dir`` option, else ``$SANDMAN_STATE_DIR``, else the local
 provider's default). Options (`SandmanHarborOptions`): ``url``, ``state_dir``,
-``acquire_timeout``; anything else is refused before a trial starts.
+``acquire_timeout``, ``build_network``; anything else is refused before a trial starts.
 
 What the task asks for maps to the sandbox: ``cpus`` (fractions too) and
 ``memory_mb`` are hard limits, ``storage_mb`` what it may write, ``workdir``
 and ``env`` as given; network ``no-network`` is no network, ``public`` is
 egress (NAT, the provider's deny-list applies); an allowlist is refused (the
 provider's allow- and deny-lists are its own settings, not a task's).
-Sandman runs images, it does not build them: a task with only a Dockerfile
-is refused, and host mounts are not available. Commands run in ``bash -c``
+A service does not build (a task with only a Dockerfile is refused there: build
+it on the service's host), and host mounts are not available. Commands run in ``bash -c``
 when the image has bash, else ``sh -c``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +72,9 @@ class SandmanHarborOptions(EnvironmentOptions):
     ``$SANDMAN_STATE_DIR``, else the local provider's. Refused with a service."""
     acquire_timeout: float | None = Field(default=None, gt=0)
     """Seconds to wait for a sandbox before the trial fails (`CreateTimeout`)."""
+    build_network: bool = False
+    """Whether the ``RUN`` steps of a task's ``environment/Dockerfile`` get the network
+    (the host's); by default they get none."""
 
 
 class SandmanEnvironment(BaseEnvironment):
@@ -99,17 +109,19 @@ class SandmanEnvironment(BaseEnvironment):
         )
 
     def _validate_definition(self) -> None:
-        if not self.task_env_config.docker_image:
+        if not self.task_env_config.docker_image and not self._dockerfile.is_file():
             raise ValueError(
-                "the sandman environment runs prebuilt images, it does not build them: "
-                f"set [environment].docker_image in {self.environment_name}'s task.toml "
-                "(build its Dockerfile and push the image to a registry the pool pulls "
-                "from, or `sandman images import` it)"
+                f"{self.environment_name} names no image and has no Dockerfile: set "
+                f"[environment].docker_image in its task.toml or add {self._dockerfile}"
             )
+
+    @property
+    def _dockerfile(self) -> Path:
+        return Path(self.environment_dir) / "Dockerfile"
 
     # -- lifecycle ----------------------------------------------------------------
 
-    def _spec(self) -> SandboxSpec:
+    def _spec(self, image: str) -> SandboxSpec:
         config = self.task_env_config
         fields: dict[str, Any] = {
             "network": _NETWORK[self._network_policy.network_mode],
@@ -123,17 +135,25 @@ class SandmanEnvironment(BaseEnvironment):
             fields["disk"] = f"{storage}Mi"
         if config.workdir:
             fields["workdir"] = config.workdir
-        assert config.docker_image is not None  # _validate_definition
-        return SandboxSpec(image=config.docker_image, **fields)
+        return SandboxSpec(image=image, **fields)
 
     async def start(self, force_build: bool) -> None:
-        if force_build:
-            self.logger.warning(
-                "sandman runs the prebuilt image %s: --force-build has nothing to build",
-                self.task_env_config.docker_image,
-            )
         client = await loop_client(self.options.url, state_dir=self.options.state_dir)
-        sandbox = await client.acquire(self._spec(), timeout=self.options.acquire_timeout)
+        image = self.task_env_config.docker_image
+        if image is None:
+            image = await client.build_image(
+                self._dockerfile,
+                self.environment_dir,
+                name=_built_name(self.environment_name, Path(self.environment_dir)),
+                network=self.options.build_network,
+                cache=not force_build,
+                reuse=not force_build,
+            )
+        elif force_build:
+            self.logger.warning(
+                "sandman runs the prebuilt image %s: --force-build has nothing to build", image
+            )
+        sandbox = await client.acquire(self._spec(image), timeout=self.options.acquire_timeout)
         self.logger.debug("sandman: sandbox %s for %s", sandbox.id, self.session_id)
         try:
             has_bash = await sandbox.exists("/bin/bash") or await sandbox.exists("/usr/bin/bash")
@@ -254,3 +274,20 @@ class SandmanEnvironment(BaseEnvironment):
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         await self._require().download(source_dir, target_dir)
+
+
+def _built_name(environment: str, context: Path) -> str:
+    """``harbor-<environment>:<digest>``: the digest of every path, mode, link and byte
+    under ``context``, so an unchanged task names the image it built before."""
+    digest = hashlib.sha256()
+    for path in sorted(context.rglob("*")):
+        relative = path.relative_to(context).as_posix()
+        mode = path.lstat().st_mode
+        kind = stat.S_IFMT(mode) | (mode & 0o111)  # a checkout's umask is not the task's
+        digest.update(f"{relative}\0{kind:o}\0".encode())
+        if path.is_symlink():
+            digest.update(os.readlink(path).encode())
+        elif path.is_file():
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    repository = re.sub(r"[^a-z0-9._-]+", "-", environment.lower()).strip("-._")[:64]
+    return f"harbor-{repository or 'task'}:{digest.hexdigest()[:16]}"
