@@ -17,6 +17,7 @@ from sandman.cli import build as cli
 from sandman.errors import ImageError, ImageNotFound
 from sandman.images import Image, ImageStore
 from sandman.images.build import (
+    BUILD_CAPABILITIES,
     BUILD_TAG,
     BuildahStorage,
     base_refs,
@@ -27,6 +28,7 @@ from sandman.images.build import (
 )
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider
+from sandman.providers.local.oci import CAPABILITIES
 from tests.images.builders import (
     OciLayout,
     directory,
@@ -39,6 +41,12 @@ from tests.images.builders import (
 from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for, ready
 
 pytestmark = pytest.mark.anyio
+
+CAP_BITS = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5,
+    "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10,
+    "CAP_SYS_CHROOT": 18, "CAP_AUDIT_WRITE": 29, "CAP_SETFCAP": 31,
+}  # fmt: skip
 
 needs_buildah = pytest.mark.skipif(
     shutil.which("buildah") is None, reason="needs buildah (apt-get install -y buildah)"
@@ -262,6 +270,42 @@ async def test_a_failing_run_raises_and_leaves_nothing(based: ImageStore, contex
     assert "the-step-said-no" in message and "exit status 7" in message
     assert [i.id for i in await based.list()] == [i.id for i in images]
     assert stored_layers(based) == layers
+    assert_nothing_left(based)
+
+
+def test_a_build_step_has_the_sandboxes_capabilities() -> None:
+    assert BUILD_CAPABILITIES == CAPABILITIES
+
+
+WALLS = """\
+FROM busybox
+RUN grep -E '^(CapEff|Seccomp):' /proc/self/status > /status \\
+    && (mkdir /m && mount -t tmpfs none /m && echo mounted || echo refused) > /mount \\
+    && echo mine > /owned && chown 1234:4321 /owned
+"""
+
+
+@needs_buildah
+async def test_a_run_step_is_walled_like_a_sandbox(based: ImageStore, context: Path) -> None:
+    (context / "Dockerfile").write_text(WALLS)
+    image = await based.build(context / "Dockerfile", context, name="walls:1")
+    root = image.rootfs
+    status = dict(line.split(":\t") for line in (root / "status").read_text().splitlines())
+    assert status["Seccomp"] == "2"  # a filter
+    assert int(status["CapEff"], 16) == sum(1 << CAP_BITS[c] for c in BUILD_CAPABILITIES)
+    assert (root / "mount").read_text() == "refused\n"  # no CAP_SYS_ADMIN
+    owned = (root / "owned").stat()
+    assert (owned.st_uid, owned.st_gid) == (1234, 4321)
+    assert_nothing_left(based)
+
+
+@needs_buildah
+async def test_a_run_step_past_its_memory_fails_the_build(based: ImageStore, context: Path) -> None:
+    (context / "Dockerfile").write_text(
+        "FROM busybox\nRUN dd if=/dev/zero of=/dev/null bs=200M count=1\n"
+    )
+    with pytest.raises(ImageError, match="buildah build failed"):
+        await based.build(context / "Dockerfile", context, memory=64 * 2**20)
     assert_nothing_left(based)
 
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from sandman.cli._common import echo_table, local_config, run_async
+from sandman.cli._common import Size, echo_table, local_config, run_async
 from sandman.images import ImageStore
+from sandman.images.build import BUILD_MEMORY
 from sandman.providers.local.snapshots import image_users
 
 
@@ -64,6 +65,9 @@ def images_pull(ctx: click.Context, reference: str, insecure: bool) -> None:
 )
 @click.option("--network", is_flag=True, help="Let RUN steps use the host's network.")
 @click.option("--no-cache", is_flag=True, help="Build from nothing, without buildah's cache.")
+@click.option(
+    "--memory", type=Size(), default=BUILD_MEMORY, show_default="4Gi", help="Each RUN step's limit."
+)
 @click.pass_context
 def images_build(
     ctx: click.Context,
@@ -73,6 +77,7 @@ def images_build(
     build_args: tuple[str, ...],
     network: bool,
     no_cache: bool,
+    memory: int,
 ) -> None:
     """Build an image from a Dockerfile with buildah; FROM names an image of this store."""
     args: dict[str, str] = {}
@@ -90,6 +95,7 @@ def images_build(
             build_args=args,
             network=network,
             cache=not no_cache,
+            memory=memory,
         ),
     )
     click.echo(f"{image.short_id}  {', '.join(image.names) or '<none>'}")

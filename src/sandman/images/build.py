@@ -56,6 +56,7 @@ __all__ = [
     "export_base",
     "filesystem_type",
     "find_buildah",
+    "isolation",
     "mounts_under",
     "rewrite_from",
     "run_buildah_build",
@@ -76,6 +77,20 @@ TERM_GRACE = 10.0
 """Seconds a cancelled buildah gets to stop its container after SIGTERM."""
 ERROR_LINES = 25
 """How many of buildah's last output lines an `ImageError` quotes."""
+
+# A build runs model-written Dockerfiles too, so each RUN step is walled as far as buildah
+# 1.28 allows. Not in a user namespace: with --userns-uid-map it writes COPY and WORKDIR
+# files as the host's root over idmapped base layers (a step then cannot write them),
+# and, told to shift the base instead, drops the whiteouts of what a step deletes.
+BUILD_CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+]  # fmt: skip
+"""A RUN step's capabilities, the sandboxes' set (Docker's default without MKNOD and
+NET_RAW); every other one is dropped."""
+BUILD_MEMORY = 4 * 2**30
+"""Bytes of memory (and swap) a RUN step may use unless the build says otherwise."""
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -442,13 +457,29 @@ class BuildRequest:
     network: bool
     cache: bool
     timeout: float
+    memory: int = BUILD_MEMORY
+
+
+def isolation(request: BuildRequest) -> list[str]:
+    """``buildah build``'s options that wall each RUN step of `request` like a sandbox, but
+    for the user namespace (see above): the sandboxes' capabilities, buildah's default
+    seccomp filter, no network unless asked, bounded memory. (No process limit: buildah
+    1.28 has no ``--pids-limit``, and RLIMIT_NPROC would count all of the host's root.)"""
+    return [
+        "--isolation=oci",
+        "--cap-drop=all",
+        f"--cap-add={','.join(BUILD_CAPABILITIES)}",
+        f"--memory={request.memory}",
+        f"--memory-swap={request.memory}",
+        f"--network={'host' if request.network else 'none'}",
+    ]
 
 
 async def run_buildah_build(storage: BuildahStorage, request: BuildRequest, scratch: Path) -> Path:
     """Build `request` in `storage` and write the OCI layout to import in `scratch`; its
     path. Each base image is loaded into `storage` (once, when the storage is kept),
-    the ``FROM`` lines are pointed at it, buildah builds (``--isolation oci``, no network
-    unless asked) and pushes the result as a layout, and `assemble` swaps the base back
+    the ``FROM`` lines are pointed at it, buildah builds (each RUN step walled as
+    `isolation` says) and pushes the result as a layout, and `assemble` swaps the base back
     for the store's layers. `ImageError` with buildah's own words when it fails; buildah
     is killed on timeout or cancellation; its containers and mounts go either way."""
     if request.timeout <= 0:
@@ -465,8 +496,7 @@ async def run_buildah_build(storage: BuildahStorage, request: BuildRequest, scra
             await anyio.Path(dockerfile).write_text(rewrite_from(request.dockerfile, replace))
             await storage.run(
                 "build",
-                "--isolation=oci",
-                f"--network={'host' if request.network else 'none'}",
+                *isolation(request),
                 "--pull-never",
                 f"--layers={'true' if request.cache else 'false'}",
                 "--force-rm",

@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sandman import _flock
 from sandman.errors import ImageError, ImageNotFound
 from sandman.images.build import (
+    BUILD_MEMORY,
     BuildahStorage,
     BuildRequest,
     base_refs,
@@ -260,12 +261,15 @@ class ImageStore:
         network: bool = False,
         cache: bool = True,
         timeout: float = 3600,
+        memory: int = BUILD_MEMORY,
     ) -> Image:
         """Build `dockerfile` over the directory `context` with buildah, and store the result.
 
         Needs buildah (``apt-get install -y buildah``). Each ``FROM`` names an image
         of this store (``FROM busybox``; ``scratch`` and earlier stages too): nothing
-        is pulled. ``RUN`` steps get no network unless `network` (then the host's).
+        is pulled. Each ``RUN`` step is walled like a sandbox (`sandman.images.build.isolation`:
+        a user namespace of its own, the sandboxes' capabilities, seccomp, at most
+        `memory` bytes) and gets no network unless `network` (then the host's).
         The result is named `name` and shares its base image's stored layers: only
         the build's own layers are added. With `cache`, buildah keeps its storage in
         ``buildah/`` under the store as a layer cache (an unchanged rebuild reruns no
@@ -303,6 +307,7 @@ class ImageStore:
             network=network,
             cache=cache,
             timeout=timeout,
+            memory=memory,
         )
         # Held shared until the import is done, as by a pull: the bases' layers, which
         # the result refers to but does not carry, cannot be pruned meanwhile.
