@@ -50,7 +50,7 @@ async def test_distinct_specs_acquired_and_released_leave_no_waiters(
         for task in range(50):
             record = await pool.acquire(spec_of(None, task), session=session)
             pool.release(record.id)
-        assert pool._waiting == {}
+        assert pool._creation.waiting == {}
         await eventually(lambda: fake.live == 0)
 
 
@@ -64,9 +64,9 @@ async def test_a_caller_who_gives_up_while_queued_is_no_waiter(fake: FakeProvide
         await eventually(lambda: fake.creating == 1)
         with pytest.raises(sandman.CreateTimeout, match="still queued"):
             await pool.acquire(spec_of(None, 2), session=session, timeout=0.01)
-        assert len(pool._waiting) == 1  # the first's, still being made
+        assert len(pool._creation.waiting) == 1  # the first's, still being made
         pool.release((await first).id)
-        assert pool._waiting == {}
+        assert pool._creation.waiting == {}
         # The queued one was never created.
         await eventually(lambda: fake.live == 0)
         assert fake.created_total == 1
@@ -85,7 +85,7 @@ async def test_a_caller_cancelled_while_its_create_fails_is_no_waiter(
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         await eventually(lambda: fake.creating == 0)
-        assert pool._waiting == {}
+        assert pool._creation.waiting == {}
 
 
 async def test_a_sandbox_made_for_a_caller_who_left_goes_to_the_next_waiter(
@@ -99,11 +99,13 @@ async def test_a_sandbox_made_for_a_caller_who_left_goes_to_the_next_waiter(
         gone = asyncio.ensure_future(pool.acquire(spec_of(None), session=left))
         await eventually(lambda: fake.creating == 1)
         waiting = asyncio.ensure_future(pool.acquire(spec_of(None), session=stays))
-        await eventually(lambda: len(pool._waiting.get(next(iter(pool._waiting)), ())) == 2)
+        await eventually(
+            lambda: len(pool._creation.waiting.get(next(iter(pool._creation.waiting)), ())) == 2
+        )
         gone.cancel()
         record = await waiting
         assert record.session == stays and fake.created_total == 1
-        assert pool._waiting == {}
+        assert pool._creation.waiting == {}
 
 
 # -- tallies --------------------------------------------------------------------------
@@ -179,4 +181,4 @@ async def test_a_tally_nobody_keeps_is_dropped(fake: FakeProvider) -> None:
         session = pool.open_session()
         await pool.acquire(spec_of("x"), session=session)
         assert kept.counts() == {"x": 1}
-        assert list(pool._tallies) == [kept]
+        assert list(pool._ledger.tallies) == [kept]

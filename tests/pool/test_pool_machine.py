@@ -74,7 +74,7 @@ class PoolMachine(RuleBasedStateMachine):
         session=sessions, spec=st.sampled_from(SPECS), patience=st.sampled_from([None, 0.001, 1.0])
     )
     def acquire(self, session: str, spec: SandboxSpec, patience: float | None) -> None:
-        if session in self.pool._sessions:
+        if session in self.pool._leases.sessions:
             self.pending.append(
                 self.loop.create_task(self.pool.acquire(spec, session=session, timeout=patience))
             )
@@ -119,7 +119,7 @@ class PoolMachine(RuleBasedStateMachine):
     def pool_restarts(self) -> None:
         """The pool's process dies (no cleanup at all); a new one of the same name starts."""
         old = self.pool
-        for task in [*old._loops, *old._creates, *old._tasks, *self.pending]:
+        for task in [*old._loops, *old._creation.creates, *old._tasks, *self.pending]:
             task.cancel()
         self._settle()
         self.crashed.append(old)
@@ -135,7 +135,7 @@ class PoolMachine(RuleBasedStateMachine):
         owners: dict[str, str] = {}
         for record in self.pool.list():
             if record.state == "leased":
-                assert record.session in self.pool._sessions, record
+                assert record.session in self.pool._leases.sessions, record
                 assert owners.setdefault(record.id, record.session) == record.session
 
     @invariant()

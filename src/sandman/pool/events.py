@@ -9,9 +9,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
-__all__ = ["EventHook", "EventLog", "PoolEvent", "emit"]
+if TYPE_CHECKING:
+    from sandman.pool.records import Record
+
+__all__ = ["Emit", "EventHook", "EventLog", "PoolEvent", "emit"]
 
 logger = logging.getLogger("sandman.pool")
 
@@ -38,6 +41,13 @@ class PoolEvent:
 
 
 EventHook = Callable[[PoolEvent], None]
+
+
+class Emit(Protocol):
+    """How a part of the pool tells of an event (the pool's own `emit`, which names the
+    pool): the event's name, the sandbox it is about, if any, and its details."""
+
+    def __call__(self, name: str, record: Record | None = None, **detail: object) -> None: ...
 
 
 def emit(hook: EventHook | None, event: PoolEvent) -> None:

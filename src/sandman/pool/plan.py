@@ -3,8 +3,9 @@
 `plan_reconcile` is pure. It reads what the provider listed, which ids the pool already
 knows, and who is alive, and says which unknown sandboxes to adopt (leased to their
 recorded session), which to delete as orphans, and which sessions another live
-process of this pool's name holds. `Pool.reconcile` does the listing before it and
-the applying after it; `tests/pool/test_plan.py` holds the decisions as a table.
+process of this pool's name holds. `Reconciler.reconcile` (`sandman.pool.reconcile`)
+does the listing before it and the applying after it; `tests/pool/test_plan.py` holds
+the decisions as a table.
 """
 
 from __future__ import annotations
