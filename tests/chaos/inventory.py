@@ -224,7 +224,7 @@ def _processes_and_mounts(scope: Scope) -> list[Item]:
                     sid = path.split("/")[0]
                     break
             found.append(Item("process", f"pid {proc.name} {_comm(proc)}", sid))
-        if b"sandman.pool.watchdog" in cmdline and prefix in cmdline:
+        if b"sandman.client.watchdog" in cmdline and prefix in cmdline:
             pool = next((a for a in cmdline.split(b"\0") if a.startswith(prefix)), b"")
             found.append(Item("watchdog", f"pid {proc.name} of {pool.decode()}"))
         try:

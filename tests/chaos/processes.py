@@ -172,7 +172,7 @@ class WorkerProcess:
         return held
 
     def watchdogs(self) -> list[int]:
-        return processes_with(b"sandman.pool.watchdog", self.config.pool.encode())
+        return processes_with(b"sandman.client.watchdog", self.config.pool.encode())
 
     def signal(self, sig: signal.Signals) -> None:
         if self.alive:
@@ -278,7 +278,7 @@ class ServiceProcess:
         return listed
 
     def watchdogs(self) -> list[int]:
-        return processes_with(b"sandman.pool.watchdog", self.pool.encode())
+        return processes_with(b"sandman.client.watchdog", self.pool.encode())
 
     def signal(self, sig: signal.Signals) -> None:
         if self.process is not None and self.alive:

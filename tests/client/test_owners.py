@@ -59,7 +59,7 @@ class Holder:
                 stat = (proc / "stat").read_text()
                 if int(stat.rpartition(")")[2].split()[1]) != self.process.pid:
                     continue
-                if b"sandman.pool.watchdog" in (proc / "cmdline").read_bytes():
+                if b"sandman.client.watchdog" in (proc / "cmdline").read_bytes():
                     return int(proc.name)
         raise AssertionError(f"no watchdog of {self.process.pid}")
 

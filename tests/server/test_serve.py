@@ -120,7 +120,7 @@ async def watchdogs_of(pool: str) -> list[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"sandman.pool.watchdog" in cmdline and pool.encode() in cmdline:
+            if b"sandman.client.watchdog" in cmdline and pool.encode() in cmdline:
                 found.append(int(proc.name))
     return found
 

@@ -26,7 +26,7 @@ from sandman.cli._common import Duration, fail, local_config
 from sandman.models import SandboxSpec, explain
 
 if TYPE_CHECKING:
-    from sandman.pool.watchdog import Watchdog
+    from sandman.client.watchdog import Watchdog
     from sandman.providers.base import Provider
     from sandman.server import ServerSettings, WarmSpares
 
@@ -298,7 +298,7 @@ async def _serve(
 
 def _watchdog(ctx: click.Context, provider: Provider, pool_name: str) -> Watchdog | None:
     """A local pool's watchdog: if the service is SIGKILLed, its sandboxes go too."""
-    from sandman.pool.watchdog import Watchdog
+    from sandman.client.watchdog import Watchdog
 
     if provider.name != "local":
         return None

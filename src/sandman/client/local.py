@@ -14,9 +14,9 @@ from sandman import errors
 from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import InProcessBackend
+from sandman.client.watchdog import Watchdog
 from sandman.pool import Pool, PoolConfig
 from sandman.pool.events import EventHook
-from sandman.pool.watchdog import Watchdog
 from sandman.providers.local import LocalProvider
 from sandman.settings import KubernetesConfig, LocalConfig
 

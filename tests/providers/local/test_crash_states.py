@@ -22,8 +22,9 @@ from click.testing import CliRunner
 
 from sandman import errors
 from sandman.cli import build
+from sandman.client import watchdog
 from sandman.models import SandboxSpec
-from sandman.pool import Pool, PoolConfig, owner, watchdog
+from sandman.pool import Pool, PoolConfig, owner
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import needs_root_and_crun
 from tests.providers.local.leaks import leftovers

@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from sandman import errors
+from sandman.client.watchdog import sweep
 from sandman.models import SandboxSpec
 from sandman.pool.owner import LABEL_OWNER
-from sandman.pool.watchdog import sweep
 from sandman.providers.base import SandboxInfo
 from sandman.testing import FakeProvider
 
@@ -52,7 +52,7 @@ async def test_one_failed_delete_does_not_stop_the_sweep(caplog: pytest.LogCaptu
     async with FailsOnce({ids[0], ids[2]}) as provider:
         for sandbox_id in ids:
             await provider.create(SPEC, sandbox_id=sandbox_id, labels=labels)
-        with caplog.at_level(logging.WARNING, logger="sandman.pool.watchdog"):
+        with caplog.at_level(logging.WARNING, logger="sandman.client.watchdog"):
             assert await sweep(provider, labels, backoff=0.01) == 4
         assert await provider.list() == []
         assert provider.failures == {ids[0]: 1, ids[2]: 1}
@@ -66,7 +66,7 @@ async def test_a_sweep_gives_up_after_its_rounds_and_says_what_is_left(
     async with FailsOnce({"sb-stubborn"}, times=100) as provider:
         await provider.create(SPEC, sandbox_id="sb-stubborn", labels=labels)
         await provider.create(SPEC, sandbox_id="sb-easy", labels=labels)
-        with caplog.at_level(logging.WARNING, logger="sandman.pool.watchdog"):
+        with caplog.at_level(logging.WARNING, logger="sandman.client.watchdog"):
             assert await sweep(provider, labels, attempts=3, backoff=0.01) == 1
         assert provider.failures == {"sb-stubborn": 3}
         assert "gave up after 3 rounds; left: sb-stubborn" in caplog.text

@@ -40,7 +40,7 @@ __all__ = ["Watchdog", "sweep"]
 
 logger = logging.getLogger(__name__)
 
-_ENTRY = "import sys; from sandman.pool.watchdog import main; sys.exit(main())"
+_ENTRY = "import sys; from sandman.client.watchdog import main; sys.exit(main())"
 _STRAY_GRACE = 60.0
 """Seconds a directory of a create killed half-way is spared (``sandman gc``'s default)."""
 
