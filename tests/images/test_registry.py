@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,43 +77,6 @@ def private_registry(
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def skopeo_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Put a ``skopeo`` first on PATH that records what it was given, then runs the real one.
-
-    Returns the directory where it records: ``args``, ``cwd``, ``pid``, ``authfile-mode``
-    and ``authfile`` (a copy of the auth file, when there was one).
-    """
-    real = _which("skopeo")
-    record = tmp_path / "shim"
-    bin_dir = tmp_path / "bin"
-    record.mkdir()
-    bin_dir.mkdir()
-    shim = bin_dir / "skopeo"
-    shim.write_text(
-        "#!/bin/sh\n"
-        f'printf "%s\\n" "$@" > "{record}/args"\n'
-        f'pwd > "{record}/cwd"\n'
-        "if [ -e auth.json ]; then\n"
-        f'  stat -c %a auth.json > "{record}/authfile-mode"\n'
-        f'  cp auth.json "{record}/authfile"\n'
-        "fi\n"
-        # Whole or not at all: a reader waits for it to exist, then reads it.
-        f'echo $$ > "{record}/pid.new" && mv "{record}/pid.new" "{record}/pid"\n'
-        f'exec {real} "$@"\n'
-    )
-    shim.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    return record
-
-
-def _which(tool: str) -> str:
-    found = shutil.which(tool)
-    if found is None:
-        pytest.skip(f"needs {tool}")
-    return found
 
 
 def unpacks(caplog: pytest.LogCaptureFixture) -> int:

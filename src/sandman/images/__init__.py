@@ -1,5 +1,6 @@
 """The local image store: import docker/OCI archives and rootfs tarballs, or pull from a
-registry (`ImageStore.pull`, with skopeo); unpack once, reuse.
+registry (`ImageStore.pull`, with skopeo); unpack once, reuse; push to a registry
+(`ImageStore.push`).
 
 Layers are stored once (`sandman.images.layerstore`) and shared by the images made of
 them. The local provider turns an `Image` into overlayfs lower dirs (`Image.lowers`,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -39,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 
 from sandman.errors import ConfigError, ImageError
 from sandman.images.digests import hex_of
-from sandman.images.formats import HOST_ARCH
+from sandman.images.export import export_layer, image_config, write_layout
 from sandman.images.image import Image
 
 __all__ = [
@@ -91,10 +91,6 @@ BUILD_CAPABILITIES = [
 NET_RAW); every other one is dropped."""
 BUILD_MEMORY = 4 * 2**30
 """Bytes of memory (and swap) a RUN step may use unless the build says otherwise."""
-
-MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
-MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar"
 
 _FROM = re.compile(
     r"^(?P<head>\s*FROM\s+(?:--\S+\s+)*)(?P<ref>\S+)(?P<tail>(?:\s+AS\s+(?P<stage>\S+))?\s*)$",
@@ -165,84 +161,26 @@ class Base:
     """The layer descriptors of the stored image, bottom first (one per `Image.layers`)."""
 
 
-def _write_blob(blobs: Path, data: bytes) -> dict[str, Any]:
-    digest = hashlib.sha256(data).hexdigest()
-    (blobs / digest).write_bytes(data)
-    return {"digest": f"sha256:{digest}", "size": len(data)}
-
-
-def _write_layout(path: Path, manifest: dict[str, Any], annotations: dict[str, str]) -> None:
-    blobs = path / "blobs" / "sha256"
-    descriptor = _write_blob(blobs, json.dumps(manifest, sort_keys=True).encode())
-    entry = {"mediaType": MEDIA_MANIFEST, **descriptor}
-    if annotations:
-        entry["annotations"] = annotations
-    (path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [entry]}))
-    (path / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
-
-
 async def export_base(image: Image, descriptors: list[dict[str, Any]], path: Path) -> Base:
-    """Write `image` as an OCI layout at `path`: one uncompressed layer, a tar of its
-    merged rootfs, made reproducibly (GNU tar, sorted, no atime/ctime), so that an
-    unchanged image exports to the same digest and buildah's cache keeps matching."""
-    await anyio.Path(path / "blobs" / "sha256").mkdir(parents=True)
-    layer = path / "layer.tar"
-    command = [
-        "tar",
-        "--create",
-        f"--file={layer}",
-        f"--directory={image.rootfs}",
-        "--sort=name",
-        "--numeric-owner",
-        "--format=posix",
-        "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
-        "--xattrs",
-        "--xattrs-include=*",
-        "--xattrs-exclude=trusted.overlay.*",
-        "--xattrs-exclude=user.overlay.*",
-        ".",
-    ]
-    code, output = await run_command(command, path)
-    if code != 0:
-        raise ImageError(f"exporting image {image.short_id} for the build failed: {output}")
-    diff_id = await anyio.to_thread.run_sync(_write_base_layout, image, layer, path)
+    """Write `image` as an OCI layout at `path`: one uncompressed layer, its merged rootfs
+    as `sandman.images.export.write_tar` writes it (sorted, numeric owners, the files'
+    own mtimes: the same bytes every time), so that an unchanged image exports to the
+    same digest and buildah's cache keeps matching."""
+
+    def export() -> str:
+        blobs = path / "blobs" / "sha256"
+        layer = export_layer(
+            image.rootfs, blobs, compress=False, check=anyio.from_thread.check_cancelled
+        )
+        config = image_config(image, None, [layer.diff_id])
+        write_layout(path, config, [layer.descriptor()], tag=BASE_TAG)
+        return layer.diff_id
+
+    try:
+        diff_id = await anyio.to_thread.run_sync(export)
+    except OSError as exc:
+        raise ImageError(f"exporting image {image.short_id} for the build failed: {exc}") from exc
     return Base(image, f"oci:{path}:{BASE_TAG}", diff_id, descriptors)
-
-
-def _write_base_layout(image: Image, layer: Path, path: Path) -> str:
-    """Put the exported `layer` tar in the layout at `path`, with a config and manifest
-    for `image`; the layer's diff id."""
-    blobs = path / "blobs" / "sha256"
-    with open(layer, "rb") as stream:
-        layer_hex = hashlib.file_digest(stream, "sha256").hexdigest()
-    os.rename(layer, blobs / layer_hex)
-    size = (blobs / layer_hex).stat().st_size
-    settings = image.config
-    config: dict[str, Any] = {
-        "architecture": HOST_ARCH,
-        "os": "linux",
-        "config": {
-            "Env": settings.env,
-            "WorkingDir": settings.working_dir,
-            "User": settings.user,
-            "Entrypoint": settings.entrypoint,
-            "Cmd": settings.cmd,
-        },
-        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_hex}"]},
-        # buildah's layer cache wants one history entry per layer.
-        "history": [{"created_by": f"sandman image {image.id}"}],
-    }
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": {
-            "mediaType": MEDIA_CONFIG,
-            **_write_blob(blobs, json.dumps(config, sort_keys=True).encode()),
-        },
-        "layers": [{"mediaType": MEDIA_LAYER, "digest": f"sha256:{layer_hex}", "size": size}],
-    }
-    _write_layout(path, manifest, {"org.opencontainers.image.ref.name": BASE_TAG})
-    return f"sha256:{layer_hex}"
 
 
 # -- the result, in ------------------------------------------------------------------------
@@ -293,11 +231,7 @@ def assemble(output: Path, final: Path, bases: Sequence[Base]) -> Base | None:
                 stand_in.truncate(layer.get("size") or 0)
         else:
             os.link(source, target)
-    manifest["config"] = {
-        "mediaType": MEDIA_CONFIG,
-        **_write_blob(new_blobs, json.dumps(config).encode()),
-    }
-    _write_layout(final, manifest, {})
+    write_layout(final, json.dumps(config).encode(), manifest["layers"])
     return base
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import sys
@@ -51,6 +52,7 @@ WHITEOUT_PREFIX = ".wh."
 WHITEOUT_META_PREFIX = ".wh..wh."
 WHITEOUT_OPAQUE = ".wh..wh..opq"
 BLOCKSIZE = 512
+_PAX_TIME = re.compile(r"(-?)(\d{1,12})(?:\.(\d{1,30}))?")
 
 
 def apply_layer(
@@ -387,8 +389,18 @@ class _Applier:
             os.chown(path, member.uid, member.gid, follow_symlinks=False)
         if not member.issym():
             os.chmod(path, member.mode & 0o7777)
-        mtime = int(member.mtime * 1_000_000_000)
+        mtime = _mtime_ns(member)
         os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+
+
+def _mtime_ns(member: tarfile.TarInfo) -> int:
+    """`member`'s mtime in nanoseconds: exact from a PAX record (tarfile's float is not)."""
+    match = _PAX_TIME.fullmatch(member.pax_headers.get("mtime", ""))
+    if match is None:
+        return int(member.mtime * 1_000_000_000)
+    sign, seconds, fraction = match.groups()
+    nanos = int(seconds) * 1_000_000_000 + int((fraction or "")[:9].ljust(9, "0"))
+    return -nanos if sign else nanos
 
 
 def _lstat_mode(path: Path) -> int:

@@ -1,15 +1,18 @@
-"""Pulling images from a registry with skopeo, into an OCI layout the store then imports.
+"""Pulling images from a registry with skopeo, and pushing them, through OCI layouts.
 
-``skopeo copy docker://REF oci:image:TAG`` does the download (Debian package
-``skopeo``). Credentials go to skopeo in a temporary containers-auth.json file
-(mode 0600), never on its command line, where ``ps`` would show them. Before
-skopeo starts, the registry's port is probed with a short connect timeout, so
-an unreachable registry fails at once instead of after the system's TCP
-timeouts. skopeo's complaints are turned into `ImageError`s that say what went
-wrong in our words; no password ever appears in them or in the log.
+``skopeo copy docker://REF oci:image:TAG`` does a download (Debian package
+``skopeo``), ``skopeo copy --preserve-digests oci:push:push docker://REF`` an upload
+(of a layout `sandman.images.export` wrote). Credentials go to skopeo in a temporary
+containers-auth.json file (mode 0600), never on its command line, where ``ps`` would
+show them; or they are the caller's own auth file (`Credentials`). Before skopeo
+starts, the registry's port is probed with a short connect timeout, so an unreachable
+registry fails at once instead of after the system's TCP timeouts. skopeo's
+complaints are turned into `ImageError`s that say what went wrong in our words; no
+password ever appears in them or in the log.
 
-The pure parts (`parse_reference`, `skopeo_command`, `auth_file`,
-`pull_error`) are separate from the I/O (`probe_registry`, `run_skopeo`).
+The pure parts (`parse_reference`, `skopeo_command`, `skopeo_push_command`,
+`auth_file`, `registry_error`) are separate from the I/O (`probe_registry`,
+`run_skopeo`, `push_with_skopeo`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, overload
+from typing import Literal, TypeAlias, overload
 
 import anyio
 import anyio.to_thread
@@ -36,7 +39,10 @@ from sandman.errors import ConfigError, ImageError, ImageNotFound
 from sandman.images.names import normalize_name, tag_of
 
 __all__ = [
+    "AUTH_REMEDY",
     "PROBE_TIMEOUT",
+    "TLS_REMEDY",
+    "Credentials",
     "Reference",
     "RegistryAuth",
     "auth_file",
@@ -44,9 +50,13 @@ __all__ = [
     "parse_reference",
     "probe_registry",
     "pull_error",
+    "push_error",
+    "push_with_skopeo",
+    "registry_error",
     "run_skopeo",
     "skopeo_command",
     "skopeo_inspect_command",
+    "skopeo_push_command",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +67,16 @@ PROBE_TIMEOUT = 3.0
 LAYOUT_DIR = "image"
 """Where skopeo writes the OCI layout, inside the pull's scratch directory."""
 
+PUSH_DIR = "push"
+"""Where the layout to push is, inside the push's scratch directory."""
+PUSH_TAG = "push"
+
 AUTH_FILE = "auth.json"
+
+TLS_REMEDY = "pass tls_verify=False"
+"""How an error tells the caller to allow plain HTTP (the CLI says ``--insecure``)."""
+AUTH_REMEDY = "pass auth=RegistryAuth(...)"
+"""How an error tells the caller to give credentials (the CLI names its options)."""
 
 DOCKER_HUB = "docker.io"
 _DOCKER_HUB_ENDPOINT = "registry-1.docker.io"
@@ -80,6 +99,12 @@ class RegistryAuth(BaseModel):
 
     username: str
     password: SecretStr
+
+
+Credentials: TypeAlias = RegistryAuth | Path
+"""What a pull or a push authenticates with: a user and password (`RegistryAuth`,
+written to a private auth file for skopeo), or the path of a containers-auth.json
+file (as ``skopeo login`` or ``podman login`` write it), handed to skopeo as it is."""
 
 
 @dataclass(frozen=True)
@@ -173,21 +198,47 @@ def skopeo_inspect_command(
     return [*command, source]
 
 
-def pull_error(
-    reference: Reference, stderr: str, *, auth: RegistryAuth | None, tls_verify: bool
+def skopeo_push_command(
+    skopeo: str, reference: Reference, *, tls_verify: bool, authfile: str | None
+) -> list[str]:
+    """The ``skopeo copy`` command line that uploads the layout ``push`` (relative: it
+    runs in the push's scratch directory) to `reference`. ``--preserve-digests``: the
+    manifest and blobs go as they are, never converted or compressed again, so the
+    digests are those the layout has: skopeo asks the registry for each blob by it and
+    uploads only what it lacks, and the manifest's digest is the one we computed."""
+    command = [skopeo, "copy", "--retry-times", "0", "--preserve-digests"]
+    command.append(f"--dest-tls-verify={'true' if tls_verify else 'false'}")
+    if authfile is not None:
+        command += ["--dest-authfile", authfile]
+    return [*command, f"oci:{PUSH_DIR}:{PUSH_TAG}", reference.source]
+
+
+def registry_error(
+    reference: Reference,
+    stderr: str,
+    *,
+    auth: Credentials | None,
+    tls_verify: bool,
+    action: Literal["pull", "push"],
 ) -> ImageError:
-    """The error to raise for a failed ``skopeo copy`` that printed `stderr`."""
+    """The error to raise for a failed ``skopeo`` `action` on `reference` that printed
+    `stderr`, in our words, no password in it."""
     detail = _last_message(_scrub(stderr, auth))
     lowered = detail.lower()
-    what = f"cannot pull {reference.name} from {reference.registry}"
+    where = "from" if action == "pull" else "to"
+    what = f"cannot {action} {reference.name} {where} {reference.registry}"
     if "pinging container registry" in lowered and any(
         marker in lowered for marker in _UNREACHABLE_MARKERS
     ):
         return ImageError(
-            f"cannot pull {reference.name}: the registry {reference.registry} is unreachable "
-            f"({detail})"
+            f"cannot {action} {reference.name}: the registry {reference.registry} is "
+            f"unreachable ({detail})"
         )
     if "manifest unknown" in lowered or "name unknown" in lowered or "not found" in lowered:
+        if action == "push":
+            return ImageError(
+                f"{what}: the registry does not know this repository, or is no registry ({detail})"
+            )
         return ImageNotFound(
             f"{what}: no such repository or tag in the registry ({detail})"
             if reference.tag
@@ -197,23 +248,42 @@ def pull_error(
         if auth is None:
             return ImageError(
                 f"{what}: authentication failed: the registry wants credentials "
-                f"(pass auth=RegistryAuth(...)), or the repository does not exist ({detail})"
+                f"({AUTH_REMEDY}), or the repository does not exist ({detail})"
             )
+        who = (
+            f"with the credentials in {auth}"
+            if isinstance(auth, Path)
+            else f"for user {auth.username!r}"
+        )
+        access = "access to" if action == "pull" else "right to push to"
         return ImageError(
-            f"{what}: authentication failed for user {auth.username!r}: wrong credentials, "
-            f"or no access to this repository ({detail})"
+            f"{what}: authentication failed {who}: wrong credentials, or no {access} "
+            f"this repository ({detail})"
         )
     if "server gave http response to https client" in lowered:
         return ImageError(
-            f"{what}: the registry speaks plain HTTP; pass tls_verify=False if you trust it "
-            f"({detail})"
+            f"{what}: the registry speaks plain HTTP; {TLS_REMEDY} if you trust it ({detail})"
         )
     if tls_verify and ("x509" in lowered or "certificate" in lowered):
         return ImageError(
-            f"{what}: the registry's TLS certificate was refused; pass tls_verify=False only "
+            f"{what}: the registry's TLS certificate was refused; {TLS_REMEDY} only "
             f"for a registry you trust ({detail})"
         )
     return ImageError(f"{what}: skopeo failed: {detail or 'no error message'}")
+
+
+def pull_error(
+    reference: Reference, stderr: str, *, auth: Credentials | None, tls_verify: bool
+) -> ImageError:
+    """The error to raise for a failed pull (`registry_error`)."""
+    return registry_error(reference, stderr, auth=auth, tls_verify=tls_verify, action="pull")
+
+
+def push_error(
+    reference: Reference, stderr: str, *, auth: Credentials | None, tls_verify: bool
+) -> ImageError:
+    """The error to raise for a failed push (`registry_error`)."""
+    return registry_error(reference, stderr, auth=auth, tls_verify=tls_verify, action="push")
 
 
 def _last_message(stderr: str) -> str:
@@ -231,9 +301,9 @@ def _last_message(stderr: str) -> str:
     return line[:2000]
 
 
-def _scrub(text: str, auth: RegistryAuth | None) -> str:
+def _scrub(text: str, auth: Credentials | None) -> str:
     """Remove the password (plain and inside the auth token) from text we show."""
-    if auth is None:
+    if not isinstance(auth, RegistryAuth):
         return text
     password = auth.password.get_secret_value()
     token = base64.b64encode(f"{auth.username}:{password}".encode()).decode()
@@ -253,7 +323,9 @@ def _proxied(host: str) -> bool:
     )
 
 
-async def probe_registry(reference: Reference, *, tls_verify: bool, timeout: float) -> None:
+async def probe_registry(
+    reference: Reference, *, tls_verify: bool, timeout: float, action: str = "pull"
+) -> None:
     """Raise `ImageError` unless some endpoint of the registry accepts a TCP connection.
 
     Skipped when a proxy is configured for the registry: then only skopeo
@@ -278,7 +350,7 @@ async def probe_registry(reference: Reference, *, tls_verify: bool, timeout: flo
         await stream.aclose()
         return
     raise ImageError(
-        f"cannot pull {reference.name}: the registry {reference.registry} is unreachable "
+        f"cannot {action} {reference.name}: the registry {reference.registry} is unreachable "
         f"({'; '.join(problems)})"
     )
 
@@ -300,7 +372,9 @@ def find_skopeo() -> str:
     """The path of the skopeo binary; `ImageError` with the install command when missing."""
     found = shutil.which("skopeo")
     if found is None:
-        raise ImageError(f"pulling images needs skopeo, which is not on PATH: {_INSTALL_HINT}")
+        raise ImageError(
+            f"pulling and pushing images needs skopeo, which is not on PATH: {_INSTALL_HINT}"
+        )
     return found
 
 
@@ -308,7 +382,7 @@ async def run_skopeo(
     reference: Reference,
     scratch: Path,
     *,
-    auth: RegistryAuth | None,
+    auth: Credentials | None,
     tls_verify: bool,
     timeout: float,
 ) -> Path:
@@ -325,20 +399,13 @@ async def run_skopeo(
     returncode, stderr = -1, ""
     with anyio.move_on_after(timeout) as deadline:
         await probe_registry(reference, tls_verify=tls_verify, timeout=min(PROBE_TIMEOUT, timeout))
-        authfile = scratch / AUTH_FILE
         try:
-            if auth is not None:
-                await anyio.to_thread.run_sync(_write_private, authfile, auth_file(reference, auth))
-            command = skopeo_command(
-                skopeo,
-                reference,
-                tls_verify=tls_verify,
-                authfile=AUTH_FILE if auth is not None else None,
-            )
+            authfile = await _authfile(reference, auth, scratch)
+            command = skopeo_command(skopeo, reference, tls_verify=tls_verify, authfile=authfile)
             logger.info("pulling %s with skopeo", reference.name)
             returncode, stderr = await _run(command, scratch)
         finally:
-            authfile.unlink(missing_ok=True)
+            (scratch / AUTH_FILE).unlink(missing_ok=True)
     if deadline.cancelled_caught:
         raise ImageError(
             f"pulling {reference.name} timed out after {timeout:g}s; skopeo was killed"
@@ -355,7 +422,7 @@ async def fetch_manifest(
     reference: Reference,
     scratch: Path,
     *,
-    auth: RegistryAuth | None,
+    auth: Credentials | None,
     tls_verify: bool,
     timeout: float,
 ) -> bytes:
@@ -370,18 +437,12 @@ async def fetch_manifest(
     returncode, stderr, stdout = -1, "", b""
     with anyio.move_on_after(timeout) as deadline:
         await probe_registry(reference, tls_verify=tls_verify, timeout=min(PROBE_TIMEOUT, timeout))
-        authfile = scratch / AUTH_FILE
         try:
-            if auth is not None:
-                await anyio.to_thread.run_sync(_write_private, authfile, auth_file(reference, auth))
+            authfile = await _authfile(reference, auth, scratch)
             digest: str | None = None
             for _ in range(2):
                 command = skopeo_inspect_command(
-                    skopeo,
-                    reference,
-                    tls_verify=tls_verify,
-                    authfile=AUTH_FILE if auth is not None else None,
-                    digest=digest,
+                    skopeo, reference, tls_verify=tls_verify, authfile=authfile, digest=digest
                 )
                 returncode, stderr, stdout = await _run(command, scratch, stdout=True)
                 if returncode != 0 or digest is not None:
@@ -390,7 +451,7 @@ async def fetch_manifest(
                 if digest is None:
                     break
         finally:
-            authfile.unlink(missing_ok=True)
+            (scratch / AUTH_FILE).unlink(missing_ok=True)
     if deadline.cancelled_caught:
         raise ImageError(
             f"fetching the manifest of {reference.name} timed out after {timeout:g}s; "
@@ -401,6 +462,62 @@ async def fetch_manifest(
         logger.info("manifest of %s: %s", reference.name, error)
         raise error
     return stdout
+
+
+async def push_with_skopeo(
+    reference: Reference,
+    scratch: Path,
+    *,
+    auth: Credentials | None,
+    tls_verify: bool,
+    timeout: float,
+) -> None:
+    """Upload the OCI layout ``push`` in `scratch` (tagged ``push``) to `reference`.
+
+    skopeo asks the registry for each blob by digest first and uploads only those it
+    lacks. Writes the auth file (if any), runs skopeo within `timeout` seconds and kills
+    it on timeout or cancellation; the auth file is gone when this returns or raises.
+    The registry is not probed here: the caller does that before it exports anything.
+    """
+    if timeout <= 0:
+        raise ConfigError(f"timeout must be positive, not {timeout}")
+    skopeo = find_skopeo()
+    started = time.monotonic()
+    returncode, stderr = -1, ""
+    with anyio.move_on_after(timeout) as deadline:
+        try:
+            authfile = await _authfile(reference, auth, scratch)
+            command = skopeo_push_command(
+                skopeo, reference, tls_verify=tls_verify, authfile=authfile
+            )
+            logger.info("pushing %s with skopeo", reference.name)
+            returncode, stderr = await _run(command, scratch)
+        finally:
+            (scratch / AUTH_FILE).unlink(missing_ok=True)
+    if deadline.cancelled_caught:
+        raise ImageError(
+            f"pushing {reference.name} timed out after {timeout:g}s; skopeo was killed"
+        )
+    if returncode != 0:
+        error = push_error(reference, stderr, auth=auth, tls_verify=tls_verify)
+        logger.info("push of %s failed: %s", reference.name, error)
+        raise error
+    logger.info("pushed %s in %.1fs", reference.name, time.monotonic() - started)
+
+
+async def _authfile(reference: Reference, auth: Credentials | None, scratch: Path) -> str | None:
+    """skopeo's auth file argument for `auth`: the caller's own file (absolute: skopeo
+    runs in `scratch`), or ``auth.json`` written in `scratch` (mode 0600) from a user
+    and password; None without credentials."""
+    if auth is None:
+        return None
+    if isinstance(auth, Path):
+        path = anyio.Path(auth)
+        if not await path.is_file():
+            raise ConfigError(f"the registry auth file {auth} does not exist or is no file")
+        return str(await path.absolute())
+    await anyio.to_thread.run_sync(_write_private, scratch / AUTH_FILE, auth_file(reference, auth))
+    return AUTH_FILE
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -1,6 +1,6 @@
 """The local, content-addressed image store.
 
-(About 800 lines, one store: its writes, reads, removals and locks keep one
+(About 900 lines, one store: its writes, reads, removals and locks keep one
 on-disk layout consistent; the layer store, merging, overlay stacking, builds and
 formats are their own modules.)
 
@@ -19,8 +19,8 @@ On disk, under ``root``::
                            layer-<xx>.lock for layers; names.lock for the table;
                            pulls.lock, held shared by every pull; layers.lock, held shared
                            while an image is installed and exclusively to delete layers
-    tmp/                   unpacks, pulls and builds (``pulls.<random>/``) in progress;
-                           stale entries go at the next start
+    tmp/                   unpacks, pulls, pushes and builds (``pulls.<random>/``) in
+                           progress; stale entries go at the next start
     buildah/               buildah's storage, its layer cache for `ImageStore.build`
                            (``build.lock`` held while a build uses it)
 
@@ -29,8 +29,9 @@ the layers below, as docker keys them: a layer's unpacked form depends on what i
 lies on), and an image is the list of its layers. Importing or pulling an image skips
 every layer already stored; a pull asks the registry for the manifest first and
 downloads only the blobs of missing layers. Layer blobs are checked while they stream
-and are not kept. `Image.lowers` are the directories to stack as overlayfs lower
-layers; `Image.rootfs` one directory with the whole tree, for callers that take one.
+and are not kept; a push (`ImageStore.push`) makes them again from the stored layers.
+`Image.lowers` are the directories to stack as overlayfs lower layers; `Image.rootfs`
+one directory with the whole tree, for callers that take one.
 Layers no image refers to go with `ImageStore.prune`, or at once with the last image
 that used them (`ImageStore.remove`).
 """
@@ -52,11 +53,12 @@ from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sandman import _flock
-from sandman.errors import ImageError, ImageNotFound
+from sandman.errors import ConfigError, ImageError, ImageNotFound
 from sandman.images.build import (
     BUILD_MEMORY,
     BuildahStorage,
@@ -68,6 +70,7 @@ from sandman.images.build import (
     unmount_under,
 )
 from sandman.images.digests import hex_of
+from sandman.images.export import export_image
 from sandman.images.formats import (
     ArchiveSource,
     Layer,
@@ -92,9 +95,14 @@ from sandman.images.names import is_id_prefix, normalize_name, read_names, write
 from sandman.images.overlay import lowerdir_fits
 from sandman.images.registry import (
     LAYOUT_DIR,
-    RegistryAuth,
+    PROBE_TIMEOUT,
+    PUSH_DIR,
+    PUSH_TAG,
+    Credentials,
     fetch_manifest,
     parse_reference,
+    probe_registry,
+    push_with_skopeo,
     run_skopeo,
 )
 
@@ -196,7 +204,7 @@ class ImageStore:
         self,
         reference: str,
         *,
-        auth: RegistryAuth | None = None,
+        auth: Credentials | None = None,
         tls_verify: bool = True,
         timeout: float = 600,
     ) -> Image:
@@ -206,7 +214,8 @@ class ImageStore:
         `reference` says (``python:3.11``). The registry is asked for the
         manifest first: an image already in the store is then only named, with
         no blob downloaded, and of a new image only the layers not yet stored
-        are downloaded. `tls_verify=False` allows plain HTTP and unverified
+        are downloaded. `auth` is a `RegistryAuth` (user and password) or the path of
+        a containers-auth.json file. `tls_verify=False` allows plain HTTP and unverified
         certificates (a registry on 127.0.0.1). `timeout` bounds the download,
         not the unpacking. Raises `ImageError`: at once when the registry is
         unreachable, `ImageNotFound` for an unknown repository or tag. The
@@ -250,6 +259,91 @@ class ImageStore:
                 return await self.import_oci_layout(layout, name=parsed.name)
             finally:
                 os.close(fd)
+
+    async def push(
+        self,
+        name: str,
+        reference: str,
+        *,
+        auth: Credentials | None = None,
+        tls_verify: bool = True,
+        timeout: float = 3600,
+    ) -> str:
+        """Push the image `name` (a name or id in this store) to a registry as `reference`
+        (``registry.example/team/task:1``); the digest of the pushed manifest, by which
+        the registry knows it (``registry.example/team/task@<digest>``).
+
+        Needs skopeo. The store keeps layers unpacked, not their blobs, so each layer is
+        exported as a reproducible tar, gzipped (`sandman.images.export`), into an OCI
+        layout with the image's config (every field kept, the new diff ids in it), which
+        skopeo uploads. skopeo asks the registry for each blob by digest first: a layer
+        pushed before (to any repository of that registry) is not uploaded again, since
+        a stored layer always exports to the same bytes. The pushed image's digest and
+        diff ids are not those it was pulled with (docs/images.md says what that means).
+        `auth` and `tls_verify` are as for `pull`; `timeout` bounds the whole push.
+        Raises `ImageNotFound` for an image not in the store, `ImageError` at once when
+        the registry is unreachable (before anything is exported), and with the
+        registry's reason (never a password) when it refuses. The scratch directory
+        and the credentials file are always removed.
+        """
+        await self._start()
+        target = parse_reference(reference)
+        if target.tag is None:
+            raise ImageError(
+                f"cannot push to {reference}: a push names a tag (REPOSITORY:TAG); the "
+                "registry gives the digest"
+            )
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be positive, not {timeout}")
+        image = await self.get(name)
+        started = time.monotonic()
+        uploading = False
+        async with self._scratch() as scratch:
+            with anyio.move_on_after(timeout) as deadline:
+                await probe_registry(
+                    target,
+                    tls_verify=tls_verify,
+                    timeout=min(PROBE_TIMEOUT, timeout),
+                    action="push",
+                )
+                # Shared, as by a pull: `prune` cannot take the layers being exported.
+                fd = await _flock.lock(self._lock_path(LAYERS_KEY), fcntl.LOCK_SH)
+                try:
+                    digest, size = await _run(self._export, image, scratch / PUSH_DIR)
+                finally:
+                    os.close(fd)
+                logger.info(
+                    "exported %s for a push: %d bytes in %.1fs",
+                    image.id,
+                    size,
+                    time.monotonic() - started,
+                )
+                uploading = True
+                await push_with_skopeo(
+                    target, scratch, auth=auth, tls_verify=tls_verify, timeout=timeout
+                )
+        if deadline.cancelled_caught:
+            where = "; skopeo was killed" if uploading else " while its layers were exported"
+            raise ImageError(f"pushing {name} to {target.name} timed out after {timeout:g}s{where}")
+        logger.info("pushed %s to %s as %s", image.id, target.name, digest)
+        return digest
+
+    def _export(self, image: Image, layout: Path) -> tuple[str, int]:
+        """Write `image` as an OCI layout at `layout` for a push (blocking, for a worker
+        thread that may be cancelled); the manifest's digest and the layers' bytes."""
+        hex_id = hex_of(image.id)
+        record = self._read_record(hex_id)
+        if record is None:
+            raise ImageNotFound(f"image {image.id} is no longer in the image store")
+        if record.chain is not None:
+            trees = [self._layers.path(c) for c in record.chain]
+        else:
+            trees = [image.rootfs]  # stored before layers were: one flattened tree
+        config = self._dirs["blobs/sha256"] / hex_id  # absent for a rootfs tarball's image
+        stored = config.read_bytes() if config.is_file() else None
+        return export_image(
+            image, trees, stored, layout, tag=PUSH_TAG, check=anyio.from_thread.check_cancelled
+        )
 
     async def build(
         self,
