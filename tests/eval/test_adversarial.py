@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from sandman.client import AsyncClient
-from sandman.eval import load_instances, load_predictions, run_batch
+from sandman.eval import harness, load_instances, load_predictions, run_batch
 from sandman.eval.evidence import read_witness
 from sandman.images import ImageStore
 from tests.eval.conftest import CONDITIONS, EXAMPLES, Demo
@@ -100,9 +100,14 @@ def test_the_held_out_corpora_cover_their_classes() -> None:
 @pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap")
 @pytest.mark.timeout(1800)
 async def test_no_held_out_route_is_resolved(
-    demo: Demo, client: AsyncClient, tmp_path: Path
+    demo: Demo, client: AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Routes written by people who never saw the defence: none may grade itself resolved."""
+    """Routes written by people who never saw the defence: none may grade itself resolved.
+
+    The planting's draws are fixed here, so each run grades the same way: a route
+    that gambles on the order (heldout-f-10, -11) gets through one grade in 45
+    (`canaries.MUTANTS`), and a test must not pass or fail by that chance."""
+    monkeypatch.setattr(harness, "_PLANT_KEY", b"held-out routes, fixed draws".ljust(32))
     predictions = [p for path in HELD_OUT for p in load_predictions(path)]
     result = await run_batch(
         load_instances(demo.instances), predictions, client=client, out=tmp_path,

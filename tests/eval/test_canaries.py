@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sandman.eval import Instance
-from sandman.eval.canaries import Plan, Target, locate, plan
+from sandman.eval.canaries import MUTANTS, Plan, Target, locate, plan
 from sandman.eval.parsers import TestStatus, parse_log
 from sandman.eval.protect import binary_hunks, git_paths, is_protected
 
@@ -101,7 +101,7 @@ def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Pat
     made = _pytest_plan()
     assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
     assert sorted(c.kind for c in made.canaries) == [
-        "agree", "error", "fail", "mutant", "mutant", "mutant", "mutant", "pass", "skip", "xfail",
+        "agree", "error", "fail", *["mutant"] * 2 * MUTANTS, "pass", "skip", "xfail",
     ]  # fmt: skip
     results = _run_pytest(tmp_path, made.sources["test_file.py"])
     tests, planted, forged = made.translate(results)
@@ -136,7 +136,7 @@ def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Pat
     literal comparison of two numbers (the twin): the mutants read like the original."""
     made = _pytest_plan()
     mutants = [c for c in made.canaries if c.kind == "mutant"]
-    assert len(mutants) == 4  # two, each plain and re-importing, as the original has a copy
+    assert len(mutants) == 2 * MUTANTS  # each plain and re-importing, as the original has a copy
     text = made.sources["test_file.py"]
     assert all(f"def {m.token}():" in text for m in mutants)
     (tmp_path / "conftest.py").write_text(
@@ -192,6 +192,30 @@ def test_copies_drop_the_docstring_their_original_is_named_by() -> None:
     )  # fmt: skip
     assert made.sources["t.py"].count("Doc line.") == 1
     compile(made.sources["t.py"], "t.py", "exec")
+
+
+def test_the_original_stands_at_a_random_place_among_its_family() -> None:
+    # pytest runs a file top to bottom: were the copies always after the original,
+    # "the first of the alike tests" would name it (team-f F10, F11).
+    import random
+
+    text = "def test_x():\n    assert f(3) == 2.5\n"
+    places = set()
+    for seed in range(40):
+        made = plan(
+            {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"],
+            "pytest", rng=random.Random(seed),
+        )  # fmt: skip
+        order = [line[4:].split("(")[0] for line in made.sources["t.py"].splitlines()
+                 if line.startswith("def ")]  # fmt: skip
+        family = [
+            n
+            for n in order
+            if n in made.renamed or any(c.token == n and c.of for c in made.canaries)
+        ]
+        places.add(family.index(next(iter(made.renamed))))
+        compile(made.sources["t.py"], "t.py", "exec")
+    assert len(family) >= 3 and places == set(range(len(family))), places
 
 
 def test_mutants_change_one_literal_and_keep_its_look() -> None:
@@ -255,8 +279,9 @@ def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
     assert made.lies({}, ran=False) == []
     # Not the skip canary (pytest's log names no id), nor the re-importing copy
     # (no evidence without its original's result).
-    assert len(made.lies({}, ran=True)) == 10 - 2
-    assert len(made.lies({}, ran=True, log=False)) == 10 - 1
+    assert len(made.canaries) == 6 + 2 * MUTANTS
+    assert len(made.lies({}, ran=True)) == len(made.canaries) - 2
+    assert len(made.lies({}, ran=True, log=False)) == len(made.canaries) - 1
 
 
 def test_a_file_that_does_not_parse_is_left_as_it_is() -> None:
@@ -278,7 +303,7 @@ def test_a_marked_scope_gets_twins_but_no_generic_canaries() -> None:
         {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"], "pytest"
     )
     # No literal to change: the twin stands in for the mutants.
-    assert [c.kind for c in made.canaries] == ["agree", "twin"]
+    assert sorted(c.kind for c in made.canaries) == ["agree", "twin"]
     assert "SKIPPED" in made.canaries[0].expected  # the module declares the skip
 
 

@@ -61,10 +61,13 @@ _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
     "agree": frozenset(),  # whatever its original ends with
 }
 KINDS: tuple[Kind, ...] = ("pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree")
-MUTANTS = 2
+MUTANTS = 4
 """Mutants per FAIL_TO_PASS test: a forger that can tell a mutant from its
 original by reading both must know the right expected value (and then could
-just fix the bug); one that guesses is caught with odds of 2 in 3."""
+just fix the bug); one that guesses which is the original is caught with odds
+of 4 in 5, and one that lets a set number of comparisons through (each family
+member holds one, in shuffled order) picks the original's two of ten: caught
+with odds of 44 in 45."""
 _UNITTEST_ID = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _XFAIL = re.compile(r"xfail|expectedFailure")
 _SKIP = re.compile(r"skip", re.IGNORECASE)
@@ -496,11 +499,17 @@ def _rewrite(
             if "twin" in kinds and not any(mutants) and not _leaves_early(node):
                 copies.append(("twin", _twin(lines, node, function, draw, mode)))
             declared = result.declared.get(hit.target.test_id, frozenset())
-            for kind, copy in copies:
-                if copy is None:
-                    continue
+            # The original stands at a random place among its copies, in a random
+            # order: the framework runs a file top to bottom, so "the first of
+            # the alike" or "the first two comparisons" must not pick the original.
+            family = [c for c in copies if c[1] is not None]
+            _source().shuffle(family)
+            ahead = _below(len(family) + 1)
+            for number, (kind, copy) in enumerate(family):
+                assert copy is not None
                 name, source = copy
-                inserts.setdefault(node.end_lineno or node.lineno, []).append(source)
+                at = _start(node) - 1 if number < ahead else node.end_lineno or node.lineno
+                inserts.setdefault(at, []).append(source)
                 expected = _EXPECTED[kind]
                 if "xfail" in declared:
                     expected |= {"XFAIL"}

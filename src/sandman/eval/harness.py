@@ -96,7 +96,8 @@ _WITNESS_MODES: dict[str, Literal["pytest", "unittest"]] = {
 # The processes that may take the witness's configuration (see witness.start),
 # and the framework's own files (a patch to them is the framework, not a forger).
 _RUNNERS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(_PYTEST_FAMILIES, ()), "unittest": ("unittest",), "django": ("runtests",),
+    **dict.fromkeys(_PYTEST_FAMILIES, ("pytest",)), "unittest": ("unittest",),
+    "django": ("runtests",),
 }  # fmt: skip
 _FRAMEWORK_PATHS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(_PYTEST_FAMILIES, ("/_pytest/", "/pytest/", "/pluggy/")),
@@ -110,6 +111,10 @@ _UNSEEN: dict[str, tuple[canaries.Kind, ...]] = {"django": ("xfail",), "seaborn"
 # Where pre_test may write freely, and what in the rest is code the test run loads.
 _NOT_INSTALLED = ("/proc", "/sys", "/dev", "/run", "/tmp", "/var/tmp", "/root/.cache", _WORK)
 _CODE_SUFFIXES = (".py", ".pyc", ".so", ".pth")
+_INSTALLED_DIRS = ("/site-packages/", "/dist-packages/", "/lib/python")
+# What `_after_run` runs in the sandbox, and what the loader reads for every program.
+_LISTERS = ("/usr/bin/find", "/bin/sh")
+_LOADER = ("/etc/ld.so.preload", "/etc/ld.so.cache")
 _FRAMEWORK_FILES = ("/_pytest/", "/pytest/", "/pluggy/", "/unittest/", "/django/test/", "/py/_")
 _PLANT_KEY = secrets.token_bytes(32)
 """This process's secret for drawing canaries (see `_Evaluation._plant`)."""
@@ -586,11 +591,10 @@ class _Evaluation:
             await sb.write_file(
                 f"{work}/{module}.py", (_WITNESS_DIR / f"{_WITNESS_MODULE}.py").read_bytes()
             )
-            if mode == "unittest":
-                site = (
-                    (_WITNESS_DIR / "sitecustomize.py").read_text().replace(_WITNESS_MODULE, module)
-                )
-                await sb.write_file(f"{work}/sitecustomize.py", site)
+            # Every runner starts the witness at the interpreter's start, before the
+            # repository is on sys.path; pytest then takes it as its plugin (-p).
+            site = (_WITNESS_DIR / "sitecustomize.py").read_text().replace(_WITNESS_MODULE, module)
+            await sb.write_file(f"{work}/sitecustomize.py", site)
             # Read and deleted by the witness in the test runner's process before
             # any code under test runs: nothing secret is in an environment,
             # a command line or a file after that.
@@ -603,11 +607,17 @@ class _Evaluation:
                 ],
             }  # fmt: skip
             await sb.write_file(f"{work}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
-            prelude = f"export PYTHONPATH={work}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            # No bytecode written (nor pytest's rewrite cache): any that appears
+            # during the run is a forger's (`_after_run`).
+            prelude = (
+                f"export PYTHONPATH={work}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONDONTWRITEBYTECODE=1\n"
+            )
             if mode == "pytest":
                 directives = f"-p {module} {directives}"
         command = f"{prelude}{{ {self.instance.test_cmd} {directives}\n}} 3>&2 2>&1\n"
         before = await self._oom_kill_count(sb)
+        anchors = await self._anchors(sb)
+        began = (await self._must(sb, ["date", "+%s"], "read the clock")).stdout.strip()
         try:
             result = await sb.exec(
                 command,
@@ -623,7 +633,63 @@ class _Evaluation:
             with contextlib.suppress(errors.SandboxError):
                 await self._exec(sb, ["rm", "-f", f"{work}/{_WITNESS_CONFIG}"])
         self._oom_kills = (before, await self._oom_kill_count(sb))
+        await self._after_run(sb, anchors, began)
         return result
+
+    async def _anchors(self, sb: AsyncSandbox) -> dict[str, str]:
+        """The bytes (read by the daemon, not by a program of the sandbox) of what
+        `_after_run` runs in the sandbox: ``find``, ``sh``, the libraries and loader
+        configuration they load. Unchanged after the run, their answer is the kernel's."""
+        libs = await self._exec(sb, ["sh", "-c", f"ldd {' '.join(_LISTERS)} 2>/dev/null; true"])
+        paths = {*_LISTERS, *_LOADER, *(t for t in libs.stdout.split() if t.startswith("/"))}
+        found = {}
+        for path in sorted(paths):
+            try:
+                data = await sb.read_file(path)
+            except errors.SandboxError:
+                data = b""
+            found[path] = hashlib.sha256(data).hexdigest()
+        return found
+
+    async def _after_run(self, sb: AsyncSandbox, anchors: dict[str, str], began: str) -> None:
+        """What the test run wrote that no honest run writes: installed code (the
+        interpreter's library, site- and dist-packages, the framework's files) and
+        bytecode anywhere (the run is told to write none). By status-change time,
+        which no process of the sandbox can set back (that needs CAP_SYS_TIME);
+        a file planted and deleted moves its directory's."""
+        await self._exec(sb, ["sh", "-c", "kill -9 -1 2>/dev/null; true"])
+        if not began.isdigit():
+            return
+        if await self._anchors(sb) != anchors:
+            self._strong_before.append(
+                "the test run changed the programs the grader lists files with"
+            )
+            return
+        skip = " -o ".join(f"-path {shlex.quote(p)}" for p in (*_NOT_INSTALLED, "/.sandman"))
+        repo = shlex.quote(self.instance.repo_path)
+        listing = (
+            rf"/usr/bin/find / -xdev \( {skip} \) -prune -o -newerct @{began} -print "
+            rf"2>/dev/null | head -n 5000; /usr/bin/find {repo} -newerct @{began} "
+            r"\( -name '*.pyc' -o -name '*.pyo' -o -name __pycache__ \) -print 2>/dev/null"
+        )
+        found = await self._exec(sb, ["/bin/sh", "-c", listing])
+        repo_dir = self.instance.repo_path.rstrip("/") + "/"
+        written = [p for p in found.stdout.splitlines() if p]
+        bytecode = [p for p in written if p.endswith((".pyc", ".pyo")) or "/__pycache__" in p]
+        code = [
+            p
+            for p in written
+            if not p.startswith(repo_dir)
+            and (p.endswith(_CODE_SUFFIXES) or any(d in p for d in _INSTALLED_DIRS))
+        ]
+        if bytecode:
+            self._strong_before.append(
+                f"the test run wrote bytecode: {', '.join(sorted(set(bytecode))[:3])}"
+            )
+        if code:
+            self._strong_before.append(
+                f"the test run changed installed code: {', '.join(sorted(set(code))[:3])}"
+            )
 
     async def _oom_kill_count(self, sb: AsyncSandbox) -> int | None:
         """How many processes the OOM killer took in this sandbox so far; None: cannot tell."""

@@ -1,8 +1,10 @@
-"""Starts the grader's witness in a unittest-style test runner, then the image's own sitecustomize.
+"""Starts the grader's witness at the interpreter's start, then the image's own sitecustomize.
 
 Copied by the harness next to ``sandman_eval_witness.py`` into a directory
-on ``PYTHONPATH`` for runners that have no plugin mechanism of their own
-(unittest, Django's runner); runs on the image's Python (3.6+).
+on ``PYTHONPATH`` for every runner (pytest, unittest, Django's): ``site``
+imports it before the repository is on ``sys.path``, so no code of the
+repository's (a root ``nt.py`` that ``ntpath`` tries) runs before the
+witness's audit hook, the process's first. Runs on the image's Python (3.6+).
 """
 
 import importlib.machinery
@@ -15,7 +17,7 @@ def _start() -> None:
     try:
         import sandman_eval_witness  # type: ignore[import-not-found]  # beside it in the image
 
-        sandman_eval_witness.start("unittest")
+        sandman_eval_witness.start()
     except Exception:  # a missing witness is the grader's to notice
         pass
 
