@@ -2,7 +2,8 @@
 
 Variants (``--runtimes``, comma-separated, the first is the base of the ratios):
 
-- ``crun``, ``runc``: the OCI runtime on PATH;
+- ``crun``, ``runc``: the OCI runtime on PATH; ``crun_nouserns``: crun without a user
+  namespace per sandbox (``LocalConfig.userns=False``), to tell what it costs;
 - ``runsc_ptrace``: the runsc on PATH (Debian 12's, 2022) with the provider's
   defaults: ptrace platform, host network stack (``runsc`` is another name for it);
 - ``runsc_systrap``: ``hack/gvisor/.bin/runsc`` (gVisor's current ``go`` branch,
@@ -58,6 +59,7 @@ RUNSC_PTRACE: dict[str, Any] = {"runtime": "runsc"}
 BUILT: dict[str, Any] = {"runtime": "runsc", "runtime_path": str(BUILT_RUNSC)}
 VARIANTS: dict[str, dict[str, Any]] = {
     "crun": {"runtime": "crun"},
+    "crun_nouserns": {"runtime": "crun", "userns": False},
     "runc": {"runtime": "runc"},
     "runsc": RUNSC_PTRACE,
     "runsc_ptrace": RUNSC_PTRACE,

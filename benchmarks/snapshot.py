@@ -7,6 +7,15 @@ things are compared), so a noisy machine moves both sides alike.
 
     python benchmarks/snapshot.py            # the issue's sizes (about two minutes)
     python benchmarks/snapshot.py --small    # a quick run (CI runs it for leftovers)
+    KUBECONFIG=/var/lib/sandman-kube/sandman.kubeconfig \\
+        python benchmarks/snapshot.py --kubernetes   # the kubernetes provider's files
+
+With ``--kubernetes`` it measures pods on one node (the hack/kube harness's real node
+unless ``--node``), with this tree's daemon imported there unless ``--daemon-image``:
+a fork's create->ready against a plain create's, a 10 MiB against a 1 GiB snapshot, a
+files restore's first command. Last line: ``fork_ratio=<x> snapshot_size_ratio=<x>
+restore_first_exec_p50_ms=<ms> leftover=<n> provider=kubernetes`` (leftover: the run's
+pods and snapshot files).
 
 Last line: ``fork_ratio=<x> snapshot_size_ratio=<x> disk_16_forks_gib=<g>
 restore_first_exec_p50_ms=<ms> grpo_speedup=<x> leftover=<n>``, then what it adds:
@@ -20,12 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import leftover, new_cgroup_parent, progress, timed
 
 import sandman
+from sandman.daemon import daemon_path
 from sandman.images.busybox import busybox_rootfs_tar
+from sandman.models import KubernetesOptions, SandboxSpec
+from sandman.pool import PoolConfig
 from sandman.providers.local import LocalProvider
-from sandman.settings import LocalConfig
+from sandman.settings import KubernetesConfig, LocalConfig
 
 SPEC: dict[str, Any] = {"memory": "256Mi", "pids": 256, "disk": "3Gi"}
+# What the sandboxes are made of: the local store's busybox, or (--kubernetes) a spec.
+TARGET: str | SandboxSpec = "busybox"
 GIB = 2**30
 
 
@@ -57,13 +75,13 @@ def fill(mib: int) -> str:
 
 async def fork_ratio(client: sandman.AsyncClient, rounds: int) -> tuple[float, float, float]:
     """p50 create->ready of a plain sandbox and of a fork of a prepared one, interleaved."""
-    async with client.sandbox("busybox", **SPEC) as parent:
+    async with client.sandbox(TARGET, **SPEC) as parent:
         await sh(parent, fill(8))
         snap = await parent.snapshot()
         plain, forked = [], []
         for _ in range(rounds):
             started = time.perf_counter()
-            sb = await client.acquire("busybox", **SPEC)
+            sb = await client.acquire(TARGET, **SPEC)
             plain.append(time.perf_counter() - started)
             await sb.release()
             started = time.perf_counter()
@@ -81,8 +99,8 @@ async def snapshot_cost(
     """p50 snapshot time of a small and a large tree (interleaved), and the disk the large
     one's parent, its snapshot and 16 forks (each writing 1 MiB) take together, in GiB."""
     async with (
-        client.sandbox("busybox", **SPEC) as small,
-        client.sandbox("busybox", **SPEC) as large,
+        client.sandbox(TARGET, **SPEC) as small,
+        client.sandbox(TARGET, **SPEC) as large,
     ):
         await sh(small, fill(small_mib))
         os.sync()
@@ -118,7 +136,7 @@ def _used(path: Path) -> int:
 
 async def restore_first_exec(client: sandman.AsyncClient, rounds: int) -> float:
     """p50 from a files restore's start to its first command's answer, in ms."""
-    async with client.sandbox("busybox", **SPEC) as sb:
+    async with client.sandbox(TARGET, **SPEC) as sb:
         await sh(sb, fill(4))
         snap = await sb.snapshot()
         samples = []
@@ -134,7 +152,7 @@ async def restore_first_exec(client: sandman.AsyncClient, rounds: int) -> float:
 
 async def calibrate(client: sandman.AsyncClient, target: float) -> int:
     """Loop iterations of busybox sh that take about ``target`` CPU seconds here."""
-    async with client.sandbox("busybox", **SPEC) as sb:
+    async with client.sandbox(TARGET, **SPEC) as sb:
         n = 200_000
         took = await timed(lambda: sh(sb, _spin(n)))
     return max(1000, int(n * target / took))
@@ -167,7 +185,7 @@ async def grpo(
 
     started = time.perf_counter()
     firsts: list[float] = []
-    async with client.sandbox("busybox", **SPEC) as parent:
+    async with client.sandbox(TARGET, **SPEC) as parent:
         await sh(parent, setup(iterations))
         forks = await parent.fork(group)
         try:
@@ -177,7 +195,7 @@ async def grpo(
     forked = max(firsts)
 
     async def cold(first: list[float]) -> None:
-        async with client.sandbox("busybox", **SPEC) as sb:
+        async with client.sandbox(TARGET, **SPEC) as sb:
             await sh(sb, setup(iterations))
             await rollout(sb, first, started)
 
@@ -189,7 +207,7 @@ async def grpo(
 
 async def pause_cpu(client: sandman.AsyncClient) -> int:
     """CPU nanoseconds a paused sandbox spinning in a loop used over half a second."""
-    async with client.sandbox("busybox", **SPEC) as sb:
+    async with client.sandbox(TARGET, **SPEC) as sb:
         await sh(sb, "(while :; do :; done) >/dev/null 2>&1 &")
         usage = next(Path("/sys/fs/cgroup/cpuacct").glob(f"**/{sb.id}/cpuacct.usage"))
         await sb.pause()
@@ -303,6 +321,117 @@ async def run(args: argparse.Namespace, state: Path) -> str:
     )
 
 
+# -- Kubernetes (--kubernetes): pods on a real node, snapshots kept by the pool ---------
+
+HARNESS = Path("/var/lib/sandman-kube")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _harness_env() -> dict[str, str]:
+    env = HARNESS / "env"
+    if not env.exists():
+        return {}
+    return dict(line.split("=", 1) for line in env.read_text().splitlines() if "=" in line)
+
+
+@contextlib.contextmanager
+def _daemon_image(env: dict[str, str], given: str | None) -> Iterator[str]:
+    """``given``, or this tree's sandmand imported into the hack/kube node (whose own daemon
+    image is that of the tree it was started from) under a name of this run's."""
+    if given:
+        yield given
+        return
+    name = f"sandman.local/sandmand:bench-{uuid.uuid4().hex[:8]}"
+    ctr = [env["SANDMAN_KUBE_CTR"], "--address", f"{env['SANDMAN_KUBE_DIR']}/containerd/containerd.sock",
+           "--namespace", "k8s.io"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as work:
+        root = Path(work) / "root"
+        root.mkdir()
+        shutil.copy2(daemon_path(), root / "sandmand")
+        (root / "image-id").write_text(name)  # a digest of its own
+        archive = Path(work) / "sandmand.tar"
+        subprocess.run(
+            [sys.executable, str(REPO / "hack/kube/images/oci_archive.py"), str(root),
+             str(archive), name, "Entrypoint", "--", "/sandmand"], check=True,
+        )  # fmt: skip
+        subprocess.run([*ctr, "images", "import", str(archive)], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run([*ctr, "images", "rm", "--sync", name], check=False, capture_output=True)
+
+
+async def snapshot_times(
+    client: sandman.AsyncClient, small_mib: int, large_mib: int, rounds: int
+) -> tuple[float, float, float, int]:
+    """p50 snapshot time of a small and a large tree (interleaved), and what the large one's
+    snapshot keeps on the pool's host, in bytes."""
+    async with client.sandbox(TARGET, **SPEC) as small, client.sandbox(TARGET, **SPEC) as large:
+        await sh(small, fill(small_mib))
+        await sh(large, fill(large_mib))
+        times: dict[str, list[float]] = {"small": [], "large": []}
+        kept = 0
+        for _ in range(rounds):
+            for name, sb in (("small", small), ("large", large)):
+                started = time.perf_counter()
+                snap = await sb.snapshot()
+                times[name].append(time.perf_counter() - started)
+                kept = snap.size if name == "large" else kept
+                await client.delete_snapshot(snap)
+    p_small, p_large = statistics.median(times["small"]), statistics.median(times["large"])
+    return p_large / p_small, p_small, p_large, kept
+
+
+async def run_kubernetes(args: argparse.Namespace, state: Path) -> str:
+    """Fork vs plain create, small vs large snapshot, a restore's first command: pods on
+    the node ``--node`` (default: the hack/kube harness's real node)."""
+    global TARGET, SPEC
+    env = _harness_env()
+    node = args.node or env.get("SANDMAN_KUBE_REAL_NODE")
+    if not node:
+        raise SystemExit("--kubernetes needs --node (or a hack/kube harness)")
+    TARGET = SandboxSpec(
+        image=args.image, cpu=1, memory="512Mi",
+        kubernetes=KubernetesOptions(
+            cpu_request=0.05, memory_request="32Mi", ephemeral_storage="4Gi",
+            node_selector={"kubernetes.io/hostname": node},
+        ),
+    )  # fmt: skip
+    SPEC = {}
+    small = args.small
+    pool = f"bench-snap-{uuid.uuid4().hex[:8]}"
+    with _daemon_image(env, args.daemon_image) as image:
+        config = KubernetesConfig(
+            kubeconfig=args.kubeconfig, daemon_image=image, snapshot_dir=state / "snapshots"
+        )
+        async with sandman.kubernetes(config, pool=PoolConfig(name=pool)) as client:
+            ratio, p_plain, p_fork = await fork_ratio(client, 3 if small else 10)
+            print(f"create->ready p50: plain {p_plain * 1000:.0f} ms, fork {p_fork * 1000:.0f} ms")
+            progress(1, 3)
+            large = 64 if small else 1024
+            size_ratio, p_s, p_l, kept = await snapshot_times(client, 10, large, 3 if small else 5)
+            print(
+                f"snapshot p50: 10 MiB tree {p_s * 1000:.0f} ms, {large} MiB tree "
+                f"{p_l * 1000:.0f} ms ({kept / 2**20:.0f} MiB kept on the pool's host)"
+            )
+            progress(2, 3)
+            restore_ms = await restore_first_exec(client, 3 if small else 10)
+            print(f"files restore to first exec p50: {restore_ms:.0f} ms")
+            progress(3, 3)
+        from sandman.providers.kubernetes import KubernetesProvider
+
+        provider = KubernetesProvider(config)
+        try:
+            left = len(await provider.list(labels={"sandman.io/pool": pool}))
+        finally:
+            await provider.aclose()
+    left += sum(1 for p in (state / "snapshots").rglob("*") if p.is_file())
+    return (
+        f"fork_ratio={ratio:.2f} snapshot_size_ratio={size_ratio:.2f} "
+        f"restore_first_exec_p50_ms={restore_ms:.0f} leftover={left} provider=kubernetes"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a quick run at small sizes")
@@ -310,10 +439,21 @@ def main() -> int:
         "--setup-seconds", type=float, default=30.0, help="the GRPO run's install, CPU seconds"
     )
     parser.add_argument("--state-dir", type=Path, help="an empty directory (default: a new one)")
+    parser.add_argument(
+        "--kubernetes", action="store_true",
+        help="measure the kubernetes provider instead (files: fork, snapshot, restore)",
+    )  # fmt: skip
+    parser.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"))
+    parser.add_argument("--node", help="--kubernetes: the node to run on (default: the harness's)")
+    parser.add_argument("--image", default="sandman.local/busybox:1.35", help="--kubernetes")
+    parser.add_argument(
+        "--daemon-image",
+        help="--kubernetes: default: this tree's sandmand, imported into the hack/kube node",
+    )
     args = parser.parse_args()
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
     try:
-        line = asyncio.run(run(args, state))
+        line = asyncio.run(run_kubernetes(args, state) if args.kubernetes else run(args, state))
     finally:
         if args.state_dir is None:
             shutil.rmtree(state, ignore_errors=True)

@@ -16,7 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "sandman"
 
 LAYERS = {
-    "errors": 0, "models": 0, "settings": 0, "_version": 0, "_transport": 0, "_flock": 0,
+    "errors": 0, "egress": 0, "models": 0, "settings": 0, "_version": 0, "_transport": 0, "_flock": 0,
     "_tracing": 0,
     "daemon": 1, "images": 1,
     "providers": 2,

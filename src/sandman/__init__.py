@@ -19,6 +19,7 @@ from sandman.client import (
 )
 from sandman.daemon import DaemonClient, daemon_path
 from sandman.daemon.tunnel import ExposedPort
+from sandman.egress import Egress
 from sandman.errors import (
     CapacityError,
     CommandFailed,
@@ -87,6 +88,7 @@ __all__ = [
     "DaemonError",
     "DaemonUnavailable",
     "DirectoryNotEmpty",
+    "Egress",
     "EventLog",
     "ExecEvent",
     "ExecResult",

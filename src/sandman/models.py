@@ -19,6 +19,8 @@ from pydantic import (
     field_validator,
 )
 
+from sandman.egress import Egress
+
 __all__ = [
     "ArchiveResult",
     "Encoding",
@@ -54,7 +56,7 @@ OnTimeout = Literal["kill", "interrupt"]
 
 NetworkMode = Literal["none", "isolated", "egress"]
 """``none``: loopback only. ``isolated``: reachable from the host only.
-``egress``: also NAT to the outside."""
+``egress``: also NAT to the outside (`Egress` for rules on where to)."""
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
@@ -184,6 +186,16 @@ class KubernetesOptions(BaseModel):
     """A PriorityClass of the cluster: who preempts whom when nodes are full."""
 
 
+def _network(value: object) -> object:
+    """A dict (JSON) is `Egress` rules: one clear error for a bad rule, not one per member
+    of the union."""
+    if isinstance(value, dict):
+        return Egress(**value)
+    if isinstance(value, str) and value not in ("none", "isolated", "egress"):
+        raise ValueError(f"is 'none', 'isolated', 'egress' or Egress(...), not {value!r}")
+    return value
+
+
 class SandboxSpec(BaseModel):
     """What sandbox to make: the task image and the limits it runs under.
 
@@ -204,7 +216,9 @@ class SandboxSpec(BaseModel):
     cpu: float = Field(default=1.0, gt=0, le=1024)
     memory: Bytes = Field(default=2**30, ge=16 * 2**20)
     pids: int = Field(default=1024, ge=16, le=2**22)
-    network: NetworkMode = "none"
+    network: Annotated[NetworkMode | Egress, BeforeValidator(_network)] = "none"
+    """``none``, ``isolated``, ``egress`` (anywhere but the walls), or `Egress` with
+    allow and deny rules (which is ``egress`` too)."""
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
     user: str | None = None
@@ -216,6 +230,19 @@ class SandboxSpec(BaseModel):
     snapshot: str | None = Field(default=None, pattern=r"^sn-[a-z0-9]{1,60}$")
     """Start from this snapshot's files (`Snapshot.id`) instead of the bare image; the
     image must be the snapshot's. None: from the image."""
+
+    @property
+    def network_mode(self) -> NetworkMode:
+        """The network mode: ``egress`` for an `Egress` value."""
+        return "egress" if isinstance(self.network, Egress) else self.network
+
+    @property
+    def egress(self) -> Egress | None:
+        """The egress rules: ``Egress()`` (anywhere) for ``network="egress"``; None without
+        egress."""
+        if isinstance(self.network, Egress):
+            return self.network
+        return Egress() if self.network == "egress" else None
 
     @field_validator("labels")
     @classmethod
@@ -280,6 +307,8 @@ class Usage(_Value):
     """The most memory it held at once."""
     memory_bytes: int | None = None
     """What it holds now (at release: just before its deletion)."""
+    memory_average_bytes: int | None = None
+    """What it held on average while it lived (sampled every few seconds)."""
     disk_bytes: int | None = None
     """What its writable layer holds (written, less what it removed again)."""
     net_rx_bytes: int | None = None

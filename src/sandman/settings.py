@@ -48,6 +48,13 @@ class LocalConfig(BaseModel):
     leaves an empty ``<state_dir>/runtime/runsc/null-netns`` (Debian's refuses it)."""
     runtime_path: str | None = None
     """The runtime binary; default: ``runtime`` looked up on PATH."""
+    userns: bool = True
+    """Under crun, each sandbox in a user namespace of its own: root inside is an
+    unprivileged host uid range that no other sandbox has (65,536 ids from
+    ``2**30``, handed out host-wide), so per-user kernel limits (inotify instances...)
+    are the sandbox's own, and what escapes is nobody on the host. The image's layers
+    are shared through idmapped mounts (kernel >= 5.19); ``sandman doctor`` checks.
+    runc and runsc (gVisor's own wall) run without."""
     cgroup_parent: str = Field(default="/sandman", pattern=r"^/[A-Za-z0-9_./-]*$")
     """Every sandbox's cgroup is ``<cgroup_parent>/<sandbox id>`` in each hierarchy."""
     cgroup_parent_pids: int | None = Field(default=None, ge=1)
@@ -80,8 +87,12 @@ class LocalConfig(BaseModel):
     sandbox; ``refuse`` fails its create with a `ConfigError` (``SANDMAN_BEYOND_HOST`` for
     the CLI and ``sandman serve``)."""
     egress_allow: list[IPv4Network] = Field(default_factory=list)
-    """Exceptions to ``egress_deny``, e.g. a package mirror or the DNS resolver an image's
-    /etc/resolv.conf names (``["10.0.0.2/32"]``). Applies to sandboxes created after."""
+    """Exceptions to ``egress_deny``, e.g. a package mirror (``["10.0.0.5/32"]``). Applies to
+    sandboxes created after."""
+    dns_upstream: list[str] = Field(default_factory=list)
+    """Where the egress resolver asks for the names egress sandboxes look up (``host`` or
+    ``host:port``); default: the ``nameserver`` lines of the host's /etc/resolv.conf.
+    Every egress sandbox's /etc/resolv.conf names that resolver (on its gateway)."""
 
 
 class KubernetesConfig(BaseModel):
@@ -178,3 +189,14 @@ class KubernetesConfig(BaseModel):
     """Steer each pod toward the nodes that already hold its image (a preferred node
     affinity, added to the spec's own): a cold pull is slower, never a failure. Needs
     ``list`` on ``nodes`` (``deploy/node-reader/``); without it, a warning and no steering."""
+    snapshot_dir: Path = Path("/var/lib/sandman/kubernetes-snapshots")
+    """Where the pool keeps its snapshots of pods' files (docs/snapshots.md), one
+    directory per API server and namespace below it: the files each sandbox changed,
+    streamed from its daemon, checked and kept here, and streamed into each sandbox made
+    from them. On the pool's host, not in the cluster."""
+    snapshot_max_bytes: Bytes = Field(default=16 * 2**30, ge=2**20)
+    """The most file bytes one snapshot may hold; past it, the snapshot fails with
+    `FileTooLarge` and nothing of it is kept."""
+    snapshot_timeout: float = Field(default=1800.0, gt=0)
+    """How long taking or applying one snapshot's files may take (a daemon that stalls
+    its stream is given up on)."""

@@ -7,6 +7,8 @@ nobody else uses, so everything found under them is the run's:
 - ``process``: processes in a cgroup under the run's parent (``sandmand`` is PID 1
   of each sandbox; anything else there is the workload), in any v1 hierarchy;
 - ``watchdog``: a watchdog process of one of the run's pools;
+- ``uid range``: a host uid range (`sandman.providers.local.userns`) held for one of
+  the run's sandboxes;
 - ``mount``: a mount, in any mount namespace, that names the state directory (a
   sandbox's overlay, a disk layer); ``disk mount`` / ``loop``: the state
   directory's btrfs filesystem and its loop device (`providers.local.disk`);
@@ -37,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandman.providers.local import userns
 from sandman.providers.local.network import NETNS_DIR, SYS_NET, TABLE, names
 
 __all__ = ["Item", "Scope", "Tracker", "count", "describe", "scrub", "settle", "take"]
@@ -139,6 +142,7 @@ def take(scope: Scope, tracker: Tracker | None = None) -> list[Item]:
     found += _disk(scope)
     allocated = _allocations(scope)
     found += allocated
+    found += _id_ranges(scope)
     tracker.see(i.sandbox for i in found)
     found += _networks(tracker.ids)
     found += _nft(tracker.ids)
@@ -311,6 +315,19 @@ def _allocations(scope: Scope) -> list[Item]:
     except (OSError, ValueError):
         return []
     return [Item("net alloc", sid, sid) for sid in state.get("attachments", {})]
+
+
+def _id_ranges(scope: Scope) -> list[Item]:
+    """Host uid ranges (`userns.REGISTRY`) still held for a sandbox of the run."""
+    found = []
+    prefix = f"{scope.sandboxes.resolve()}/"
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(userns.REGISTRY):
+            holder = userns.holder(int(entry.name)) if entry.name.isdigit() else None
+            if holder is not None and holder.startswith(prefix):
+                sid = holder.removeprefix(prefix)
+                found.append(Item("uid range", f"slot {entry.name}", sid))
+    return found
 
 
 def _networks(ids: Iterable[str]) -> list[Item]:

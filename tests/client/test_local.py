@@ -170,7 +170,17 @@ def test_a_sandbox_speaks_its_daemons_vocabulary() -> None:
     daemon = _public(sandman.DaemonClient)
     sandbox = _public(sandman.AsyncSandbox)
     assert daemon.keys() - {"aclose", "wait_ready"} <= sandbox.keys()
-    own = {"release", "timeline", "usage", "snapshot", "fork", "restore", "pause", "resume"}
+    own = {
+        "release",
+        "timeline",
+        "usage",
+        "snapshot",
+        "fork",
+        "restore",
+        "pause",
+        "resume",
+        "set_egress",
+    }
     assert sandbox.keys() - daemon.keys() == own
     for name in daemon.keys() & sandbox.keys():
         assert daemon[name] == sandbox[name], name

@@ -30,6 +30,8 @@ def check(used: sandman.Usage | None) -> None:
     assert used is not None
     assert used.cpu_seconds is not None and used.cpu_seconds > 0.1
     assert used.memory_peak_bytes is not None and used.memory_peak_bytes > 40_000_000
+    average = used.memory_average_bytes
+    assert average is not None and 0 < average <= used.memory_peak_bytes
     assert used.disk_bytes is not None and used.disk_bytes >= 10 * 2**20
     assert used.net_tx_bytes is not None and used.net_tx_bytes > 0
     assert used.at > 0

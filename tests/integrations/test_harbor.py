@@ -24,6 +24,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import TrialPaths
 
+from sandman.egress import Egress
 from sandman.errors import ConfigError
 from sandman.integrations._client import close_loop_clients
 from sandman.integrations.harbor import SandmanEnvironment
@@ -269,6 +270,7 @@ def environment(
     network: NetworkMode = NetworkMode.NO_NETWORK,
     allowed_hosts: list[str] | None = None,
     limits: ResourceMode = ResourceMode.AUTO,
+    phases: list[NetworkPolicy] | None = None,
     **config: Any,
 ) -> SandmanEnvironment:
     (tmp_path / "environment").mkdir(exist_ok=True)
@@ -280,6 +282,7 @@ def environment(
         trial_paths=TrialPaths(tmp_path / "trial"),
         task_env_config=EnvironmentConfig(**config),
         network_policy=NetworkPolicy(network_mode=network, allowed_hosts=allowed_hosts or []),
+        phase_network_policies=phases,
         cpu_enforcement_policy=limits,
         memory_enforcement_policy=limits,
     )
@@ -293,9 +296,14 @@ def test_the_task_s_resources_and_network_are_the_sandbox_s(tmp_path: Path) -> N
     assert (spec.cpu, spec.memory, spec.disk) == (0.5, 256 * 2**20, 64 * 2**20)
     assert (spec.network, spec.workdir, spec.image) == ("none", "/app", BUSYBOX)
     public = environment(tmp_path, network=NetworkMode.PUBLIC, env={"A": "1"})._spec(BUSYBOX)
-    assert (public.network, public.env) == ("egress", {"A": "1"})
-    with pytest.raises(ValueError, match="network_mode='allowlist' is not supported"):
-        environment(tmp_path, network=NetworkMode.ALLOWLIST, allowed_hosts=["example.com"])
+    assert (public.network, public.env) == (Egress(), {"A": "1"})
+    hosts = ["example.com", "*.pythonhosted.org", "192.0.2.7", "2001:db8::/32"]
+    listed = environment(tmp_path, network=NetworkMode.ALLOWLIST, allowed_hosts=hosts)
+    assert listed._spec(BUSYBOX).network == Egress(allow=hosts)
+    # Phases that change the policy: egress rules from the start, closed for now.
+    closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+    phased = environment(tmp_path, phases=[closed])
+    assert phased._spec(BUSYBOX).network == Egress(allow=[])
     with pytest.raises(RuntimeError, match="does not support GPU"):
         environment(tmp_path, gpus=1)
     assert SandmanEnvironment.parse_options({"url": "http://x", "acquire_timeout": "5"}) is not None
@@ -309,6 +317,26 @@ async def started(
     await env.start(force_build=False)
     try:
         yield env
+    finally:
+        await env.stop(delete=True)
+        await close_loop_clients()
+    assert await asyncio.to_thread(leftovers, busybox_provider) == []
+
+
+@pytest.mark.anyio
+async def test_a_phase_changes_the_sandbox_s_egress_rules(
+    busybox_provider: LocalProvider, tmp_path: Path
+) -> None:
+    setup = NetworkPolicy(network_mode=NetworkMode.PUBLIC)
+    closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+    env = environment(tmp_path, network=NetworkMode.PUBLIC, phases=[closed])
+    await env.start(force_build=False)
+    try:
+        # Made with egress rules (a sandbox without egress refuses new ones).
+        await env.set_network_policy(closed)
+        assert env.network_policy == closed
+        await env.set_network_policy(setup)
+        assert env.network_policy == setup
     finally:
         await env.stop(delete=True)
         await close_loop_clients()

@@ -37,7 +37,8 @@ def manifest(spec: SandboxSpec, **overrides: Any) -> dict[str, Any]:
 
 
 def test_the_task_image_runs_unmodified_with_the_daemon_from_an_emptydir() -> None:
-    pod = manifest(SandboxSpec(image="python:3.12", env={"A": "1"}, workdir="/work"))
+    given = SandboxSpec(image="python:3.12", env={"A": "1"}, workdir="/work")
+    pod = manifest(given)
     spec = pod["spec"]
     (main,) = spec["containers"]
     (init,) = spec["initContainers"]
@@ -57,7 +58,12 @@ def test_the_task_image_runs_unmodified_with_the_daemon_from_an_emptydir() -> No
     assert spec["terminationGracePeriodSeconds"] == CONFIG.termination_grace
     metadata = pod["metadata"]
     assert metadata["labels"] == {**LABELS, "app.kubernetes.io/managed-by": "sandman"}
-    assert metadata["annotations"] == {"sandman.io/expires-at": "1800000000"}
+    assert metadata["annotations"] == {
+        "sandman.io/expires-at": "1800000000",
+        "sandman.io/spec": given.model_dump_json(exclude_defaults=True),
+    }
+    # The spec as given, for a snapshot's record and a restore's new pod.
+    assert SandboxSpec.model_validate_json(metadata["annotations"]["sandman.io/spec"]) == given
 
 
 def test_resources_and_placement_come_from_the_spec() -> None:
@@ -161,7 +167,9 @@ def test_config_labels_and_annotations_go_on_every_pod() -> None:
         name="sb-1", spec=SandboxSpec(image="x"), labels=LABELS, token="t", config=config
     )
     assert pod["metadata"]["labels"]["team"] == "rl"
-    assert pod["metadata"]["annotations"] == {"a/b": "c", "sandman.io/expires-at": "1800000000"}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["a/b"] == "c"
+    assert annotations["sandman.io/expires-at"] == "1800000000"
 
 
 @pytest.mark.parametrize(

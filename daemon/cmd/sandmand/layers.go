@@ -22,8 +22,11 @@ const maxLowers = 500
 // mountLayers mounts at target an overlay of lowers (topmost first) under upper,
 // with work as its work directory. Call it in a private mount namespace: each
 // layer is bound at layersDir/<n> on a tmpfs of its own first, and that tmpfs is
-// detached once the overlay holds the layers.
-func mountLayers(lowers []string, upper, work, target string) error {
+// detached once the overlay holds the layers. With ns, every layer (upper and work
+// too) is bound idmapped into that user namespace, and the overlay is mounted as
+// its root (`withFsids`): the sandbox sees the image's files with their own owners,
+// and the upper layer on disk holds the ids the sandbox sees, not host ones.
+func mountLayers(lowers []string, upper, work, target string, ns *userns) error {
 	if len(lowers) == 0 || len(lowers) > maxLowers {
 		return fmt.Errorf("an overlay takes 1 to %d lower layers, not %d", maxLowers, len(lowers))
 	}
@@ -44,6 +47,9 @@ func mountLayers(lowers []string, upper, work, target string) error {
 		point := filepath.Join(layersDir, name)
 		if err := os.Mkdir(point, 0o700); err != nil {
 			return "", err
+		}
+		if ns != nil {
+			return point, bindIdmapped(source, point, ns)
 		}
 		if err := syscall.Mount(source, point, "", syscall.MS_BIND, ""); err != nil {
 			return "", fmt.Errorf("bind %s: %w", source, err)
@@ -70,7 +76,13 @@ func mountLayers(lowers []string, upper, work, target string) error {
 	opts := "lowerdir=" + strings.Join(names, ":") +
 		",upperdir=" + filepath.Join(layer, filepath.Base(upper)) +
 		",workdir=" + filepath.Join(layer, filepath.Base(work))
-	if err := syscall.Mount("overlay", target, "overlay", 0, opts); err != nil {
+	mount := func() error { return syscall.Mount("overlay", target, "overlay", 0, opts) }
+	if ns != nil {
+		mount = func() error {
+			return withFsids(ns.base, func() error { return syscall.Mount("overlay", target, "overlay", 0, opts) })
+		}
+	}
+	if err := mount(); err != nil {
 		return fmt.Errorf("mount overlay on %s: %w", target, err)
 	}
 	// The overlay holds its layers now: their binds go from this namespace's view.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"syscall"
@@ -13,10 +14,16 @@ import (
 // hideSysNet).
 const hideSysNetFlag = "--hide-sys-net"
 
+// sysfsFlag is `--sysfs=NETNS`: with --userns, mount TARGET/sys for the network
+// namespace at NETNS (`mountSysfs`).
+const sysfsFlag = "--sysfs="
+
 // overlayExec is the host-side helper `sandmand overlay-exec [--hide-sys-net]
-// LOWER[:LOWER...] UPPER WORK TARGET -- PROG ARGS...`: it enters a new, private mount
-// namespace, mounts the overlay at TARGET there (`mountLayers`), and execs PROG (the OCI
-// runtime's `create`). The container inherits the namespace, so the mount
+// [--userns=BASE:SIZE:PATH [--sysfs=NETNS]] LOWER[:LOWER...] UPPER WORK TARGET -- PROG
+// ARGS...`: it enters a new, private mount namespace, makes the sandbox's user
+// namespace there if asked (`newUserns`), mounts the overlay at TARGET (`mountLayers`:
+// its layers idmapped into that user namespace), and execs PROG (the OCI runtime's
+// `create`). The container inherits the namespace, so the mount
 // exists only for it and vanishes with it: nothing is ever mounted on the
 // host, and nothing can leak if the provider dies. Doing this here rather
 // than in a Python preexec_fn lets the provider spawn with vfork, without
@@ -26,8 +33,20 @@ func overlayExec(args []string) error {
 	if hide {
 		args = args[1:]
 	}
+	var ids *idRange
+	if len(args) > 0 && strings.HasPrefix(args[0], usernsFlag) {
+		r, err := parseUserns(strings.TrimPrefix(args[0], usernsFlag))
+		if err != nil {
+			return err
+		}
+		ids, args = &r, args[1:]
+	}
+	sysfs := ""
+	if ids != nil && len(args) > 0 && strings.HasPrefix(args[0], sysfsFlag) {
+		sysfs, args = strings.TrimPrefix(args[0], sysfsFlag), args[1:]
+	}
 	if len(args) < 6 || args[4] != "--" {
-		return fmt.Errorf("usage: sandmand overlay-exec [%s] LOWER UPPER WORK TARGET -- PROG [ARGS...]", hideSysNetFlag)
+		return fmt.Errorf("usage: sandmand overlay-exec [%s] [%sBASE:SIZE:PATH [%sNETNS]] LOWER UPPER WORK TARGET -- PROG [ARGS...]", hideSysNetFlag, usernsFlag, sysfsFlag)
 	}
 	// LOWER: one directory, or several joined by ':' (topmost first), as overlayfs's
 	// lowerdir; each is checked by mountLayers.
@@ -46,8 +65,21 @@ func overlayExec(args []string) error {
 			return err
 		}
 	}
-	if err := mountLayers(lowers, upper, work, target); err != nil {
+	var ns *userns
+	if ids != nil {
+		made, err := newUserns(*ids)
+		if err != nil {
+			return err
+		}
+		ns = made
+	}
+	if err := mountLayers(lowers, upper, work, target, ns); err != nil {
 		return err
+	}
+	if sysfs != "" {
+		if err := mountSysfs(sysfs, filepath.Join(target, "sys"), ns); err != nil {
+			return err
+		}
 	}
 	return syscall.Exec(prog, args[5:], os.Environ())
 }

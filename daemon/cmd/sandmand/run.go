@@ -231,7 +231,7 @@ func run(cfg config, logger *log.Logger) error {
 	srv, err := server.New(server.Options{
 		Token: cfg.token, NoAuth: cfg.noAuth, Version: version,
 		KillGrace: cfg.killGrace, Reaper: rp, Env: proc.DaemonEnv(), Log: logger,
-		ChildOOMScoreAdj: cfg.childOOMScoreAdj, Listeners: ls,
+		ChildOOMScoreAdj: cfg.childOOMScoreAdj, Listeners: ls, ChangesRoot: "/",
 	})
 	if err != nil {
 		return err

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"time"
 
 	"sandman/daemon/internal/apierr"
 )
@@ -24,6 +25,8 @@ import (
 type Result struct {
 	Files int
 	Bytes int64
+	// Removed counts the names prunes removed (Options.Prune).
+	Removed int
 }
 
 func refuse(format string, args ...any) error {
@@ -34,7 +37,32 @@ func invalid(format string, args ...any) error {
 	return apierr.New(http.StatusBadRequest, "invalid_archive", format, args...)
 }
 
+// Options change what Extract keeps; the zero value is an upload's (PUT /v1/archive).
+type Options struct {
+	// Faithful keeps what a snapshot's files need (PUT /v1/changes): owners,
+	// the setuid, setgid and sticky bits, and the mode, owner and times of
+	// every directory entry, existing ones too (set once all entries are in,
+	// deepest first). An upload keeps none of that.
+	Faithful bool
+	// OneFilesystem refuses entries that would be written onto another
+	// filesystem than dst's (through a mount point below it, such as /proc
+	// or a volume) or that name one of Excluded.
+	OneFilesystem bool
+	// Excluded are paths relative to dst (its mount points and the daemon's
+	// own directory): no entry may name one or pass through it, and a prune
+	// never removes one.
+	Excluded map[string]bool
+	// Prune reads entries named PruneEntry as the listing of a directory
+	// (see prune.go): what the directory holds and its listing lacks is
+	// removed. Without it such an entry is refused like any under Excluded.
+	Prune bool
+}
+
 type extractor struct {
+	opts     Options
+	rootDev  uint64 // dst's device, for OneFilesystem
+	slash    bool   // dst is "/": ".." at the root stays there, as the kernel has it
+	dirMeta  []dirMeta
 	root     string   // destination as given
 	absRoot  string   // its absolute form, for absolute symlink targets
 	rootFd   int      // the destination, opened once; every entry is reached from it
@@ -48,6 +76,14 @@ type extractor struct {
 
 type link struct{ rel, target string }
 
+// dirMeta is what a Faithful extraction sets on a directory once every entry is in.
+type dirMeta struct {
+	rel      string
+	mode     uint32
+	uid, gid int
+	mtime    time.Time
+}
+
 // Extract unpacks a tar (optionally gzip'd) stream under dst, creating dst
 // if missing. dst itself is opened as given; below it, every entry is
 // reached from dst's descriptor one component at a time with O_NOFOLLOW,
@@ -55,12 +91,17 @@ type link struct{ rel, target string }
 // or it was already in the tree (or is swapped in meanwhile). No entry may
 // name, link or resolve outside dst, through any chain of symlinks; on any
 // refusal, what this call created is removed again.
-func Extract(dst string, r io.Reader) (res Result, err error) {
+func Extract(dst string, r io.Reader) (Result, error) {
+	return ExtractWith(dst, r, Options{})
+}
+
+// ExtractWith is Extract with Options (a snapshot's files: see Options).
+func ExtractWith(dst string, r io.Reader, opts Options) (res Result, err error) {
 	abs, err := filepath.Abs(dst)
 	if err != nil {
 		return res, apierr.FromOS(err)
 	}
-	x := &extractor{root: dst, absRoot: abs, rootFd: -1, parentFd: -1}
+	x := &extractor{opts: opts, root: dst, absRoot: abs, slash: abs == "/", rootFd: -1, parentFd: -1}
 	defer func() {
 		x.dropParent()
 		if err != nil {
@@ -77,6 +118,11 @@ func Extract(dst string, r io.Reader) (res Result, err error) {
 	if err != nil {
 		return res, apierr.FromOS(&os.PathError{Op: "open", Path: dst, Err: err})
 	}
+	var rootSt syscall.Stat_t
+	if err := syscall.Fstat(x.rootFd, &rootSt); err != nil {
+		return res, apierr.FromOS(err)
+	}
+	x.rootDev = uint64(rootSt.Dev)
 	br := bufio.NewReader(r)
 	var src io.Reader = br
 	if magic, _ := br.Peek(2); len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b {
@@ -107,7 +153,61 @@ func Extract(dst string, r io.Reader) (res Result, err error) {
 			return res, refuse("symlink %q -> %q resolves outside the destination once the whole archive is unpacked", l.rel, l.target)
 		}
 	}
+	if err := x.setDirMeta(); err != nil {
+		return res, err
+	}
 	return x.res, nil
+}
+
+// setDirMeta gives the directories of a Faithful extraction their owner, mode
+// and times, deepest first: a directory made read-only does not block the
+// entries below it, and writing those does not move its mtime again.
+func (x *extractor) setDirMeta() error {
+	slices.SortStableFunc(x.dirMeta, func(a, b dirMeta) int {
+		return strings.Count(b.rel, "/") - strings.Count(a.rel, "/")
+	})
+	for _, m := range x.dirMeta {
+		fd, err := x.openDir(m.rel, false)
+		if err != nil {
+			return err
+		}
+		// EPERM: a daemon that is not root cannot give away, nor change the mode or
+		// times of, a directory it does not own (/tmp, the root): it keeps them.
+		err = chown(syscall.Fchown(fd, m.uid, m.gid))
+		if err == nil {
+			err = chown(syscall.Fchmod(fd, m.mode))
+		}
+		if err == nil {
+			err = chown(futimens(fd, m.mtime))
+		}
+		syscall.Close(fd)
+		if err != nil {
+			return apierr.FromOS(&os.PathError{Op: "set metadata of", Path: filepath.Join(x.root, m.rel), Err: err})
+		}
+	}
+	return nil
+}
+
+// chown passes on an error but EPERM: a daemon that is not root keeps the
+// entries its own, as tar does for an unprivileged user.
+func chown(err error) error {
+	if err == syscall.EPERM {
+		return nil
+	}
+	return err
+}
+
+// excluded reports whether rel is, or is below, a path of Options.Excluded.
+func (x *extractor) excluded(rel string) bool {
+	if len(x.opts.Excluded) == 0 || rel == "" {
+		return false
+	}
+	for i := 0; i <= len(rel); i++ {
+		if (i == len(rel) || rel[i] == '/') && x.opts.Excluded[rel[:i]] {
+			return true
+		}
+	}
+	return false
 }
 
 // makeRoot creates dst and missing ancestors, remembering which.
@@ -234,6 +334,13 @@ func (x *extractor) openDir(rel string, create bool) (int, error) {
 		}
 		syscall.Close(fd)
 		fd = child
+		if x.opts.OneFilesystem {
+			var st syscall.Stat_t
+			if err := syscall.Fstat(fd, &st); err != nil || uint64(st.Dev) != x.rootDev {
+				syscall.Close(fd)
+				return -1, refuse("an entry would be written onto another filesystem (%s is a mount point)", filepath.Join(x.root, strings.Join(parts[:i+1], "/")))
+			}
+		}
 	}
 	return fd, nil
 }
@@ -322,6 +429,9 @@ func (x *extractor) escapes(rel, target string) bool {
 			continue
 		case "..":
 			if len(fds) == 0 {
+				if x.slash && x.opts.Faithful {
+					continue // "/.." is "/": nothing is outside the whole tree
+				}
 				return true
 			}
 			if fd := fds[len(fds)-1]; fd >= 0 {
@@ -401,12 +511,24 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	}
 	if rel == "" {
 		if hdr.Typeflag == tar.TypeDir {
+			if x.opts.Faithful {
+				x.dirMeta = append(x.dirMeta, dirMeta{"", uint32(hdr.Mode & 0o7777), hdr.Uid, hdr.Gid, hdr.ModTime})
+			}
 			return nil // the root itself, "./"
 		}
 		return invalid("entry %q has no name", hdr.Name)
 	}
+	if rel == PruneEntry && x.opts.Prune && (hdr.Typeflag == tar.TypeReg || hdr.Typeflag == tar.TypeRegA) {
+		return x.prune(hdr, body)
+	}
+	if x.opts.OneFilesystem && x.excluded(rel) {
+		return refuse("entry %q is not the sandbox's own files (a mount point, or below one)", hdr.Name)
+	}
 	target := filepath.Join(x.root, rel)
 	mode := uint32(hdr.Mode & 0o777)
+	if x.opts.Faithful {
+		mode = uint32(hdr.Mode & 0o7777)
+	}
 	switch hdr.Typeflag {
 	case tar.TypeDir, tar.TypeReg, tar.TypeRegA, tar.TypeSymlink, tar.TypeLink:
 	default:
@@ -422,6 +544,9 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 	case tar.TypeDir:
 		var st syscall.Stat_t
 		err := lstatat(dirfd, name, &st)
+		if x.opts.Faithful {
+			x.dirMeta = append(x.dirMeta, dirMeta{rel, mode, hdr.Uid, hdr.Gid, hdr.ModTime})
+		}
 		switch {
 		case err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR:
 			return nil
@@ -434,6 +559,9 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			return apierr.FromOS(&os.PathError{Op: "mkdir", Path: target, Err: err})
 		}
 		x.created = append(x.created, rel)
+		if x.opts.Faithful {
+			return nil // its mode, owner and times come last (setDirMeta)
+		}
 		if mode == 0 {
 			mode = 0o755 // some tar writers leave directory modes empty
 		}
@@ -470,12 +598,26 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 			}
 			return invalid("entry %q: %v", hdr.Name, err)
 		}
-		if err := f.Chmod(os.FileMode(mode)); err != nil {
+		if x.opts.Faithful {
+			// Owner first: a chown clears the setuid and setgid bits.
+			if err := chown(f.Chown(hdr.Uid, hdr.Gid)); err != nil {
+				f.Close()
+				return apierr.FromOS(err)
+			}
+			if err := syscall.Fchmod(fd, mode); err != nil {
+				f.Close()
+				return apierr.FromOS(&os.PathError{Op: "chmod", Path: target, Err: err})
+			}
+		} else if err := f.Chmod(os.FileMode(mode)); err != nil {
 			f.Close()
 			return apierr.FromOS(err)
 		}
-		tv := syscall.NsecToTimeval(hdr.ModTime.UnixNano())
-		_ = syscall.Futimes(fd, []syscall.Timeval{tv, tv})
+		if x.opts.Faithful {
+			_ = futimens(fd, hdr.ModTime)
+		} else {
+			tv := syscall.NsecToTimeval(hdr.ModTime.UnixNano())
+			_ = syscall.Futimes(fd, []syscall.Timeval{tv, tv})
+		}
 		if err := f.Close(); err != nil {
 			return apierr.FromOS(err)
 		}
@@ -497,6 +639,11 @@ func (x *extractor) entry(hdr *tar.Header, body io.Reader) error {
 		x.created = append(x.created, rel)
 		x.links = append(x.links, link{rel, hdr.Linkname})
 		x.res.Files++
+		if x.opts.Faithful {
+			if err := chown(syscall.Fchownat(dirfd, name, hdr.Uid, hdr.Gid, atSymlinkNoFollow)); err != nil {
+				return apierr.FromOS(&os.PathError{Op: "chown", Path: target, Err: err})
+			}
+		}
 		return nil
 	default: // tar.TypeLink
 		srcRel, err := cleanName(hdr.Linkname)

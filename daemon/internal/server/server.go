@@ -42,6 +42,9 @@ type Options struct {
 	// Listeners lets POST /v1/checkpoint/prepare stop the serving (and
 	// Resume restart it); nil: the daemon refuses to prepare.
 	Listeners Listeners
+	// ChangesRoot is the tree /v1/changes reads and writes ("/" in a
+	// sandbox); empty: those routes refuse (400 invalid_request).
+	ChangesRoot string
 }
 
 // Server implements the v1 protocol.
@@ -60,6 +63,8 @@ type Server struct {
 	listeners Listeners
 	ckptMu    sync.Mutex // one prepare or resume at a time
 	quiesced  bool       // prepared for a checkpoint: not serving
+	// changesRoot is Options.ChangesRoot.
+	changesRoot string
 }
 
 // New builds a Server.
@@ -81,7 +86,7 @@ func New(o Options) (*Server, error) {
 	s := &Server{
 		version: o.Version, killGrace: o.KillGrace, started: time.Now(), log: o.Log,
 		runner: runner, procs: proc.NewManager(runner), sessions: proc.NewSessionManager(runner),
-		listeners: o.Listeners,
+		listeners: o.Listeners, changesRoot: o.ChangesRoot,
 	}
 	if s.log == nil {
 		s.log = log.New(discard{}, "", 0)
@@ -120,6 +125,8 @@ func New(o Options) (*Server, error) {
 		{"POST", "/v1/files/move", false, s.fileMove},
 		{"PUT", "/v1/archive", false, s.archiveUpload},
 		{"GET", "/v1/archive", false, s.archiveDownload},
+		{"GET", "/v1/changes", false, s.changesDownload},
+		{"PUT", "/v1/changes", false, s.changesApply},
 		{"GET", "/v1/ports/{id}/connect", false, s.portConnect},
 	}
 	return s, nil

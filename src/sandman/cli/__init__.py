@@ -26,7 +26,18 @@ def build() -> click.Group:
     import click
 
     from sandman import errors
-    from sandman.cli import bench, host, images, prepare, report, sandboxes, serve, shell, snapshots
+    from sandman.cli import (
+        bench,
+        egress,
+        host,
+        images,
+        prepare,
+        report,
+        sandboxes,
+        serve,
+        shell,
+        snapshots,
+    )
     from sandman.cli import eval as evaluation
     from sandman.cli._common import fail
 
@@ -54,6 +65,7 @@ def build() -> click.Group:
         host,
         sandboxes,
         snapshots,
+        egress,
         images,
         serve,
         prepare,

@@ -53,6 +53,7 @@ from sandman.providers.base import (
     Provider,
     SandboxInfo,
     SnapshotInfo,
+    Snapshots,
 )
 from sandman.providers.local import LocalProvider
 from sandman.settings import KubernetesConfig
@@ -471,7 +472,9 @@ def gc(
     On Kubernetes (--kubernetes) an owner is a pool process's Lease: dead once it has
     expired and is then seen unchanged for its duration plus the provider's
     ``owner_grace`` (so this may wait that long), or once it is missing. A dead
-    owner's Lease goes with its last pod."""
+    owner's Lease goes with its last pod. Snapshots too: this machine's, or with
+    --kubernetes those this host keeps of the namespace (in the default
+    ``snapshot_dir``), once their owner is dead or their time to live is over."""
 
     async def go() -> tuple[list[tuple[str, str]], list[str]]:
         provider: Provider
@@ -500,6 +503,8 @@ def gc(
             if isinstance(provider, LocalProvider):
                 strays = await provider.remove_strays(older_than=grace)
                 reaped += [(n, "a create killed before its record was whole") for n in strays]
+            if isinstance(provider, Snapshots):
+                # Local: this machine's; Kubernetes: those this host keeps of the namespace.
                 for snapshot in await provider.snapshots():
                     reason = (
                         "--all" if everything else snapshot_reap_reason(snapshot, now, liveness)
@@ -507,8 +512,10 @@ def gc(
                     if reason is not None:
                         await provider.delete_snapshot(snapshot.id)
                         reaped.append((snapshot.id, reason))
-                strays = await anyio.to_thread.run_sync(provider.snapshot_store.remove_strays)
-                reaped += [(n, "a snapshot killed half-way") for n in strays]
+                store = getattr(provider, "snapshot_store", None)
+                if store is not None:
+                    strays = await anyio.to_thread.run_sync(store.remove_strays)
+                    reaped += [(n, "a snapshot killed half-way") for n in strays]
             if backend is not None and isinstance(provider, KeepsOwners):
                 for dead in backend.dead:
                     await provider.forget_owner(dead, backend.versions.get(dead))

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +19,7 @@ from sandman import errors
 from sandman._tracing import span
 from sandman.client.backends import Backend, Lease
 from sandman.daemon.client import DaemonClient
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Snapshot, Usage, explain
 from sandman.pool.events import EventHook, PoolEvent, emit
 
@@ -205,6 +206,22 @@ class AsyncSandbox:
             raise errors.SandboxNotFound(f"sandbox {self.id} was released")
         await self._backend.resume(self.id)
         self._paused = False
+
+    async def set_egress(
+        self,
+        egress: Egress | None = None,
+        *,
+        allow: Sequence[str] | None = None,
+        deny: Sequence[str] = (),
+    ) -> None:
+        """Change where this egress sandbox may connect, at once: ``set_egress(allow=[])``
+        closes the network (after installing the dependencies), ``set_egress(allow=None)``
+        opens it again (but the walls). Connections it has open are judged by the new
+        rules too. ``egress`` is the same as an `Egress`. A sandbox made without egress,
+        or a rule the backend cannot hold (a domain on Kubernetes), is a `ConfigError`."""
+        self._check_usable()
+        rules = egress if egress is not None else Egress(allow=allow, deny=deny)
+        await self._backend.set_egress(self.id, rules)
 
     @property
     def paused(self) -> bool:

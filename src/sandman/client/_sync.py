@@ -101,6 +101,7 @@ class Sandbox:
     restore = _blocking(AsyncSandbox.restore)
     pause = _blocking(AsyncSandbox.pause)
     resume = _blocking(AsyncSandbox.resume)
+    set_egress = _blocking(AsyncSandbox.set_egress)
 
     def fork(self, n: int = 1, *, timeout: float | None = None, **spec: Any) -> list[Sandbox]:
         """See `AsyncSandbox.fork`."""

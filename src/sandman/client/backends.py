@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sandman import errors
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Snapshot, Usage
 from sandman.pool import Pool
 from sandman.pool.snapshots import to_snapshot
@@ -72,6 +73,7 @@ class Backend(Protocol):
 
     async def pause(self, sandbox_id: str, *, memory: bool = False) -> None: ...
     async def resume(self, sandbox_id: str) -> None: ...
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None: ...
 
     async def build_image(
         self, dockerfile: Path, context: Path, *, name: str, network: bool, cache: bool, reuse: bool
@@ -159,6 +161,9 @@ class InProcessBackend:
 
     async def resume(self, sandbox_id: str) -> None:
         await self.pool.resume(sandbox_id)
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        await self.pool.set_egress(sandbox_id, egress)
 
     async def build_image(
         self, dockerfile: Path, context: Path, *, name: str, network: bool, cache: bool, reuse: bool

@@ -43,6 +43,7 @@ from sandman.client._async import AsyncClient
 from sandman.client._sync import Client
 from sandman.client.backends import Lease
 from sandman.daemon import DaemonClient
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Snapshot, Usage
 from sandman.pool.events import EventHook
 from sandman.providers.base import DaemonEndpoint
@@ -581,6 +582,10 @@ class RemoteBackend:
 
     async def resume(self, sandbox_id: str) -> None:
         await self._call("POST", f"/v1/sandboxes/{_segment(sandbox_id)}/resume", timeout=None)
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        path = f"/v1/sandboxes/{_segment(sandbox_id)}/egress"
+        await self._call("PUT", path, json=egress.model_dump(mode="json"), timeout=None)
 
     async def check(self, sandbox_id: str) -> None:
         response = await self._call(

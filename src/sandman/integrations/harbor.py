@@ -19,8 +19,12 @@ provider's default). Options (`SandmanHarborOptions`): ``url``, ``state_dir``,
 What the task asks for maps to the sandbox: ``cpus`` (fractions too) and
 ``memory_mb`` are hard limits, ``storage_mb`` what it may write, ``workdir``
 and ``env`` as given; network ``no-network`` is no network, ``public`` is
-egress (NAT, the provider's deny-list applies); an allowlist is refused (the
-provider's allow- and deny-lists are its own settings, not a task's).
+egress (NAT; the provider's walls stay), ``allowlist`` is egress to the
+``allowed_hosts`` only (`sandman.Egress`: names, ``*.`` wildcards, addresses and
+CIDRs). A trial whose phases change the policy (setup with the network, the
+agent without) gets egress rules from the start, changed between phases
+(`set_network_policy`); one policy throughout with no network gets no network
+interface at all.
 A service does not build (a task with only a Dockerfile is refused there: build
 it on the service's host), and host mounts are not available. Commands run in ``bash -c``
 when the image has bash, else ``sh -c``.
@@ -43,11 +47,12 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.environments.options import EnvironmentOptions
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 from pydantic import Field
 
 from sandman import errors
 from sandman.client import AsyncSandbox
+from sandman.egress import Egress
 from sandman.integrations._client import loop_client
 from sandman.models import ExecResult as SandmanResult
 from sandman.models import SandboxSpec
@@ -59,7 +64,14 @@ logger = logging.getLogger(__name__)
 _MAX_OUTPUT = 16 * 2**20
 """Bytes of each output stream kept per command (the first ones)."""
 
-_NETWORK = {NetworkMode.NO_NETWORK: "none", NetworkMode.PUBLIC: "egress"}
+
+def _egress(policy: NetworkPolicy) -> Egress:
+    """The egress rules of a Harbor network policy."""
+    if policy.network_mode == NetworkMode.NO_NETWORK:
+        return Egress(allow=[])
+    if policy.network_mode == NetworkMode.ALLOWLIST:
+        return Egress(allow=policy.allowed_hosts)
+    return Egress()
 
 
 class SandmanHarborOptions(EnvironmentOptions):
@@ -100,7 +112,17 @@ class SandmanEnvironment(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(disable_internet=True)
+        return EnvironmentCapabilities(
+            disable_internet=True,
+            network_allowlist=True,
+            network_allowlist_hostnames=True,
+            network_allowlist_wildcard_hostnames=True,
+            network_allowlist_ipv4_addresses=True,
+            network_allowlist_ipv6_addresses=True,
+            network_allowlist_ipv4_cidrs=True,
+            network_allowlist_ipv6_cidrs=True,
+            dynamic_network_policy=True,
+        )
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
@@ -124,7 +146,7 @@ class SandmanEnvironment(BaseEnvironment):
     def _spec(self, image: str) -> SandboxSpec:
         config = self.task_env_config
         fields: dict[str, Any] = {
-            "network": _NETWORK[self._network_policy.network_mode],
+            "network": self._network(),
             "env": dict(self._persistent_env),
         }
         if (cpus := self._effective_cpus) is not None:
@@ -136,6 +158,15 @@ class SandmanEnvironment(BaseEnvironment):
         if config.workdir:
             fields["workdir"] = config.workdir
         return SandboxSpec(image=image, **fields)
+
+    def _network(self) -> str | Egress:
+        policy = self._network_policy
+        if policy.network_mode == NetworkMode.NO_NETWORK and not self._phase_network_policies:
+            return "none"  # no interface at all, for good
+        return _egress(policy)
+
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        await self._require().set_egress(_egress(network_policy))
 
     async def start(self, force_build: bool) -> None:
         client = await loop_client(self.options.url, state_dir=self.options.state_dir)

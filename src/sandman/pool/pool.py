@@ -45,6 +45,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Self
 
 from sandman import errors
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Usage
 from sandman.pool import owner as owners
 from sandman.pool.changes import Changes
@@ -60,7 +61,7 @@ from sandman.pool.records import Record
 from sandman.pool.snapshots import SnapshotBook
 from sandman.pool.spares import Spares
 from sandman.pool.tally import Tally
-from sandman.providers.base import Provider, ReportsUsage, SnapshotInfo
+from sandman.providers.base import ChangesEgress, Provider, ReportsUsage, SnapshotInfo
 
 __all__ = ["Pool", "PoolConfig", "PoolHealth"]
 
@@ -442,6 +443,18 @@ class Pool:
         """Let a paused sandbox run again."""
         self._check_open()
         return await self._changes.resume(sandbox_id)
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Change where a held egress sandbox may connect (`Egress`), at once: connections
+        it has open are judged by the new rules too. ConfigError if the provider cannot."""
+        self._check_open()
+        record = self._changes.held(sandbox_id)
+        if not isinstance(self.provider, ChangesEgress):
+            raise errors.ConfigError(
+                f"the {self.provider.name} provider cannot change egress rules"
+            )
+        await self.provider.set_egress(sandbox_id, egress)
+        self._emit("sandbox.egress", record, allow=egress.allow, deny=egress.deny)
 
     def warm(self, spec: SandboxSpec, count: int) -> None:
         """Keep ``count`` ready spares of ``spec``; an acquire they serve costs only the hand-over."""

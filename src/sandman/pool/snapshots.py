@@ -66,7 +66,8 @@ class SnapshotBook:
         """The provider, if it keeps snapshots; a ConfigError that says so otherwise."""
         if not isinstance(self._provider, Snapshots):
             raise errors.ConfigError(
-                f"the {self._provider.name} provider keeps no snapshots (the local provider does)"
+                f"the {self._provider.name} provider keeps no snapshots (the local and kubernetes "
+                "providers do)"
             )
         return self._provider
 

@@ -1,4 +1,4 @@
-"""Backends that turn a SandboxSpec into a running sandbox: ``local`` (crun) and, later, ``kubernetes``."""
+"""Backends that turn a SandboxSpec into a running sandbox: ``local`` (crun, runc or gVisor) and ``kubernetes`` (pods)."""
 
 from sandman.providers.base import DaemonEndpoint, Provider, SandboxInfo, SandboxState
 

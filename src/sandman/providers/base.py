@@ -9,10 +9,12 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from sandman.daemon import DaemonClient
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Usage
 
 __all__ = [
     "BackendOwners",
+    "ChangesEgress",
     "DaemonEndpoint",
     "KeepsOwners",
     "Lost",
@@ -192,6 +194,18 @@ class ReportsUsage(Protocol):
 
     async def usage(self, sandbox_id: str) -> Usage:
         """The sandbox's usage so far; figures the backend cannot tell are None."""
+        ...
+
+
+@runtime_checkable
+class ChangesEgress(Protocol):
+    """An optional capability of a provider: it changes where a running egress sandbox
+    may connect (`Egress` rules), at once, for connections already open too."""
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Replace the sandbox's egress rules. `SandboxNotFound` if there is no such
+        sandbox; `ConfigError` if it was made without egress or the backend cannot hold
+        a rule (a domain on Kubernetes)."""
         ...
 
 

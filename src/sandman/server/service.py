@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from sandman import errors
+from sandman.egress import Egress
 from sandman.models import SandboxSpec, Usage
 from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
 from sandman.pool.records import LABEL_TENANT
@@ -465,6 +466,14 @@ class Service:
         except errors.SandboxError as exc:
             raise from_exception(exc) from exc
         return record
+
+    async def set_egress(self, tenant: str, sandbox_id: str, egress: Egress) -> None:
+        """Change where the tenant's leased sandbox may connect."""
+        self._leased(tenant, sandbox_id)
+        try:
+            await self.pool.set_egress(sandbox_id, egress)
+        except errors.SandboxError as exc:
+            raise from_exception(exc) from exc
 
     def _leased(self, tenant: str, sandbox_id: str) -> Record:
         record = self.sandbox(tenant, sandbox_id)

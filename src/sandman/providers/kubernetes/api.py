@@ -260,6 +260,13 @@ class KubeAPI:
         result: dict[str, Any] = json.loads(data)
         return result
 
+    def url(self, group_version: str, resource: str) -> str:
+        """The URL of a namespaced ``resource`` of an API group (``networking.k8s.io/v1``)."""
+        return (
+            f"{self._credentials.server}/apis/{group_version}/namespaces/"
+            f"{self.namespace}/{resource}"
+        )
+
     async def create_pod(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST the pod; returns the object the API server stored."""
         what = f"create pod {body['metadata']['name']}"

@@ -21,6 +21,7 @@ from typing import Any
 from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, Lost, SandboxInfo, SandboxState
+from sandman.providers.kubernetes import egress
 from sandman.providers.kubernetes.placement import parse_image, with_preference
 from sandman.settings import KubernetesConfig
 
@@ -32,6 +33,7 @@ __all__ = [
     "KWOK_NO_DELAY",
     "MANAGED_BY",
     "RESERVED_PREFIX",
+    "SPEC",
     "PullRetrying",
     "Started",
     "check_delivery",
@@ -39,6 +41,7 @@ __all__ = [
     "loss",
     "pod_info",
     "pod_manifest",
+    "pool_labels",
     "start_outcome",
     "transient_pull_failure",
     "validate_labels",
@@ -52,6 +55,7 @@ DAEMON_VOLUME = "sandman"
 TOKEN_ENV = "SANDMAND_TOKEN"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "sandman")
 EXPIRES = "sandman.io/expires-at"
+SPEC = "sandman.io/spec"
 RESERVED_PREFIX = "sandman.io/"
 # The reserved labels a sandbox pod may carry, and who sets them: the pool (pool, session, owner,
 # expires-at, as `pod_manifest`'s ``labels``), the service (tenant, in the spec) and
@@ -149,6 +153,12 @@ _UNSUPPORTED = (
     "the container runtime of node {node} cannot mount image volumes (containerd >= 2.1 "
     "and CRI-O >= 1.31 can): use daemon_delivery='init-container'"
 )
+
+
+def pool_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """Those of a pod's labels that the pool gave it (`pod_manifest`'s ``labels``): what
+    a pod made again in its place is given."""
+    return {key: value for key, value in labels.items() if key in _POOL_LABELS}
 
 
 def validate_labels(labels: Mapping[str, str]) -> None:
@@ -306,12 +316,13 @@ def pod_manifest(
     # (model_copy, model_construct) or the operator's config must not add one either.
     _check_reserved(config, spec, labels)
     all_labels = {**config.labels, **spec.labels, **labels, MANAGED_BY[0]: MANAGED_BY[1]}
-    if spec.network == "egress":
-        all_labels[EGRESS[0]] = EGRESS[1]
+    all_labels.update(egress.pod_labels(name, spec))  # ConfigError for a domain rule
     validate_labels(all_labels)
     annotations = dict(config.annotations)
     if EXPIRES in all_labels:
         annotations[EXPIRES] = all_labels[EXPIRES]
+    # The spec itself, for a snapshot's record and a restore's new pod (snapshots.py).
+    annotations[SPEC] = spec.model_dump_json(exclude_defaults=True)
     pod_security, container_security = _security(spec, config.pod_security)
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != TOKEN_ENV]
     env.append({"name": TOKEN_ENV, "value": token})

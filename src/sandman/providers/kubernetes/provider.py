@@ -33,11 +33,19 @@ from typing import Any
 import anyio
 
 from sandman import errors
+from sandman.egress import Egress
 from sandman.models import SandboxSpec
-from sandman.providers.base import BackendOwners, DaemonEndpoint, LostReports, SandboxInfo
-from sandman.providers.kubernetes import owners, pods
+from sandman.providers.base import (
+    BackendOwners,
+    DaemonEndpoint,
+    LostReports,
+    SandboxInfo,
+    SnapshotInfo,
+)
+from sandman.providers.kubernetes import egress, owners, pods
 from sandman.providers.kubernetes.api import Forbidden, KubeAPI
 from sandman.providers.kubernetes.credentials import load_credentials
+from sandman.providers.kubernetes.snapshots import PodSnapshots, SnapshotStore
 from sandman.providers.kubernetes.steering import NodeImages
 from sandman.providers.kubernetes.watch import PodWatch
 from sandman.providers.losses import LossFeed
@@ -81,6 +89,7 @@ class KubernetesProvider:
         self.lease: owners.LeaseKeeper | None = None
         self._owner_refused = False
         self._judge = owners.OwnerJudge(self.config.owner_grace)
+        self._snapshots = PodSnapshots(self, credentials.server)
 
     def __repr__(self) -> str:
         return (
@@ -94,14 +103,22 @@ class KubernetesProvider:
         sandbox_id: str | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> SandboxInfo:
-        """Create the pod and wait until it runs (``readiness="pod"``: until it is Ready)."""
+        """Create the pod and wait until it runs (``readiness="pod"``: until it is Ready);
+        with ``spec.snapshot``, until its daemon has the snapshot's files too."""
         if spec.snapshot is not None:
-            raise errors.ConfigError(
-                "snapshots are kept by the local provider only (not yet on Kubernetes): "
-                "make the prepared state part of the task image instead"
-            )
+            return await self._snapshots.create_from(spec, sandbox_id=sandbox_id, labels=labels)
+        return await self._create_pod(spec, sandbox_id=sandbox_id, labels=labels)
+
+    async def _create_pod(
+        self,
+        spec: SandboxSpec,
+        *,
+        sandbox_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        token: str | None = None,
+    ) -> SandboxInfo:
         name = sandbox_id or new_sandbox_id()
-        token = secrets.token_urlsafe(32)
+        token = token or secrets.token_urlsafe(32)
         preferred = await self.node_images.term(spec.image) if self.node_images else None
         body = pods.pod_manifest(
             name=name,
@@ -164,6 +181,7 @@ class KubernetesProvider:
                 raise
             try:
                 pods.check_delivery(created, self.config)
+                await egress.start(self.api, created, spec)
                 async with asyncio.timeout(self.config.start_timeout):
                     started = await outcome
             except BaseException as exc:
@@ -190,6 +208,10 @@ class KubernetesProvider:
                 host=started.pod_ip, port=self.config.daemon_port, token=token
             )
         return info.model_copy(update={"state": "running", "endpoint": endpoint})
+
+    async def set_egress(self, sandbox_id: str, rules: Egress) -> None:
+        """Replace a running egress sandbox's rules: its NetworkPolicy (`egress`)."""
+        await egress.set_egress(self.api, sandbox_id, rules)
 
     def progress(self, sandbox_id: str) -> str | None:
         """What the pod of a create in flight waits on, from the latest watch event."""
@@ -284,6 +306,49 @@ class KubernetesProvider:
         """Delete a dead owner's Lease once no pod names it (a consistent list), and only
         at ``version`` (else its holder renewed it: it lives)."""
         return await owners.forget(self.api, owner, version, self._selector)
+
+    # -- snapshots (sandman.providers.base.Snapshots; snapshots.py) ---------------------
+
+    @property
+    def snapshot_store(self) -> SnapshotStore:
+        """Where this provider keeps its snapshots' files, on this host."""
+        return self._snapshots.store
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        snapshot_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        memory: bool = False,
+    ) -> SnapshotInfo:
+        """Keep the files the sandbox changed since it started, streamed by its daemon to
+        ``config.snapshot_dir``; ``memory`` is a ConfigError (not on Kubernetes)."""
+        return await self._snapshots.snapshot(
+            sandbox_id, snapshot_id=snapshot_id, labels=labels, memory=memory
+        )
+
+    async def snapshots(
+        self, *, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[SnapshotInfo]:
+        """Every snapshot of this namespace kept on this host whose labels include ``labels``."""
+        return await self._snapshots.snapshots(labels=labels)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot's files; waits for creates from it in flight. Idempotent."""
+        await self._snapshots.delete_snapshot(snapshot_id)
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Make the sandbox's pod again from the snapshot: same id, token and labels."""
+        return await self._snapshots.restore(sandbox_id, snapshot_id)
+
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        """Not on Kubernetes: a ConfigError that says what is."""
+        await self._snapshots.pause(sandbox_id, memory=memory)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Not on Kubernetes: a ConfigError that says what is."""
+        return await self._snapshots.resume(sandbox_id)
 
     async def aclose(self) -> None:
         """Stop the watch and close the connections; pods are left as they are (and this

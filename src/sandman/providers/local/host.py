@@ -10,7 +10,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandman.providers.local import disk
+from sandman import errors
+from sandman.daemon.binary import daemon_path
+from sandman.providers.local import disk, userns
 
 __all__ = [
     "Finding",
@@ -300,6 +302,12 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
                 f"controllers {leftover} sit on cgroup v2 in hybrid mode; use runtime=runc",
             )
         )
+    if runtime == "crun":
+        findings.append(_check_userns())
+    else:
+        findings.append(
+            Finding(True, f"a user namespace per sandbox: off under {runtime} (crun only)")
+        )
     works, why = disk.probe()
     findings.append(
         Finding(
@@ -315,6 +323,25 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
             Finding(shutil.which(tool) is not None, f"{tool} {use}", f"apt-get install -y {tool}")
         )
     return findings
+
+
+def _check_userns() -> Finding:
+    """Whether crun sandboxes can each run in a user namespace of their own
+    (`LocalConfig.userns`, on by default): tried as a create does (`userns.probe`)."""
+    what = (
+        "a user namespace per sandbox (LocalConfig.userns, on by default under crun): "
+        "root inside is an unprivileged host uid range of its own"
+    )
+    try:
+        works, why = userns.probe(daemon_path())
+    except (OSError, errors.SandboxError) as exc:
+        works, why = False, str(exc)
+    fix = (
+        f"{why}: needs a kernel >= 5.19 with idmapped mounts on the state directory's "
+        "filesystem (ext4, xfs, btrfs, tmpfs), or LocalConfig(userns=False): root in a "
+        "sandbox is then root on the host, and sandboxes share root's per-user limits"
+    )
+    return Finding(works, what, fix)
 
 
 def host_size() -> tuple[int, int]:

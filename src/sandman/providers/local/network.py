@@ -66,6 +66,8 @@ from typing import Any, Literal, TypeVar
 import anyio
 
 from sandman import _flock, errors
+from sandman.egress import Egress
+from sandman.providers.local import egress as egress_rules
 from sandman.providers.local import spawn
 
 __all__ = [
@@ -191,15 +193,28 @@ def _elements(items: Sequence[str]) -> str:
     return f" elements = {{ {', '.join(items)} }};" if items else ""
 
 
+@dataclass(frozen=True)
+class SandboxEgress:
+    """An egress sandbox's rules in the firewall: `egress.Compiled` and its generations."""
+
+    rules: egress_rules.Compiled
+    generation: int = 1
+    dyn: int = 1
+
+
 def ruleset(
     *,
     egress_ifs: Iterable[str] = (),
     uplinks: Iterable[str] = (),
     policies: Mapping[str, EgressPolicy] | None = None,
+    rules: Mapping[str, SandboxEgress] | None = None,
+    dns_port: int | None = None,
 ) -> str:
     """The whole nftables ruleset (both tables), replacing any previous one atomically.
 
     ``policies`` maps an egress interface to its policy; one not in it gets the default.
+    ``rules``: an egress interface's own rules (`egress`); ``dns_port``: the resolver's,
+    to which each egress interface's DNS goes.
     """
     wild = json.dumps(HOST_PREFIX + "*")
     egress_ifs = sorted(egress_ifs)
@@ -209,10 +224,20 @@ def ruleset(
     uplink_elements = f" elements = {{ {up} }};" if up else ""
     deny: list[str] = []
     allow: list[str] = []
+    own: list[str] = []
     for host_if in egress_ifs:
         policy = (policies or {}).get(host_if) or EgressPolicy()
         deny += _policy_elements(host_if, policy.deny)
         allow += _policy_elements(host_if, policy.allow)
+        mine = (rules or {}).get(host_if)
+        if mine is not None and mine.rules.chain:
+            own += egress_rules.define(
+                TABLE, host_if, mine.rules, mine.generation, mine.dyn, new_dyn=True
+            )
+            own.append(_chain_element(host_if, mine.generation, "add"))
+        if dns_port is not None:
+            own += _dns_elements(host_if, dns_port, "add")
+    walls6 = ", ".join(egress_rules.WALLS6)
     return f"""\
 add table inet {TABLE}
 delete table inet {TABLE}
@@ -223,30 +248,64 @@ table inet {TABLE} {{
     set uplink_ifs {{ type ifname;{uplink_elements} }}
     set egress_deny {{ type ifname . ipv4_addr; flags interval;{_elements(deny)} }}
     set egress_allow {{ type ifname . ipv4_addr; flags interval;{_elements(allow)} }}
+    set wall6 {{ type ipv6_addr; flags interval; elements = {{ {walls6} }}; }}
+    set dns_in {{ type ifname . inet_service; }}
+    map egress_chains {{ type ifname : verdict; }}
     chain input {{
         type filter hook input priority filter; policy accept;
         iifname {wild} ct state established,related accept
+        meta l4proto {{ tcp, udp }} iifname . th dport @dns_in ct status dnat accept
         iifname {wild} counter drop
+    }}
+    chain egress_rules {{
+        iifname vmap @egress_chains
+        meta nfproto ipv4 accept
+        counter drop
     }}
     chain forward {{
         type filter hook forward priority filter; policy accept;
         iifname {wild} oifname {wild} counter drop
         oifname {wild} ct state established,related accept
-        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs iifname . ip daddr @egress_allow accept
+        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs iifname . ip daddr @egress_allow goto egress_rules
         meta nfproto ipv4 iifname . ip daddr @egress_deny counter drop
-        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs accept
+        meta nfproto ipv6 iifname @egress_ifs ip6 daddr @wall6 counter drop
+        iifname @egress_ifs oifname @uplink_ifs goto egress_rules
         iifname {wild} counter drop
         oifname {wild} counter drop
     }}
 }}
 table ip {NAT_TABLE} {{
     set uplink_ifs {{ type ifname;{uplink_elements} }}
+    map dns_ports {{ type ifname : inet_service; }}
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname {wild} fib daddr type local meta l4proto {{ tcp, udp }} th dport 53 redirect to :iifname map @dns_ports
+    }}
     chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
         iifname {wild} oifname @uplink_ifs counter masquerade
     }}
 }}
-"""
+""" + "".join(line + "\n" for line in own)
+
+
+def _chain_element(host_if: str, generation: int, verb: Literal["add", "delete"]) -> str:
+    value = f" : goto {egress_rules.chain_name(host_if, generation)}" if verb == "add" else ""
+    return f"{verb} element inet {TABLE} egress_chains {{ {json.dumps(host_if)}{value} }}"
+
+
+def _dns_elements(host_if: str, port: int, verb: Literal["add", "delete"]) -> list[str]:
+    """The elements that send ``host_if``'s DNS to the resolver's ``port``."""
+    name = json.dumps(host_if)
+    if verb == "delete":
+        return [
+            f"delete element ip {NAT_TABLE} dns_ports {{ {name} }}",
+            f"delete element inet {TABLE} dns_in {{ {name} . {port} }}",
+        ]
+    return [
+        f"add element ip {NAT_TABLE} dns_ports {{ {name} : {port} }}",
+        f"add element inet {TABLE} dns_in {{ {name} . {port} }}",
+    ]
 
 
 def _host_batch(netns: str, host_if: str, host_ip: str) -> str:
@@ -388,7 +447,7 @@ async def _sandbox_links() -> builtins.list[str]:
 _OUR_TABLES = {f"table inet {TABLE}", f"table ip {NAT_TABLE}"}
 
 
-_POLICY_SETS = {"egress_deny", "egress_allow"}
+_POLICY_SETS = {"egress_deny", "egress_allow", "wall6", "dns_in"}
 
 
 async def _loaded_sets() -> dict[str, set[str]]:
@@ -424,9 +483,12 @@ class NetworkManager:
         subnet: str = "10.200.0.0/16",
         uplink: str | None = None,
         egress: EgressPolicy | None = None,
+        dns_upstream: Sequence[str] = (),
     ) -> None:
         """``egress``: what ``egress`` sandboxes set up from now on may not reach
-        (default: `DEFAULT_EGRESS_DENY`, nothing allowed)."""
+        (default: `DEFAULT_EGRESS_DENY`, nothing allowed). ``dns_upstream``: where the
+        egress resolver asks (``host`` or ``host:port``; default: the host's
+        ``/etc/resolv.conf``)."""
         try:
             network = ipaddress.IPv4Network(subnet)
         except ValueError as exc:
@@ -438,6 +500,7 @@ class NetworkManager:
         self.subnet = network
         self.uplink = uplink
         self.egress = egress or EgressPolicy()
+        self.dns_upstream = tuple(dns_upstream)
         self._store = _Store(state_dir / "network", str(network))
         self._mutex = asyncio.Lock()
 
@@ -460,14 +523,19 @@ class NetworkManager:
 
     # -- setup ------------------------------------------------------------
 
-    async def setup(self, sandbox_id: str, mode: NetworkMode) -> NetworkAttachment:
-        """Make the sandbox's netns, veth pair and addresses, and admit it to ``mode``.
+    async def setup(
+        self, sandbox_id: str, mode: NetworkMode, egress: Egress | None = None
+    ) -> NetworkAttachment:
+        """Make the sandbox's netns, veth pair and addresses, and admit it to ``mode``
+        (``egress``: with these rules, default anywhere but the walls).
 
         Call before the runtime's ``create``; the container joins
         ``netns_path``. On failure everything made so far is removed.
         """
         if mode not in ("isolated", "egress"):
             raise errors.ConfigError(f"unknown network mode {mode!r}: isolated or egress")
+        if egress is not None and mode != "egress":
+            raise errors.ConfigError(f"egress rules need network mode 'egress', not {mode!r}")
         if not sandbox_id:
             raise errors.ConfigError("empty sandbox id")
         if os.geteuid() != 0:
@@ -491,10 +559,14 @@ class NetworkManager:
             # Saved before anything is made: if the state directory cannot take it (read-only,
             # full), nothing was; once it is saved, teardown knows what to remove.
             async with self._locked() as state:
-                attachment = self._allocate(state, sandbox_id, mode, netns, host_if, taken)
+                attachment = self._allocate(
+                    state, sandbox_id, mode, netns, host_if, taken, egress or Egress()
+                )
             try:
                 async with self._locked() as state:
-                    await self._admit(state, host_if if uplink is not None else None, uplink)
+                    await self._admit(
+                        state, host_if if uplink is not None else None, uplink, sandbox_id
+                    )
             except BaseException:
                 with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
                     await self.teardown(sandbox_id)  # if it fails, the record stays for the next
@@ -534,6 +606,7 @@ class NetworkManager:
         netns: str,
         host_if: str,
         taken: set[int],
+        egress: Egress,
     ) -> NetworkAttachment:
         attachments: dict[str, dict[str, Any]] = state["attachments"]
         if sandbox_id in attachments:
@@ -555,6 +628,10 @@ class NetworkManager:
         if mode == "egress":
             attachments[sandbox_id]["egress_deny"] = list(self.egress.deny)
             attachments[sandbox_id]["egress_allow"] = list(self.egress.allow)
+            attachments[sandbox_id]["rules"] = egress.model_dump(mode="json")
+            attachments[sandbox_id]["generation"] = 1
+            attachments[sandbox_id]["dyn"] = 1
+            attachments[sandbox_id]["upstreams"] = list(self.dns_upstream)
         return NetworkAttachment(
             netns_path=str(NETNS_DIR / netns),
             sandbox_ip=sandbox_ip,
@@ -563,18 +640,31 @@ class NetworkManager:
         )
 
     async def _admit(
-        self, state: dict[str, Any], egress_if: str | None, uplink: str | None
+        self, state: dict[str, Any], egress_if: str | None, uplink: str | None, sandbox_id: str
     ) -> None:
         """Load the ruleset if it is missing; for egress, add the sandbox and the uplink to it
         and switch on forwarding, in that order. Runs under the lock."""
         uplinks: list[str] = state["uplinks"]
         if uplink is not None and uplink not in uplinks:
             uplinks.append(uplink)
+        own: list[str] = []
+        if egress_if is not None:
+            # The resolver first: the sandbox's DNS has somewhere to go from its first packet.
+            port = await self._dns(state)
+            entry = state["attachments"][sandbox_id]
+            await _on_disk(self._write_rules, state, entry)
+            mine = _sandbox_egress(entry)
+            if mine.rules.chain:
+                own += egress_rules.define(
+                    TABLE, egress_if, mine.rules, mine.generation, mine.dyn, new_dyn=True
+                )
+                own.append(_chain_element(egress_if, mine.generation, "add"))
+            own += _dns_elements(egress_if, port, "add")
         # A freshly loaded ruleset already holds this sandbox and its uplink.
         loaded = await self._ensure_rules(state)
         if loaded and egress_if is not None and uplink is not None:
-            # One transaction, the policy before the interface: never out unfiltered.
-            policy = _policy_sets(egress_if, self.egress, "add")
+            # One transaction, the policy and rules before the interface: never out unfiltered.
+            policy = _policy_sets(egress_if, self.egress, "add") + "".join(f"{x}\n" for x in own)
             await _run(
                 "nft",
                 "-f",
@@ -600,22 +690,117 @@ class NetworkManager:
         if set(loaded) == _OUR_TABLES:
             if loaded[f"table inet {TABLE}"] >= _POLICY_SETS:
                 return True
-            # Loaded by a sandman from before egress policies: replaced, or a policy
-            # could not be added. Egress sandboxes of other managers (state dirs) lose
-            # egress then: fail closed.
+            # Loaded by a sandman from before egress policies (or rules): replaced, or a
+            # policy could not be added. Egress sandboxes of other managers (state dirs)
+            # lose egress then: fail closed.
             logger.warning("the sandman nftables tables had no egress policy sets: replaced")
-        policies = {
-            entry["host_interface"]: _recorded_policy(entry)
-            for entry in state["attachments"].values()
-            if entry["mode"] == "egress"
-        }
+        egress = [e for e in state["attachments"].values() if e["mode"] == "egress"]
+        policies = {entry["host_interface"]: _recorded_policy(entry) for entry in egress}
         await _run(
             "nft",
             "-f",
             "-",
-            stdin=ruleset(egress_ifs=policies, uplinks=state["uplinks"], policies=policies),
+            stdin=ruleset(
+                egress_ifs=policies,
+                uplinks=state["uplinks"],
+                policies=policies,
+                rules={entry["host_interface"]: _sandbox_egress(entry) for entry in egress},
+                dns_port=state.get("dns_port"),
+            ),
         )
         return False
+
+    # -- egress rules and the resolver ----------------------------------------------------
+
+    async def _dns(self, state: dict[str, Any]) -> int:
+        """The resolver's port, started if it is not running; if it came back on another
+        port, every egress sandbox's DNS is sent there. Runs under the lock."""
+        port = await egress_rules.ensure_resolver(self._store.directory)
+        old = state.get("dns_port")
+        if old != port:
+            state["dns_port"] = port
+            for entry in state["attachments"].values():
+                if entry["mode"] != "egress" or old is None:
+                    continue
+                host_if = entry["host_interface"]
+                for line in [
+                    *_dns_elements(host_if, old, "delete"),
+                    *_dns_elements(host_if, port, "add"),
+                ]:
+                    await _run("nft", "-f", "-", stdin=f"{line}\n", check=False)
+        return port
+
+    def _write_rules(self, state: dict[str, Any], entry: Mapping[str, Any]) -> None:
+        host_ip, sandbox_ip = slot(ipaddress.IPv4Network(state["subnet"]), entry["index"])
+        policy = _recorded_policy(entry)
+        mine = _sandbox_egress(entry)
+        egress_rules.write_rules(
+            self._store.directory,
+            table=TABLE,
+            host_if=entry["host_interface"],
+            host_ip=host_ip,
+            sandbox_ip=sandbox_ip,
+            rules=mine.rules,
+            generation=mine.generation,
+            dyn=mine.dyn,
+            walls=policy.deny,
+            wall_exceptions=policy.allow,
+            upstreams=entry.get("upstreams", ()),
+        )
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Replace a running egress sandbox's rules, in one transaction: connections it
+        has open are judged by the new rules at their next packet (see `egress`).
+        `SandboxNotFound` if it has no network here; `ConfigError` if it was not made
+        with egress."""
+        async with self._locked() as state:
+            entry = state["attachments"].get(sandbox_id)
+            if entry is None:
+                raise errors.SandboxNotFound(f"sandbox {sandbox_id} has no network here")
+            if entry["mode"] != "egress":
+                raise errors.ConfigError(
+                    f"sandbox {sandbox_id} has network {entry['mode']!r}: egress rules need "
+                    "a sandbox made with network='egress' or Egress(...)"
+                )
+            host_if = entry["host_interface"]
+            old = _sandbox_egress(entry)
+            new_rules = egress_rules.compile_rules(egress)
+            keep = egress_rules.keeps_admitted(old.rules, new_rules)
+            generation = old.generation + 1
+            new = SandboxEgress(new_rules, generation, old.dyn if keep else generation)
+            previous = dict(entry)
+            entry.update(
+                rules=egress.model_dump(mode="json"), generation=new.generation, dyn=new.dyn
+            )
+            port = await self._dns(state)
+            await _on_disk(self._write_rules, state, entry)
+            try:
+                if await self._ensure_rules(state):  # else: just loaded, with the new rules
+                    await self._swap(host_if, old, new, keep)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    entry.clear()
+                    entry.update(previous)
+                    await _on_disk(self._write_rules, state, entry)
+                raise
+            logger.debug(
+                "egress of %s: %s (generation %d, dns %d)", sandbox_id, egress, generation, port
+            )
+
+    async def _swap(self, host_if: str, old: SandboxEgress, new: SandboxEgress, keep: bool) -> None:
+        lines: list[str] = []
+        if new.rules.chain:
+            lines += egress_rules.define(
+                TABLE, host_if, new.rules, new.generation, new.dyn, new_dyn=not keep
+            )
+        if old.rules.chain:
+            lines.append(_chain_element(host_if, old.generation, "delete"))
+        if new.rules.chain:
+            lines.append(_chain_element(host_if, new.generation, "add"))
+        chains, sets = await _owned_objects(host_if)
+        kept = set(egress_rules.objects(TABLE, host_if, new.rules, new.generation, new.dyn)[1])
+        lines += egress_rules.undefine(TABLE, chains, [s for s in sets if s not in kept])
+        await _run("nft", "-f", "-", stdin="\n".join(lines) + "\n")
 
     async def ensure(self) -> bool:
         """Reload the ruleset if something removed it (e.g. ``nft flush ruleset``) while
@@ -623,6 +808,8 @@ class NetworkManager:
         async with self._locked() as state:
             if not state["attachments"]:
                 return True
+            if any(e["mode"] == "egress" for e in state["attachments"].values()):
+                await self._dns(state)  # a resolver that died comes back
             intact = await self._ensure_rules(state)
         if not intact:
             logger.warning("the sandman nftables tables were missing: reloaded")
@@ -637,12 +824,21 @@ class NetworkManager:
         netns, host_if = names(sandbox_id)
         async with self._locked() as state:
             entry = state["attachments"].get(sandbox_id)
+            dns_port = state.get("dns_port")
         removals: builtins.list[Coroutine[Any, Any, object]] = [self._remove_links(netns, host_if)]
         if entry is not None and entry["mode"] == "egress":
+            # Out of egress first (before its rules go, which would leave it unfiltered),
+            # and the resolver's file: it answers this sandbox no more.
             element = f"{{ {host_if} }}"
-            removals.append(
-                _run("nft", "delete", "element", "inet", TABLE, "egress_ifs", element, check=False)
+            await _run(
+                "nft", "delete", "element", "inet", TABLE, "egress_ifs", element, check=False
             )
+            await _on_disk(egress_rules.remove_rules, self._store.directory, host_if)
+            removals.append(_remove_own_rules(host_if))
+            removals += [
+                _run("nft", "-f", "-", stdin=f"{line}\n", check=False)
+                for line in _dns_elements(host_if, dns_port or 0, "delete")
+            ]
             # Apart: a set that lacks the elements (reloaded meanwhile) fails alone.
             policy = _recorded_policy(entry)
             for which in ("deny", "allow"):
@@ -652,6 +848,10 @@ class NetworkManager:
         await asyncio.gather(*removals)
         async with self._locked() as state:
             state["attachments"].pop(sandbox_id, None)
+            egress_left = any(e["mode"] == "egress" for e in state["attachments"].values())
+            if entry is not None and entry["mode"] == "egress" and not egress_left:
+                await egress_rules.stop_resolver(self._store.directory)
+                state.pop("dns_port", None)
         logger.debug("network of %s removed", sandbox_id)
 
     async def _remove_links(self, netns: str, host_if: str) -> None:
@@ -738,6 +938,38 @@ class NetworkManager:
             original = await anyio.to_thread.run_sync(_take_ip_forward)
             if original is not None:
                 await anyio.Path(IP_FORWARD).write_text(f"{original}\n")
+
+
+def _sandbox_egress(entry: Mapping[str, Any]) -> SandboxEgress:
+    """An egress allocation's rules (anywhere for one recorded before rules were)."""
+    rules = Egress(**entry["rules"]) if "rules" in entry else Egress()
+    return SandboxEgress(
+        egress_rules.compile_rules(rules), entry.get("generation", 1), entry.get("dyn", 1)
+    )
+
+
+async def _owned_objects(host_if: str) -> tuple[builtins.list[str], builtins.list[str]]:
+    """The chains and sets of ``host_if``'s rules that are loaded (any generation)."""
+    found: tuple[builtins.list[str], builtins.list[str]] = ([], [])
+    for kind, argv in (
+        ("chain", ("list", "chains", "inet")),
+        ("set", ("-t", "list", "sets", "inet")),
+    ):
+        _, out = await _run("nft", "-j", *argv, check=False)
+        for item in json.loads(out or '{"nftables": []}').get("nftables", []):
+            thing = item.get(kind)
+            if thing and thing.get("table") == TABLE and egress_rules.owned(thing["name"], host_if):
+                found[0 if kind == "chain" else 1].append(thing["name"])
+    return found
+
+
+async def _remove_own_rules(host_if: str) -> None:
+    """Remove ``host_if``'s chain (its map entry first) and sets, whatever generation."""
+    await _run("nft", "-f", "-", stdin=_chain_element(host_if, 0, "delete") + "\n", check=False)
+    chains, sets = await _owned_objects(host_if)
+    if chains or sets:
+        batch = egress_rules.undefine(TABLE, chains, sets)
+        await _run("nft", "-f", "-", stdin="\n".join(batch) + "\n")
 
 
 def _recorded_policy(entry: Mapping[str, Any]) -> EgressPolicy:

@@ -69,6 +69,13 @@ class BundleLayout:
     runtime masks them (a tmpfs each)."""
     masked: tuple[str, ...] = ()
     """The `MASKED_DIRS` that exist on this host (a bind needs its mount point)."""
+    rootfs: str = "rootfs"
+    """The root's mount point, relative to the bundle or absolute (`userns.ROOTFS`)."""
+    userns: str | None = None
+    """The sandbox's user namespace to join (bound there by ``sandmand overlay-exec
+    --userns``, see `userns`); None: none (root inside is root on the host). With
+    ``netns`` too, overlay-exec mounts /sys: the runtime cannot mount the sysfs of a
+    network namespace the sandbox's user namespace does not own."""
 
 
 def _env(image_env: list[str], spec_env: Mapping[str, str]) -> list[str]:
@@ -104,6 +111,9 @@ def config(
     namespace_net: dict[str, str] = {"type": "network"}
     if layout.netns is not None:
         namespace_net["path"] = layout.netns
+    namespace_user = [{"type": "user", "path": layout.userns}] if layout.userns else []
+    # Mounted by overlay-exec for a network namespace the host made (`BundleLayout.userns`).
+    sysfs_premounted = layout.userns is not None and layout.netns is not None
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -124,7 +134,7 @@ def config(
             # PID 1 stays at 0 so the OOM killer prefers the commands it runs.
             "oomScoreAdj": 0,
         },
-        "root": {"path": "rootfs", "readonly": False},
+        "root": {"path": layout.rootfs, "readonly": False},
         "hostname": sandbox_id,
         "mounts": [
             {
@@ -164,12 +174,18 @@ def config(
                 "source": "mqueue",
                 "options": ["nosuid", "noexec", "nodev"],
             },
-            {
-                "destination": "/sys",
-                "type": "sysfs",
-                "source": "sysfs",
-                "options": ["nosuid", "noexec", "nodev", "ro"],
-            },
+            *(
+                []
+                if sysfs_premounted
+                else [
+                    {
+                        "destination": "/sys",
+                        "type": "sysfs",
+                        "source": "sysfs",
+                        "options": ["nosuid", "noexec", "nodev", "ro"],
+                    }
+                ]
+            ),
             {
                 # The sandbox's own cgroup, read-only (as in a Kubernetes pod): its
                 # OOM kill count tells an OOM kill from any other SIGKILL.
@@ -207,6 +223,7 @@ def config(
                 "pids": {"limit": spec.pids},
             },
             "namespaces": [
+                *namespace_user,
                 {"type": "pid"},
                 {"type": "ipc"},
                 {"type": "uts"},

@@ -48,6 +48,7 @@ import anyio
 from sandman import errors
 from sandman.daemon import daemon_path
 from sandman.daemon.checkpoint import prepare_checkpoint, replace_token
+from sandman.egress import Egress
 from sandman.images import Image, ImageStore, resolve_user
 from sandman.models import SandboxSpec, Usage
 from sandman.providers.base import (
@@ -58,7 +59,7 @@ from sandman.providers.base import (
     SandboxState,
     SnapshotInfo,
 )
-from sandman.providers.local import oci, seccomp
+from sandman.providers.local import oci, seccomp, userns
 from sandman.providers.local.commit import oci_layout_of
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
@@ -70,8 +71,14 @@ from sandman.providers.local.host import (
     prepare_cgroups,
     raise_open_files,
 )
-from sandman.providers.local.network import DEFAULT_EGRESS_DENY, EgressPolicy, NetworkManager
-from sandman.providers.local.runtime import OCIRuntime, read_pid
+from sandman.providers.local.network import (
+    DEFAULT_EGRESS_DENY,
+    NETNS_DIR,
+    EgressPolicy,
+    NetworkManager,
+    names,
+)
+from sandman.providers.local.runtime import OCIRuntime, UserNamespace, read_pid
 from sandman.providers.local.snapshots import (
     SnapshotStore,
     check_id,
@@ -80,7 +87,7 @@ from sandman.providers.local.snapshots import (
     tree_size,
 )
 from sandman.providers.local.trees import remove_tree
-from sandman.providers.local.usage import read_usage
+from sandman.providers.local.usage import MemoryMeter, read_usage
 from sandman.settings import LocalConfig
 
 __all__ = ["LocalProvider"]
@@ -164,10 +171,13 @@ class LocalProvider:
                 DEFAULT_EGRESS_DENY if self.config.egress_deny is None else self.config.egress_deny,
                 self.config.egress_allow,
             ),
+            dns_upstream=self.config.dns_upstream,
         )
         self.disk = DiskPool(state)
         self.snapshot_store = SnapshotStore(state, self.disk, self.name)
         self._empty = state / _EMPTY
+        # Each sandbox in a user namespace of its own (crun only: `userns`).
+        self._userns = self.config.userns and self.config.runtime == "crun"
         # The same kernel as the sandboxes': what exists here exists in their /proc, /sys.
         self._masked = tuple(p for p in oci.MASKED_DIRS if os.path.isdir(p))
         self._prepared = False
@@ -175,6 +185,7 @@ class LocalProvider:
         self._images: dict[str, tuple[float, Image]] = {}
         self._users: dict[tuple[str, str], tuple[int, int]] = {}
         self._exits = ExitWatch(self._loss)
+        self._meter = MemoryMeter(self.config.cgroup_parent)
         # What `list` read of each sandbox's files, by its record's identity: a record is
         # replaced whole (`relabel`), never changed in place, and the token and the
         # daemon's address never change once it runs. A reconcile of 10k sandboxes
@@ -199,6 +210,8 @@ class LocalProvider:
             await self._limit_parent()
             raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
+            if self._userns:
+                await self._check_userns()
             try:
                 await anyio.to_thread.run_sync(_make_empty, self._empty)
             except OSError as exc:
@@ -209,6 +222,27 @@ class LocalProvider:
                     f"{exc.strerror or exc}"
                 ) from exc
             self._prepared = True
+
+    async def _check_userns(self) -> None:
+        """ConfigError unless sandboxes can run in user namespaces here (`userns.probe`,
+        on the state directory's filesystem: the image layers are idmapped there)."""
+        state = self.config.state_dir.resolve()
+        try:
+            works, why = await anyio.to_thread.run_sync(userns.probe, self._daemon, state)
+        except OSError as exc:
+            raise errors.ProviderError(
+                f"the state directory failed at {exc.filename or state}: {exc.strerror or exc}"
+            ) from exc
+        if not works:
+            raise errors.ConfigError(
+                f"sandboxes cannot run in user namespaces here: {why} (`sandman doctor`); "
+                "LocalConfig(userns=False) runs them without one (root inside is then "
+                "root on the host)"
+            )
+        try:
+            await anyio.to_thread.run_sync(lambda: userns.ROOTFS.mkdir(mode=0o755, exist_ok=True))
+        except OSError as exc:
+            raise errors.ProviderError(f"cannot make {userns.ROOTFS}: {exc.strerror}") from exc
 
     async def _limit_parent(self) -> None:
         """Cap the tasks of all sandboxes together (`LocalConfig.cgroup_parent_pids`), so
@@ -392,11 +426,11 @@ class LocalProvider:
         # Kept for the host alone: a restarted pool reads it to adopt the sandbox.
         _write(directory / "token", token, mode=0o400)
         gvisor = self.config.runtime == "runsc"
-        mode = spec.network if spec.network != "none" or not gvisor else "isolated"
+        mode = spec.network_mode if spec.network_mode != "none" or not gvisor else "isolated"
         attachment = None
         if mode != "none":
             # The namespace must exist before the runtime creates the container in it.
-            attachment = await self.network.setup(sid, mode)
+            attachment = await self.network.setup(sid, mode, spec.egress)
         layout = oci.BundleLayout(
             daemon=str(self._daemon),
             netns=attachment.netns_path if attachment else None,
@@ -405,6 +439,12 @@ class LocalProvider:
             empty=str(self._empty) if self.config.runtime == "crun" else None,
             masked=self._masked,
         )
+        base = None
+        if self._userns:
+            base = await anyio.to_thread.run_sync(userns.allocate, directory)
+            layout = replace(
+                layout, userns=str(directory / userns.MOUNT_POINT), rootfs=str(userns.ROOTFS)
+            )
         if gvisor:
             # gVisor takes no descriptors from the host: its daemon serves TCP
             # on the sandbox's own address, which only the host can reach.
@@ -432,11 +472,20 @@ class LocalProvider:
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
             seccomp=await seccomp.resolve(spec.seccomp),
         )
+        if mode == "egress" and attachment is not None:
+            # The egress resolver on its gateway (providers/local/egress.py); read-only,
+            # but a workload that names another resolver only loses its DNS.
+            _write(directory / "resolv.conf", f"nameserver {attachment.host_ip}\n", mode=0o644)
+            config["mounts"].append({
+                "destination": "/etc/resolv.conf", "type": "bind",
+                "source": str(directory / "resolv.conf"),
+                "options": ["rbind", "ro", "nosuid", "nodev", "noexec"],
+            })  # fmt: skip
         _write(directory / "config.json", json.dumps(config))
         if memory:
             assert source is not None
             return await self._restore_memory(sid, directory, image, layer, source, token)
-        return await self._launch(sid, directory, image, layer, token)
+        return await self._launch(sid, directory, image, layer, token, layout.netns, base)
 
     async def _layer(
         self, sid: str, directory: Path, spec: SandboxSpec, source: str | None
@@ -455,10 +504,26 @@ class LocalProvider:
         return await anyio.to_thread.run_sync(self.disk.create, sid, limit)
 
     async def _launch(
-        self, sid: str, directory: Path, image: Image, layer: Path, token: str
+        self,
+        sid: str,
+        directory: Path,
+        image: Image,
+        layer: Path,
+        token: str,
+        netns: str | None,
+        base: int | None = None,
     ) -> DaemonEndpoint:
-        """Create and start the container of a bundle written whole (``config.json``)."""
+        """Create and start the container of a bundle written whole (``config.json``):
+        in its user namespace if its bundle has one (`userns.MOUNT_POINT`; ``base`` its
+        range if known), ``netns`` the network namespace the host made for it."""
         overlay = (_lowerdir(image), layer / "upper", layer / "work", directory / "rootfs")
+        ids = None
+        if base is not None or (directory / userns.MOUNT_POINT).exists():
+            if base is None:
+                # Adopted, or restored: the range it holds (again, after a reboot).
+                base = await anyio.to_thread.run_sync(userns.allocate, directory)
+            ids = UserNamespace(base, userns.RANGE, directory / userns.MOUNT_POINT, netns)
+            overlay = (*overlay[:3], userns.ROOTFS)
         if self.config.runtime == "runsc":
             await self._runtime.create(
                 sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
@@ -483,6 +548,7 @@ class LocalProvider:
                 overlay=overlay,
                 helper=self._daemon,
                 pass_fds=(listener.fileno(), token_read),
+                userns=ids,
             )
         finally:
             listener.close()
@@ -502,10 +568,13 @@ class LocalProvider:
         """Kill the sandbox and remove all it holds: container, cgroups, files. Idempotent."""
         directory = self._dir(sandbox_id)
         self._exits.forget(sandbox_id)  # killed here: no loss to tell of
+        self._meter.forget(sandbox_id)
         await self._runtime.delete(sandbox_id)
         # After the container: its processes are gone, so the netns goes at once.
         await self.network.teardown(sandbox_id)
         await self._remove_cgroups(sandbox_id)
+        # Its processes are gone: its uid range may be another sandbox's.
+        await anyio.to_thread.run_sync(userns.release, directory)
         # Before the record: a crash in between leaves a sandbox list() still finds.
         await anyio.to_thread.run_sync(self.disk.remove, sandbox_id)
         try:
@@ -803,7 +872,8 @@ class LocalProvider:
                     sandbox_id, directory, image, layer, snapshot_id, token
                 )
             else:
-                endpoint = await self._launch(sandbox_id, directory, image, layer, token)
+                netns = None if spec.network == "none" else str(NETNS_DIR / names(sandbox_id)[0])
+                endpoint = await self._launch(sandbox_id, directory, image, layer, token, netns)
         except OSError as exc:
             if isinstance(exc, errors.SandboxError):
                 raise
@@ -911,7 +981,17 @@ class LocalProvider:
         """What the sandbox has used so far, from its cgroups, disk layer and veth."""
         self._dir(sandbox_id)
         parent = self.config.cgroup_parent
-        return await anyio.to_thread.run_sync(read_usage, parent, sandbox_id, self.disk)
+        return await anyio.to_thread.run_sync(
+            read_usage, parent, sandbox_id, self.disk, self._meter
+        )
+
+    # -- egress rules (sandman.providers.base.ChangesEgress) --------------------------
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Replace a running egress sandbox's rules (`providers.local.egress`): what it
+        has open is judged again by them."""
+        await self.inspect(sandbox_id)  # SandboxNotFound
+        await self.network.set_egress(sandbox_id, egress)
 
     # -- lost sandboxes (sandman.providers.base.WatchesLost) ---------------------
 
@@ -947,6 +1027,9 @@ class LocalProvider:
         networks = await self.network.list()
         layers = await anyio.to_thread.run_sync(self.disk.names)
         infos = await anyio.to_thread.run_sync(self._read_all, states, [*networks, *layers])
+        if self._meter.due():
+            # The pool lists every few seconds: its listings are the meter's clock.
+            await anyio.to_thread.run_sync(self._meter.sample, [info.id for info in infos])
         wanted = dict(labels or {})
         return [info for info in infos if wanted.items() <= info.labels.items()]
 

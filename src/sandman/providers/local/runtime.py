@@ -9,6 +9,7 @@ import json
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,7 @@ import anyio
 from sandman import errors
 from sandman.providers.local import spawn
 
-__all__ = ["OCIRuntime"]
+__all__ = ["OCIRuntime", "UserNamespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,22 @@ logger = logging.getLogger(__name__)
 MAX_PROCESSES = 32
 # Checkpoint and restore move the sandbox's memory: bounded by this many stop timeouts.
 _SLOW = 6
+
+
+@dataclass(frozen=True)
+class UserNamespace:
+    """The user namespace overlay-exec makes for a container (``--userns``): ids
+    0..``size``-1 inside are host ids ``base``..., owned by ``base``, bound at ``path``."""
+
+    base: int
+    size: int
+    path: Path
+    sysfs_netns: str | None = None
+    """A network namespace the host made: overlay-exec mounts its sysfs (``--sysfs``)."""
+
+    def flags(self) -> list[str]:
+        ids = [f"--userns={self.base}:{self.size}:{self.path}"]
+        return ids + ([f"--sysfs={self.sysfs_netns}"] if self.sysfs_netns else [])
 
 
 class OCIRuntime:
@@ -117,9 +134,11 @@ class OCIRuntime:
         overlay: tuple[Path, Path, Path, Path],
         helper: Path,
         pass_fds: Sequence[int] = (),
+        userns: UserNamespace | None = None,
     ) -> int:
         """``create`` run through ``helper overlay-exec``, which mounts the overlay
-        (lower, upper, work, target) in a private mount namespace first.
+        (lower, upper, work, target) in a private mount namespace first; with
+        ``userns``, it makes the sandbox's user namespace and idmaps the layers into it.
 
         ``pass_fds`` are the container process's descriptors 3, 4, ...
         Returns the pid of the container's init (on this host).
@@ -130,8 +149,9 @@ class OCIRuntime:
             sandbox_id,
         ]  # fmt: skip
         return await self._overlaid(
-            sandbox_id, command, log=log, overlay=overlay, helper=helper, pass_fds=pass_fds
-        )
+            sandbox_id, command, log=log, overlay=overlay, helper=helper, pass_fds=pass_fds,
+            userns=userns,
+        )  # fmt: skip
 
     async def restore(
         self,
@@ -164,13 +184,15 @@ class OCIRuntime:
         helper: Path,
         pass_fds: Sequence[int] = (),
         slow: bool = False,
+        userns: UserNamespace | None = None,
     ) -> int:
         what = command[0]
         bundle = Path(command[command.index("--bundle") + 1])
         pid_file = bundle / "pid"
         hide = ["--hide-sys-net"] if self._hide is not None else []
+        ids = userns.flags() if userns is not None else []
         argv = [
-            str(helper), "overlay-exec", *hide, *(str(p) for p in overlay), "--",
+            str(helper), "overlay-exec", *hide, *ids, *(str(p) for p in overlay), "--",
             self.binary, *self._global, *command,
         ]  # fmt: skip
         # Both streams go to the log: the container's PID 1 inherits them as its stdio.

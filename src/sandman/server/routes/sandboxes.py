@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from sandman.egress import Egress
 from sandman.models import Usage
 from sandman.pool.records import State
 from sandman.server.errors import ApiError
@@ -101,6 +102,18 @@ async def usage(tenant: Tenant, sandbox_id: str, request: Request) -> Usage | No
     network bytes): read now while it is held, else as read just before its delete;
     null where the provider cannot tell."""
     return await service(request).usage(tenant, sandbox_id)
+
+
+@router.put(
+    "/{sandbox_id}/egress",
+    status_code=204,
+    responses=errors("sandbox_not_found", "sandbox_lost", "invalid_request", "provider_error"),
+)
+async def set_egress(tenant: Tenant, sandbox_id: str, body: Egress, request: Request) -> Response:
+    """Replace where the leased egress sandbox may connect (``allow``: null for anywhere,
+    a list for only there; ``deny`` wins), at once, for connections it has open too."""
+    await service(request).set_egress(tenant, sandbox_id, body)
+    return Response(status_code=204)
 
 
 @router.delete("/{sandbox_id}", status_code=204, responses=errors("sandbox_not_found"))

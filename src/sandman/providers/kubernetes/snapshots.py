@@ -1,0 +1,499 @@
+"""Snapshots of pods' files, kept by the pool (`sandman.providers.base.Snapshots` on
+Kubernetes; docs/snapshots.md says why this route).
+
+A pod's writable layer is the node's, out of the pool's reach, so the daemon sends
+what the sandbox changed: ``GET /v1/changes`` is a tar stream of every entry whose
+ctime is at or after the daemon's start (nothing else runs in a pod before its daemon,
+and nothing can move a ctime back), each changed directory followed by the list of
+every name it holds, so that removals travel too. No listing is taken at start: a pod
+that is never snapshotted pays nothing.
+
+The pool keeps the stream, checked and rewritten by `sandman.daemon.changes` (it comes
+from inside a sandbox: hostile), as a file on its own host:
+``<snapshot_dir>/<namespace>@<server>/<id>/`` holds ``meta.json`` (the record, written
+first under a staging name and renamed into place, so a half-made snapshot is found
+and deleted) and ``files.tar``. A sandbox made from it, a fork, is a pod of the same
+image whose daemon applies the file (``PUT /v1/changes``) before the pod counts as
+created: the pool's pacing and readiness cover it. A restore deletes the pod and
+makes it again under the same name, token and labels (same id and lease) from the
+snapshot: the image's files are only in the node's image layers, which the daemon
+cannot reach, so a pod cannot be put back in place.
+
+The snapshot's directory is flocked shared while a sandbox is made from it and
+exclusively while it is deleted: a delete waits for the creates in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import ValidationError
+
+from sandman import errors
+from sandman.daemon.changes import apply_changes, download_changes
+from sandman.models import SandboxSpec
+from sandman.providers.base import SandboxInfo, SnapshotInfo
+from sandman.providers.kubernetes import pods
+
+if TYPE_CHECKING:
+    from sandman.providers.kubernetes.provider import KubernetesProvider
+
+__all__ = ["PodSnapshots", "SnapshotStore", "new_snapshot_id", "spec_of"]
+
+_ID = re.compile(r"^sn-[a-z0-9]{1,60}$")
+_META = "meta.json"
+_FILES = "files.tar"
+_PARTIAL = ".files.tar.part"
+_STAGING = ".new-"
+_TRASH = ".old-"
+_STRAY_GRACE = 60.0
+_MAX_ENTRIES = 2_000_000
+_GONE_TIMEOUT = 60.0
+
+MEMORY_UNSUPPORTED = (
+    "snapshots with memory are not supported by the kubernetes provider: they need the "
+    "pods to run on gVisor (a RuntimeClass of containerd's runsc shim) and an agent on "
+    "each node to run `runsc checkpoint` and to restore into a new pod (the kubelet's "
+    "checkpoint API only writes CRIU archives, and restores nothing); "
+    "snapshot(memory=False) keeps the files, and fork and restore work from it"
+)
+PAUSE_UNSUPPORTED = (
+    "pause and resume are not supported by the kubernetes provider: a pod's processes "
+    "cannot be frozen through the API (no freezer, no checkpoint). Supported: snapshot "
+    "(files), fork and restore; to free a sandbox while the model thinks, snapshot it, "
+    "release it, and acquire(snapshot=...) later"
+)
+
+
+def new_snapshot_id() -> str:
+    """A fresh snapshot id."""
+    return f"sn-{secrets.token_hex(6)}"
+
+
+def check_id(snapshot_id: str) -> str:
+    """``snapshot_id`` if it is of a snapshot's form; else SnapshotNotFound (never a path)."""
+    if not _ID.match(snapshot_id):
+        raise errors.SnapshotNotFound(f"no snapshot {snapshot_id!r}: not a snapshot id")
+    return snapshot_id
+
+
+def spec_of(pod: Mapping[str, Any]) -> SandboxSpec:
+    """The spec a pod was made from (its ``sandman.io/spec`` annotation); ConfigError for a
+    pod made by an older Sandman, which has none."""
+    metadata = pod.get("metadata") or {}
+    given = (metadata.get("annotations") or {}).get(pods.SPEC)
+    if not given:
+        raise errors.ConfigError(
+            f"pod {metadata.get('name')} records no spec (made by an older Sandman): "
+            "it cannot be snapshotted or restored"
+        )
+    try:
+        return SandboxSpec.model_validate_json(given)
+    except ValidationError as exc:
+        raise errors.ConfigError(f"pod {metadata.get('name')}: its recorded spec: {exc}") from None
+
+
+def _token_of(pod: Mapping[str, Any]) -> str | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == pods.CONTAINER:
+            for env in container.get("env") or []:
+                if env.get("name") == pods.TOKEN_ENV:
+                    return str(env.get("value"))
+    return None
+
+
+def _image_id(pod: Mapping[str, Any]) -> str:
+    """The image the pod's task container runs, as the node resolved it (a digest)."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == pods.CONTAINER:
+            return str(status.get("imageID") or "")
+    return ""
+
+
+class SnapshotStore:
+    """The snapshots of one namespace of one cluster, on this host. Methods block: call
+    them in a thread."""
+
+    def __init__(self, root: Path, provider: str = "kubernetes") -> None:
+        self.root = root
+        self._provider = provider
+
+    def _dir(self, snapshot_id: str) -> Path:
+        return self.root / check_id(snapshot_id)
+
+    def files(self, snapshot_id: str) -> Path:
+        """The snapshot's checked stream of changes."""
+        return self._dir(snapshot_id) / _FILES
+
+    def partial(self, snapshot_id: str) -> Path:
+        """Where the stream is written while it arrives."""
+        return self._dir(snapshot_id) / _PARTIAL
+
+    def record(self, snapshot_id: str, meta: dict[str, Any]) -> None:
+        """The snapshot's record, whole or not at all (before any file is kept)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        staging = self.root / f"{_STAGING}{snapshot_id}.{secrets.token_hex(4)}"
+        staging.mkdir(mode=0o700)
+        try:
+            (staging / _META).write_text(json.dumps(meta))
+            staging.rename(self._dir(snapshot_id))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def complete(self, snapshot_id: str) -> None:
+        """The stream is whole: put it in place and mark the snapshot usable."""
+        directory = self._dir(snapshot_id)
+        os.replace(directory / _PARTIAL, directory / _FILES)
+        size = (directory / _FILES).stat().st_size
+        meta = json.loads((directory / _META).read_text())
+        meta.update(size=size, complete=True)
+        staged = directory / f".{_META}.{secrets.token_hex(4)}"
+        staged.write_text(json.dumps(meta))
+        os.replace(staged, directory / _META)
+
+    def get(self, snapshot_id: str) -> SnapshotInfo:
+        """The snapshot, complete; SnapshotNotFound otherwise."""
+        read = self._read(self._dir(snapshot_id))
+        if read is None or not read[1]:
+            raise errors.SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
+        return read[0]
+
+    @contextlib.contextmanager
+    def using(self, snapshot_id: str) -> Iterator[SnapshotInfo]:
+        """The snapshot, held (a delete waits) while the block makes a sandbox from it."""
+        try:
+            fd = os.open(self._dir(snapshot_id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise errors.SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield self.get(snapshot_id)  # after the lock: not half-deleted
+        finally:
+            os.close(fd)
+
+    def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SnapshotInfo]:
+        """Every snapshot, half-made ones too (to be deleted), whose labels include ``labels``."""
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as entries:
+            for entry in entries:
+                if _ID.match(entry.name):
+                    read = self._read(Path(entry.path))
+                    found.append(read[0] if read else self._orphan(entry.name))
+        wanted = dict(labels or {}).items()
+        return sorted(
+            (info for info in found if wanted <= info.labels.items()),
+            key=lambda info: info.created_at,
+        )
+
+    def delete(self, snapshot_id: str) -> None:
+        """Its files and record; waits for creates from it in flight. Idempotent."""
+        directory = self._dir(snapshot_id)
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            trash = self.root / f"{_TRASH}{snapshot_id}.{secrets.token_hex(4)}"
+            with contextlib.suppress(FileNotFoundError):
+                directory.rename(trash)
+                shutil.rmtree(trash)
+        finally:
+            os.close(fd)
+
+    def remove_strays(self) -> builtins.list[str]:
+        """What a make or a delete killed half-way left under a staging or trash name."""
+        removed = []
+        deadline = time.time() - _STRAY_GRACE
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as entries:
+            for entry in entries:
+                trash = entry.name.startswith(_TRASH)
+                if trash or entry.name.startswith(_STAGING):
+                    with contextlib.suppress(FileNotFoundError):
+                        if trash or entry.stat(follow_symlinks=False).st_mtime < deadline:
+                            shutil.rmtree(entry.path)
+                            removed.append(entry.name)
+        return removed
+
+    def _read(self, directory: Path) -> tuple[SnapshotInfo, bool] | None:
+        try:
+            meta = json.loads((directory / _META).read_text())
+            spec = meta.get("spec")
+            info = SnapshotInfo(
+                id=directory.name,
+                provider=self._provider,
+                labels=meta.get("labels", {}),
+                created_at=meta.get("created_at", 0.0),
+                image=meta.get("image", ""),
+                image_id=meta.get("image_id", ""),
+                size=meta.get("size", 0),
+                source=meta.get("source"),
+                spec=SandboxSpec.model_validate(spec) if spec else None,
+            )
+        except (OSError, ValueError):
+            return None
+        return info, bool(meta.get("complete"))
+
+    def _orphan(self, snapshot_id: str) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=snapshot_id, provider=self._provider, labels={}, created_at=0.0,
+            image="", image_id="", size=0,
+        )  # fmt: skip
+
+
+class PodSnapshots:
+    """The kubernetes provider's snapshots: taken from, and applied by, pods' daemons."""
+
+    def __init__(self, provider: KubernetesProvider, server: str) -> None:
+        self._provider = provider
+        cluster = hashlib.sha256(server.encode()).hexdigest()[:12]
+        self.store = SnapshotStore(
+            provider.config.snapshot_dir / f"{provider.namespace}@{cluster}", provider.name
+        )
+
+    def _check_daemon(self) -> None:
+        if self._provider.config.readiness != "daemon":
+            raise errors.ConfigError(
+                "snapshots need the pods' daemons (readiness='daemon'), not readiness='pod'"
+            )
+
+    @contextlib.asynccontextmanager
+    async def _held(self, snapshot_id: str) -> AsyncIterator[SnapshotInfo]:
+        hold = self.store.using(snapshot_id)
+        snapshot = await anyio.to_thread.run_sync(hold.__enter__)
+        try:
+            yield snapshot
+        finally:
+            await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
+
+    # -- taking -------------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        *,
+        snapshot_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        memory: bool = False,
+    ) -> SnapshotInfo:
+        """Keep the files the sandbox changed since it started (see the module docstring);
+        it goes on running meanwhile, so a file written during the snapshot may be kept
+        half-written: take it when the sandbox is idle. ``memory``: ConfigError."""
+        if memory:
+            raise errors.ConfigError(MEMORY_UNSUPPORTED)
+        self._check_daemon()
+        provider = self._provider
+        pod = await provider.api.get_pod(sandbox_id)
+        info = provider._info(pod)
+        if info.state != "running" or info.endpoint is None:
+            raise self._lost(sandbox_id, info)
+        spec = spec_of(pod).model_copy(update={"snapshot": None})
+        sid = check_id(snapshot_id) if snapshot_id else new_snapshot_id()
+        record = {
+            "id": sid, "labels": dict(labels or {}), "image": spec.image,
+            "image_id": _image_id(pod), "created_at": time.time(), "source": sandbox_id,
+            "spec": spec.model_dump(mode="json"), "memory": False,
+        }  # fmt: skip
+        store = self.store
+        try:
+            await anyio.to_thread.run_sync(store.record, sid, record)
+        except FileExistsError:
+            raise errors.ConfigError(f"snapshot {sid} already exists") from None
+        except OSError as exc:
+            raise errors.ProviderError(
+                f"cannot record snapshot {sid}: the snapshot directory failed at "
+                f"{exc.filename or store.root}: {exc.strerror or exc}"
+            ) from exc
+        config = provider.config
+        try:
+            async with info.endpoint.client(request_timeout=config.request_timeout) as daemon:
+                await download_changes(
+                    daemon,
+                    store.partial(sid),
+                    max_bytes=config.snapshot_max_bytes,
+                    max_entries=_MAX_ENTRIES,
+                    timeout=config.snapshot_timeout,
+                    source=f"the changes of sandbox {sandbox_id}",
+                )
+            await anyio.to_thread.run_sync(store.complete, sid)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(store.delete, sid)
+                if isinstance(exc, errors.DaemonUnavailable):
+                    # Its daemon died (the pod with it): nothing to keep, and why.
+                    try:
+                        now = provider._info(await provider.api.get_pod(sandbox_id))
+                    except errors.SandboxError:
+                        now = None
+                    if now is None or now.state != "running":
+                        raise self._lost(sandbox_id, now) from exc
+            if isinstance(exc, OSError) and not isinstance(exc, errors.SandboxError):
+                raise errors.ProviderError(
+                    f"cannot keep snapshot {sid}: the snapshot directory failed at "
+                    f"{exc.filename or store.root}: {exc.strerror or exc}"
+                ) from exc
+            raise
+        return await anyio.to_thread.run_sync(store.get, sid)
+
+    @staticmethod
+    def _lost(sandbox_id: str, info: SandboxInfo | None) -> errors.SandboxLost:
+        if info is None:
+            return errors.SandboxLost.of(sandbox_id, "deleted", "its pod is gone: nothing to keep")
+        if info.lost is not None:
+            return errors.SandboxLost.of(
+                sandbox_id, info.lost.reason, f"{info.lost.detail}: nothing to keep"
+            )
+        return errors.SandboxLost.of(
+            sandbox_id,
+            "unknown",
+            f"its pod is {info.state}, its daemon unreachable: nothing to keep",
+        )
+
+    async def snapshots(
+        self, *, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[SnapshotInfo]:
+        """Every snapshot of this namespace kept on this host (half-made ones too)."""
+        return await anyio.to_thread.run_sync(self.store.list, labels)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove the snapshot's files and record; waits for creates from it in flight."""
+        try:
+            await anyio.to_thread.run_sync(self.store.delete, snapshot_id)
+        except OSError as exc:
+            if isinstance(exc, errors.SandboxError):
+                raise
+            raise errors.ProviderError(f"cannot delete snapshot {snapshot_id}: {exc}") from exc
+
+    # -- using ----------------------------------------------------------------------
+
+    async def create_from(
+        self, spec: SandboxSpec, *, sandbox_id: str | None, labels: Mapping[str, str] | None
+    ) -> SandboxInfo:
+        """A pod of the snapshot's image, given its files by its daemon before it counts
+        as created; the snapshot is held (a delete waits) until then."""
+        assert spec.snapshot is not None
+        self._check_daemon()
+        async with self._held(spec.snapshot) as snapshot:
+            if spec.image != snapshot.image:
+                raise errors.ConfigError(
+                    f"snapshot {snapshot.id} is of image {snapshot.image!r}, not {spec.image!r}"
+                )
+            info = await self._provider._create_pod(spec, sandbox_id=sandbox_id, labels=labels)
+            try:
+                await self._apply(info, snapshot)
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await self._provider.api.delete_pod(info.id)
+                raise
+        return info
+
+    async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
+        """Make the sandbox's pod again, same name, token and labels (so same id and lease),
+        from the snapshot: every process ends, the files are the snapshot's."""
+        self._check_daemon()
+        provider = self._provider
+        async with self._held(snapshot_id) as snapshot:
+            pod = await provider.api.get_pod(sandbox_id)
+            spec = spec_of(pod)
+            token = _token_of(pod)
+            if spec.image != snapshot.image:
+                raise errors.ConfigError(
+                    f"snapshot {snapshot_id} is of image {snapshot.image!r}; sandbox "
+                    f"{sandbox_id} runs {spec.image!r}: restore needs the same image"
+                )
+            kept = pods.pool_labels((pod.get("metadata") or {}).get("labels") or {})
+            # From here on a failure leaves the sandbox without its pod: the pool finds
+            # it lost, as it would a pod that died.
+            await self._delete(sandbox_id, str((pod.get("metadata") or {}).get("uid", "")))
+            info = await provider._create_pod(spec, sandbox_id=sandbox_id, labels=kept, token=token)
+            try:
+                await self._apply(info, snapshot)
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    await provider.api.delete_pod(sandbox_id)
+                raise
+        return info
+
+    async def _delete(self, sandbox_id: str, uid: str) -> None:
+        """Delete the pod and wait until the pool's watch has seen it go: only then may a
+        pod of the same name be made, else the old pod's last events could be taken for
+        the new one's (its start, its loss)."""
+        provider = self._provider
+        await provider.watch.ensure_started()
+        loop = asyncio.get_running_loop()
+        seen: asyncio.Future[None] = loop.create_future()
+
+        def on_event(kind: str, pod: dict[str, Any]) -> None:
+            gone = kind == "DELETED" and (pod.get("metadata") or {}).get("uid") == uid
+            if gone and not seen.done():
+                seen.set_result(None)
+
+        provider.watch.add(sandbox_id, on_event)
+        try:
+            await provider.delete(sandbox_id)
+            async with asyncio.timeout(_GONE_TIMEOUT):
+                absent = 0
+                while not seen.done():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(seen), 1.0)
+                    if seen.done():
+                        break
+                    # No word from the watch (it listed again, or told before this
+                    # waited): the API server's, twice a second apart, does then.
+                    try:
+                        await provider.api.get_pod(sandbox_id)
+                        absent = 0
+                    except errors.SandboxNotFound:
+                        absent += 1
+                        if absent >= 2:
+                            break
+        except TimeoutError:
+            raise errors.ProviderError(
+                f"the pod of sandbox {sandbox_id} was not gone {_GONE_TIMEOUT} s after its "
+                "delete: cannot make it again"
+            ) from None
+        finally:
+            provider.watch.remove(sandbox_id)
+
+    async def _apply(self, info: SandboxInfo, snapshot: SnapshotInfo) -> None:
+        """The snapshot's files, applied by the new pod's daemon."""
+        assert info.endpoint is not None
+        provider = self._provider
+        config = provider.config
+        async with info.endpoint.client(request_timeout=config.request_timeout) as daemon:
+            await daemon.wait_ready(config.start_timeout)
+            if snapshot.image_id:
+                resolved = _image_id(await provider.api.get_pod(info.id))
+                if resolved and resolved != snapshot.image_id:
+                    raise errors.ConfigError(
+                        f"image {snapshot.image!r} is now {resolved}, and snapshot "
+                        f"{snapshot.id} holds changes to {snapshot.image_id}: name the image "
+                        "by its digest to make sandboxes from snapshots of it"
+                    )
+            path = self.store.files(snapshot.id)
+            await apply_changes(daemon, path, timeout=config.snapshot_timeout)
+
+    # -- pause ------------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
+        """Not on Kubernetes: ConfigError naming what is supported."""
+        raise errors.ConfigError(MEMORY_UNSUPPORTED if memory else PAUSE_UNSUPPORTED)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Not on Kubernetes: ConfigError naming what is supported."""
+        raise errors.ConfigError(PAUSE_UNSUPPORTED)
