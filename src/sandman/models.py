@@ -192,7 +192,7 @@ def _network(value: object) -> object:
     if isinstance(value, dict):
         return Egress(**value)
     if isinstance(value, str) and value not in ("none", "isolated", "egress"):
-        raise ValueError(f"is 'none', 'isolated', 'egress' or Egress(...), not {value!r}")
+        raise ValueError(f"should be 'none', 'isolated', 'egress' or an Egress, not {value!r}")
     return value
 
 

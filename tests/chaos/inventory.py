@@ -324,7 +324,12 @@ def _id_ranges(scope: Scope) -> list[Item]:
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(userns.REGISTRY):
             holder = userns.holder(int(entry.name)) if entry.name.isdigit() else None
-            if holder is not None and holder.startswith(prefix):
+            # A slot whose holder no longer records it is free (the provider takes it
+            # again): what ran under it is found as processes and containers.
+            base = userns.FIRST_ID + int(entry.name) * userns.RANGE if holder else None
+            if holder is None or userns.allocated(Path(holder)) != base:
+                continue
+            if holder.startswith(prefix):
                 sid = holder.removeprefix(prefix)
                 found.append(Item("uid range", f"slot {entry.name}", sid))
     return found

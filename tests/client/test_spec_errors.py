@@ -22,7 +22,7 @@ from sandman.testing import FakeProvider
         ({"cpu": 0}, "cpu: must be more than 0, not 0"),
         ({"memory": "1Mi", "pids": 3},
          "memory: must be at least 16Mi, not 1Mi; pids: must be at least 16, not 3"),
-        ({"network": "public"}, "network: should be 'none', 'isolated' or 'egress'"),
+        ({"network": "public"}, "network: should be 'none', 'isolated', 'egress' or an Egress, not 'public'"),
         ({"gpus": 1}, "gpus: is not a setting here"),
     ],
 )  # fmt: skip

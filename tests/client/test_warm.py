@@ -39,6 +39,9 @@ async def test_an_acquire_takes_a_spare_the_client_asked_for(
     async with sandman.local(state_dir=local_state) as client:
         await client.warm("busybox", 2, memory="64Mi")
         await eventually(lambda: _count(imported, 2), timeout=30, what="two spares")
+        # Running is not yet ready: the pool hands a spare out once its daemon answered.
+        pool = client._backend.pool  # type: ignore[attr-defined]
+        await eventually(lambda: _ready(pool, 2), timeout=30, what="two spares ready")
         spares = await ready_spares(imported)
         sb = await client.acquire("busybox", memory="64Mi")
         assert sb.id in spares  # taken ready, not made
@@ -50,6 +53,10 @@ async def test_an_acquire_takes_a_spare_the_client_asked_for(
 
 async def _count(provider: LocalProvider, n: int) -> bool:
     return len(await ready_spares(provider)) >= n
+
+
+async def _ready(pool: Pool, n: int) -> bool:
+    return pool.stats().get("ready", 0) >= n
 
 
 @contextlib.asynccontextmanager

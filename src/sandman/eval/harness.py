@@ -283,7 +283,6 @@ class _Evaluation:
         begun = time.monotonic()
         self.step = "checkout"
         await sb.write_file(f"{_WORK}/model.patch", self.patch)
-        await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
         await self._must(sb, [*_GIT, "reset", "-q", "--hard", base], f"check out {base}")
         # Everything the tree holds before the patch, untracked and ignored files too.
         before = self._before = await self._snapshot(sb)
@@ -323,7 +322,14 @@ class _Evaluation:
             await self._must(
                 sb, [*_GIT, "checkout", base, "--", *tests_in_base], "check out the test files"
             )
-        applied = await self._exec(sb, [*_GIT_APPLY, f"{_WORK}/test.patch"])
+        # On disk only while it is applied: its text tells the original FAIL_TO_PASS
+        # test from its mutants (they differ from it in one expected value), so no
+        # process of the run may read it (round 5 of heldout/ found it in /tmp).
+        await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
+        try:
+            applied = await self._exec(sb, [*_GIT_APPLY, f"{_WORK}/test.patch"])
+        finally:
+            await self._must(sb, ["rm", "-f", f"{_WORK}/test.patch"], "remove the test patch")
         if applied.exit_code != 0:
             raise _Abort("error", f"the test patch does not apply: {_both(applied).strip()}")
         self.durations["apply"] = round(time.monotonic() - begun, 3)

@@ -49,6 +49,9 @@ _EVENTS = frozenset(
         "os.exec",
         "os.posix_spawn",
         "ctypes.dlsym",
+        "ctypes.cdata",
+        "ctypes.call_function",
+        "cpython.PyInterpreterState_New",
         "compile",
         _NONCE_EVENT,
     }
@@ -324,6 +327,16 @@ class _Witness:
                 )
         elif event == "compile":
             self._compiled(args)
+        elif event == "ctypes.call_function":
+            # Only C's memmove and memset through ctypes: they write at an address
+            # (a test's constants), whatever module the patch took them from.
+            if args and args[0] in _MEMORY_WRITERS:
+                self.emit(
+                    "audit",
+                    event=event,
+                    what="wrote memory by its address",
+                    patch=self.patch_frame() or "(not on the stack)",
+                )
         elif event in ("os.kill", "os.killpg"):
             pid, sig = args[0], args[1]
             if pid in (0, self.pid, os.getppid(), -self.pid) or (
@@ -383,6 +396,11 @@ _WHAT = {
     "os.exec": "replaced the test process",
     "os.posix_spawn": "started a process",
     "ctypes.dlsym": "called C functions directly",
+    # Memory at an address the code names: how a test's constants are overwritten.
+    "ctypes.cdata": "reached memory by its address",
+    # A subinterpreter has none of this interpreter's audit hooks: what runs there
+    # is unseen.
+    "cpython.PyInterpreterState_New": "started a subinterpreter",
 }
 
 
@@ -443,6 +461,19 @@ def _dispatch(event: str, args: Tuple[Any, ...]) -> None:
     witness = _witness
     if witness is not None:
         witness.audit(event, args)
+
+
+def _memory_writers() -> FrozenSet[int]:
+    """The addresses of C's memmove and memset as ctypes calls them."""
+    try:
+        import ctypes
+
+        return frozenset({ctypes._memmove_addr, ctypes._memset_addr})  # type: ignore[attr-defined]
+    except Exception:
+        return frozenset()
+
+
+_MEMORY_WRITERS = _memory_writers()
 
 
 def _close_memory() -> Any:
