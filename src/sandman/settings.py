@@ -69,6 +69,15 @@ class LocalConfig(BaseModel):
     """Sandboxes with network ``isolated`` or ``egress`` each get a /30 from here."""
     uplink: str | None = None
     """The interface ``egress`` sandboxes are NATed out of; default: the default route's."""
+    conntrack_max: int = Field(default=4096, ge=1)
+    """The most connections one sandbox with a network may have tracked by the host's
+    connection tracking at once (they outlive closed sockets: TCP's TIME_WAIT, UDP's
+    timeouts); past it, its new connections are dropped. The table
+    (``nf_conntrack_max``) is the host's, shared with every sandbox."""
+    ptys: int = Field(default=256, ge=1)
+    """The most pseudo-terminals a sandbox may hold at once (its devpts ``max``). Every
+    container's come from one host budget, ``kernel.pty.max`` less ``kernel.pty.reserve``
+    (3072 by default)."""
     disk: Bytes | None = Field(default=10 * 2**30, ge=16 * 2**20)
     """What a sandbox may write (its layer over the image, data and metadata) when its
     spec sets no ``disk``; past it, writes fail ("Disk quota exceeded", the daemon's

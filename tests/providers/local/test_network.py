@@ -480,7 +480,7 @@ async def test_a_ruleset_without_policy_sets_is_replaced(harness: Harness) -> No
     old = old.replace(old[old.index("    set egress_deny") : old.index("    chain input")], "")
     old = "\n".join(line for line in old.splitlines() if "@egress_allow" not in line)
     old = "\n".join(line for line in old.splitlines() if "@egress_deny" not in line) + "\n"
-    for newer in ("@dns_in", "@egress_chains", "@wall6"):  # sets of later versions
+    for newer in ("@dns_in", "@egress_chains", "@wall6", "@sandbox_flows"):  # later sets
         old = "\n".join(line for line in old.splitlines() if newer not in line) + "\n"
     if foreign_sandboxes([]):
         pytest.skip("another manager's sandboxes use the tables on this host")

@@ -26,7 +26,11 @@ Simple quotas (``squota``, kernel >= 6.7) are used where the kernel has
 them: no backref walks at commit, fit for layers that share nothing; older
 kernels get full qgroups. The image is as large as the state directory's
 filesystem and sparse: it takes host space only for what sandboxes hold,
-and ``discard=async`` gives deleted data back to the host.
+and ``discard=async`` gives deleted data back to the host. Discards still queued
+at an unmount are lost, and a deleted subvolume's blocks are freed later, by
+btrfs's cleaner: before each unmount the pool waits for the cleaner and trims
+the free space (``FITRIM``), and it trims again after each mount (what a crash
+left), so the host keeps no deleted sandbox's blocks.
 
 The filesystem is mounted at the first create with a limit and stays
 mounted while sandboxes hold subvolumes; `DiskPool.release` (called by the
@@ -105,6 +109,7 @@ SNAPSHOTS = ".snapshots"
 """Where snapshots' layers live in the filesystem: a name no sandbox id can take."""
 
 _MNT_DETACH = 2
+_FITRIM = (3 << 30) | (24 << 16) | (ord("X") << 8) | 121  # _IOWR('X', 121, fstrim_range)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -297,6 +302,24 @@ class DiskPool:
             raise
         finally:
             os.close(fd)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Give the host back the image's blocks the filesystem does not use (a deleted
+        subvolume's once the cleaner has dropped it, waited for here)."""
+        subprocess.run(
+            ["btrfs", "subvolume", "sync", str(self.root)],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, _FITRIM, struct.pack("QQQ", 0, 2**64 - 1, 0))
+        except OSError as exc:  # e.g. a state directory whose filesystem cannot discard
+            logger.debug("cannot trim %s: %s", self.root, exc)
+        finally:
+            os.close(fd)
 
     def create(self, sandbox_id: str, limit: int) -> Path:
         """The sandbox's layer directory, holding empty ``upper/`` and ``work/``; at most
@@ -445,8 +468,10 @@ class DiskPool:
         with contextlib.suppress(OSError):  # not empty: snapshots hold it
             (self.root / SNAPSHOTS).rmdir()
         with os.scandir(self.root) as entries:
-            if next(entries, None) is None:
-                _umount(self.root)
+            empty = next(entries, None) is None
+        if empty:
+            self._trim()
+            _umount(self.root)
 
     def usage(self, sandbox_id: str) -> tuple[int, int] | None:
         """(bytes used, limit) of a sandbox's layer from the kernel's qgroup; None if it has none."""

@@ -283,9 +283,9 @@ def check_host(runtime: str, runtime_path: str | None = None) -> list[Finding]:
     )
     findings.append(
         Finding(
-            shutil.which("nft") is not None and shutil.which("ip") is not None,
-            "nft and ip installed (network modes isolated and egress)",
-            "apt-get install -y nftables iproute2",
+            all(shutil.which(tool) is not None for tool in ("nft", "ip", "conntrack")),
+            "nft, ip and conntrack installed (network modes isolated and egress)",
+            "apt-get install -y nftables iproute2 conntrack",
         )
     )
     filesystems = Path("/proc/filesystems").read_text()

@@ -20,6 +20,10 @@ One nftables ruleset serves every sandbox (``smh*`` matches them all):
   their `EgressPolicy` (``egress_deny``, keyed by interface and address, less
   ``egress_allow``); nothing else.
 - ``sandman_nat``: what leaves through an uplink is masqueraded.
+- in ``input`` and ``forward`` first: a sandbox's new connections past its
+  ``conntrack_max`` tracked ones are dropped (``ct count``, per interface in the
+  ``sandbox_flows`` set; each sandbox's element carries its manager's cap), so
+  no sandbox can fill the host's conntrack table.
 
 ``isolated``: reachable from the host only. ``egress``: also NAT to the
 outside, which needs ``ip_forward`` (host-wide; switched on only once the
@@ -44,6 +48,13 @@ and several managers (state directories) may share it: their state lives in
 themselves). Setups hold its lock shared; ``reset`` holds it exclusively and
 removes the tables and restores ``ip_forward`` only when no sandbox interface
 is left on the host. A /30 whose address is already on the host is skipped.
+
+A teardown forgets the sandbox's flows before its /30 is free again: every
+conntrack entry with either of its two addresses, as source or destination of
+either direction, is deleted (``conntrack -D``) once its veth is gone. Else a
+NAT mapping of the deleted sandbox (a UDP stream, a DNS answer in flight) would
+deliver what was meant for it to the next sandbox given its address. If that
+fails, the /30 stays allocated and the next teardown tries again.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +114,9 @@ VETH_WAIT = 1.0
 _STATE_VERSION = 1
 _IFNAMSIZ = 15
 
+
+DEFAULT_CONNTRACK_MAX = 4096
+"""Tracked connections a sandbox may have at once (`LocalConfig.conntrack_max`)."""
 
 DEFAULT_EGRESS_DENY: tuple[str, ...] = (
     "0.0.0.0/8",  # "this network"
@@ -209,13 +224,18 @@ def ruleset(
     policies: Mapping[str, EgressPolicy] | None = None,
     rules: Mapping[str, SandboxEgress] | None = None,
     dns_port: int | None = None,
+    flows: Mapping[str, int] | None = None,
+    conntrack_max: int = DEFAULT_CONNTRACK_MAX,
 ) -> str:
     """The whole nftables ruleset (both tables), replacing any previous one atomically.
 
     ``policies`` maps an egress interface to its policy; one not in it gets the default.
     ``rules``: an egress interface's own rules (`egress`); ``dns_port``: the resolver's,
-    to which each egress interface's DNS goes.
+    to which each egress interface's DNS goes. ``flows``: each sandbox interface's cap
+    on tracked connections; one not in it gets ``conntrack_max``.
     """
+    flow_elements = [_flows_element(i, n) for i, n in sorted((flows or {}).items())]
+    cap = f"add @sandbox_flows {{ iifname ct count over {conntrack_max} }}"
     wild = json.dumps(HOST_PREFIX + "*")
     egress_ifs = sorted(egress_ifs)
     egress = _ifnames(egress_ifs)
@@ -251,8 +271,10 @@ table inet {TABLE} {{
     set wall6 {{ type ipv6_addr; flags interval; elements = {{ {walls6} }}; }}
     set dns_in {{ type ifname . inet_service; }}
     map egress_chains {{ type ifname : verdict; }}
+    set sandbox_flows {{ type ifname; size 65535; flags dynamic;{_elements(flow_elements)} }}
     chain input {{
         type filter hook input priority filter; policy accept;
+        iifname {wild} ct state new {cap} counter drop
         iifname {wild} ct state established,related accept
         meta l4proto {{ tcp, udp }} iifname . th dport @dns_in ct status dnat accept
         iifname {wild} counter drop
@@ -265,6 +287,7 @@ table inet {TABLE} {{
     chain forward {{
         type filter hook forward priority filter; policy accept;
         iifname {wild} oifname {wild} counter drop
+        iifname {wild} ct state new {cap} counter drop
         oifname {wild} ct state established,related accept
         meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs iifname . ip daddr @egress_allow goto egress_rules
         meta nfproto ipv4 iifname . ip daddr @egress_deny counter drop
@@ -287,6 +310,10 @@ table ip {NAT_TABLE} {{
     }}
 }}
 """ + "".join(line + "\n" for line in own)
+
+
+def _flows_element(host_if: str, conntrack_max: int) -> str:
+    return f"{json.dumps(host_if)} ct count over {conntrack_max}"
 
 
 def _chain_element(host_if: str, generation: int, verb: Literal["add", "delete"]) -> str:
@@ -419,6 +446,46 @@ async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> tupl
     return done.returncode, done.stdout.decode(errors="replace")
 
 
+_CONNTRACK_DIRECTIONS = ("--orig-src", "--orig-dst", "--reply-src", "--reply-dst")
+
+
+async def _forget_flows(addresses: Iterable[str]) -> None:
+    """Delete every conntrack entry that has one of ``addresses`` at either end, in either
+    direction (the original one and the reply, which NAT rewrites). ProviderError if
+    one could not be deleted.
+
+    One call at a time: conntrack stops at the first entry it finds already gone
+    (another call's, or expired), so such a call is made again."""
+    for address in addresses:
+        for flag in _CONNTRACK_DIRECTIONS:
+            for _ in range(_CONNTRACK_TRIES):
+                try:
+                    done = await spawn.run(
+                        ["conntrack", "-D", flag, address], timeout=COMMAND_TIMEOUT
+                    )
+                except FileNotFoundError:
+                    raise errors.ConfigError(_NO_CONNTRACK) from None
+                message = done.stderr.decode(errors="replace").strip()
+                # It exits 1 when nothing matched: "0 flow entries have been deleted".
+                if done.returncode == 0 or "flow entries have been deleted" in message:
+                    break
+                if "such conntrack doesn't exist" not in message:
+                    raise errors.ProviderError(
+                        f"conntrack -D {flag} {address} failed ({done.returncode}): {message}"
+                    )
+            else:
+                raise errors.ProviderError(f"conntrack -D {flag} {address}: entries kept going")
+
+
+_CONNTRACK_TRIES = 10
+
+
+_NO_CONNTRACK = (
+    "conntrack not found: sandbox networks need it to forget a deleted sandbox's flows "
+    "(apt-get install -y conntrack)"
+)
+
+
 async def _default_uplink() -> str | None:
     _, out = await _run("ip", "-j", "route", "show", "default")
     for route in json.loads(out or "[]"):
@@ -447,7 +514,7 @@ async def _sandbox_links() -> builtins.list[str]:
 _OUR_TABLES = {f"table inet {TABLE}", f"table ip {NAT_TABLE}"}
 
 
-_POLICY_SETS = {"egress_deny", "egress_allow", "wall6", "dns_in"}
+_POLICY_SETS = {"egress_deny", "egress_allow", "wall6", "dns_in", "sandbox_flows"}
 
 
 async def _loaded_sets() -> dict[str, set[str]]:
@@ -484,11 +551,15 @@ class NetworkManager:
         uplink: str | None = None,
         egress: EgressPolicy | None = None,
         dns_upstream: Sequence[str] = (),
+        conntrack_max: int = DEFAULT_CONNTRACK_MAX,
     ) -> None:
         """``egress``: what ``egress`` sandboxes set up from now on may not reach
         (default: `DEFAULT_EGRESS_DENY`, nothing allowed). ``dns_upstream``: where the
         egress resolver asks (``host`` or ``host:port``; default: the host's
-        ``/etc/resolv.conf``)."""
+        ``/etc/resolv.conf``). ``conntrack_max``: the most connections the host tracks for
+        each sandbox set up from now on; its new ones past it are dropped."""
+        if conntrack_max < 1:
+            raise errors.ConfigError(f"conntrack_max must be at least 1, not {conntrack_max}")
         try:
             network = ipaddress.IPv4Network(subnet)
         except ValueError as exc:
@@ -501,6 +572,7 @@ class NetworkManager:
         self.uplink = uplink
         self.egress = egress or EgressPolicy()
         self.dns_upstream = tuple(dns_upstream)
+        self.conntrack_max = conntrack_max
         self._store = _Store(state_dir / "network", str(network))
         self._mutex = asyncio.Lock()
 
@@ -540,6 +612,8 @@ class NetworkManager:
             raise errors.ConfigError("empty sandbox id")
         if os.geteuid() != 0:
             raise errors.ConfigError("sandbox networks need root")
+        if shutil.which("conntrack") is None:  # a teardown could not forget its flows
+            raise errors.ConfigError(_NO_CONNTRACK)
         uplink = None
         if mode == "egress":
             uplink = self.uplink or await _default_uplink()
@@ -624,6 +698,7 @@ class NetworkManager:
         host_ip, sandbox_ip = slot(self.subnet, index)
         attachments[sandbox_id] = {
             "index": index, "mode": mode, "netns": netns, "host_interface": host_if,
+            "conntrack_max": self.conntrack_max,
         }  # fmt: skip
         if mode == "egress":
             attachments[sandbox_id]["egress_deny"] = list(self.egress.deny)
@@ -662,6 +737,10 @@ class NetworkManager:
             own += _dns_elements(egress_if, port, "add")
         # A freshly loaded ruleset already holds this sandbox and its uplink.
         loaded = await self._ensure_rules(state)
+        if loaded:
+            entry = state["attachments"][sandbox_id]
+            element = _flows_element(entry["host_interface"], entry["conntrack_max"])
+            await _run("nft", "add", "element", "inet", TABLE, "sandbox_flows", f"{{ {element} }}")
         if loaded and egress_if is not None and uplink is not None:
             # One transaction, the policy and rules before the interface: never out unfiltered.
             policy = _policy_sets(egress_if, self.egress, "add") + "".join(f"{x}\n" for x in own)
@@ -706,6 +785,11 @@ class NetworkManager:
                 policies=policies,
                 rules={entry["host_interface"]: _sandbox_egress(entry) for entry in egress},
                 dns_port=state.get("dns_port"),
+                flows={
+                    e["host_interface"]: e.get("conntrack_max", self.conntrack_max)
+                    for e in state["attachments"].values()
+                },
+                conntrack_max=self.conntrack_max,
             ),
         )
         return False
@@ -818,14 +902,19 @@ class NetworkManager:
     # -- teardown -----------------------------------------------------------
 
     async def teardown(self, sandbox_id: str) -> None:
-        """Remove the sandbox's netns and veth pair, its set element and its /30. Idempotent.
+        """Remove the sandbox's netns and veth pair, its set element, its flows (conntrack)
+        and its /30. Idempotent.
 
         Call after the runtime's ``delete``."""
         netns, host_if = names(sandbox_id)
         async with self._locked() as state:
             entry = state["attachments"].get(sandbox_id)
             dns_port = state.get("dns_port")
+            subnet = ipaddress.IPv4Network(state["subnet"])
         removals: builtins.list[Coroutine[Any, Any, object]] = [self._remove_links(netns, host_if)]
+        if entry is not None:
+            flows = ("delete", "element", "inet", TABLE, "sandbox_flows", f"{{ {host_if} }}")
+            removals.append(_run("nft", *flows, check=False))
         if entry is not None and entry["mode"] == "egress":
             # Out of egress first (before its rules go, which would leave it unfiltered),
             # and the resolver's file: it answers this sandbox no more.
@@ -846,6 +935,9 @@ class NetworkManager:
                 if batch:
                     removals.append(_run("nft", "-f", "-", stdin=batch, check=False))
         await asyncio.gather(*removals)
+        if entry is not None:
+            # Its veth is gone, so no new flow can start; the /30 is free only after this.
+            await _forget_flows(slot(subnet, entry["index"]))
         async with self._locked() as state:
             state["attachments"].pop(sandbox_id, None)
             egress_left = any(e["mode"] == "egress" for e in state["attachments"].values())

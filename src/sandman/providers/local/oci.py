@@ -27,6 +27,8 @@ TOKEN_FD = 4
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
 NOFILE = 20_000  # no CAP_SYS_RESOURCE here: cannot exceed our own hard limit
+PTYS = 256
+"""Pseudo-terminals a sandbox may hold at once, by default (`LocalConfig.ptys`)."""
 
 # Docker's default set minus NET_RAW and MKNOD: root inside, contained.
 CAPABILITIES = [
@@ -101,11 +103,18 @@ def config(
     layout: BundleLayout,
     annotations: Mapping[str, str],
     seccomp: Filter | None,
+    kernel_tcp: bool = False,
+    ptys: int = PTYS,
 ) -> dict[str, Any]:
     """The ``config.json`` that runs sandmand as PID 1 of the sandbox.
 
     ``seccomp`` is its system-call filter (``seccomp.resolve``); None runs
-    the sandbox without one."""
+    the sandbox without one. ``kernel_tcp``: limit its TCP buffers to its memory
+    limit (cgroup v1, where they are charged to the cgroup only once limited; v2
+    charges them always). ``ptys``: the most pseudo-terminals it may hold at once."""
+    memory: dict[str, int] = {"limit": spec.memory, "swap": spec.memory}
+    if kernel_tcp:
+        memory["kernelTCP"] = spec.memory
     caps = list(CAPABILITIES)
     bound = [p for p in layout.masked if p in MASKED_DIRS] if layout.empty is not None else []
     namespace_net: dict[str, str] = {"type": "network"}
@@ -160,6 +169,9 @@ def config(
                     "ptmxmode=0666",
                     "mode=0620",
                     "gid=5",
+                    # All containers' devpts share one host budget (kernel.pty.max less
+                    # kernel.pty.reserve): without a max, one sandbox could take it all.
+                    f"max={ptys}",
                 ],
             },
             {
@@ -218,7 +230,7 @@ def config(
             "cgroupsPath": f"{cgroup_parent.rstrip('/')}/{sandbox_id}",
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "memory": {"limit": spec.memory, "swap": spec.memory},
+                "memory": memory,
                 "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
                 "pids": {"limit": spec.pids},
             },

@@ -108,6 +108,8 @@ GVISOR_MEMORY_HEADROOM = 128 * 2**20
 _IMAGE_TTL = 2.0
 _EMPTY = "empty"  # what masked directories show (oci.MASKED_DIRS): nothing, read-only
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 charges a cgroup's TCP buffers to it only once this is set (v2: always).
+_KERNEL_TCP = _CGROUP_ROOT / "memory" / "memory.kmem.tcp.limit_in_bytes"
 _STATES: dict[str, SandboxState] = {
     "created": "creating",
     "running": "running",
@@ -172,6 +174,7 @@ class LocalProvider:
                 self.config.egress_allow,
             ),
             dns_upstream=self.config.dns_upstream,
+            conntrack_max=self.config.conntrack_max,
         )
         self.disk = DiskPool(state)
         self.snapshot_store = SnapshotStore(state, self.disk, self.name)
@@ -471,6 +474,9 @@ class LocalProvider:
             layout=layout,
             annotations={f"sandman.io/label.{k}": v for k, v in labels.items()},
             seccomp=await seccomp.resolve(spec.seccomp),
+            # gVisor's TCP buffers are its own kernel's memory, in the cgroup already.
+            kernel_tcp=_KERNEL_TCP.exists() and not gvisor,
+            ptys=self.config.ptys,
         )
         if mode == "egress" and attachment is not None:
             # The egress resolver on its gateway (providers/local/egress.py); read-only,
