@@ -69,7 +69,9 @@ type testServer struct {
 	dir    string
 }
 
-func newTestServer(t *testing.T) *testServer {
+// newTestServer serves a new Server; each setup changes it before it serves (a
+// change made later would race with the serving goroutines).
+func newTestServer(t *testing.T, setup ...func(*Server)) *testServer {
 	t.Helper()
 	srv, err := New(Options{Token: testToken, Version: "test", KillGrace: 2 * time.Second,
 		Reaper: testReaper, Env: proc.DaemonEnv()})
@@ -84,6 +86,9 @@ func newTestServer(t *testing.T) *testServer {
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, change := range setup {
+		change(srv)
 	}
 	hs := &http.Server{Handler: srv}
 	go hs.Serve(ln)

@@ -20,12 +20,10 @@ func userServer(t *testing.T) *testServer {
 	if os.Geteuid() != 0 {
 		t.Skip("running commands as another user needs root")
 	}
-	ts := newTestServer(t)
 	etc := t.TempDir()
 	os.WriteFile(filepath.Join(etc, "passwd"), []byte(userPasswd), 0o644)
 	os.WriteFile(filepath.Join(etc, "group"), []byte(userGroup), 0o644)
-	ts.srv.runner.Etc = etc
-	return ts
+	return newTestServer(t, func(s *Server) { s.runner.Etc = etc })
 }
 
 const whoami = `echo "$(id -u) $(id -g) $(id -G) $HOME"`
@@ -163,11 +161,10 @@ func TestInfoSaysWhichUser(t *testing.T) {
 
 // A daemon that is not root reports itself, by the name its passwd gives.
 func TestInfoSaysTheDaemonsOwnUser(t *testing.T) {
-	ts := newTestServer(t)
 	etc := t.TempDir()
 	uid, gid := os.Getuid(), os.Getgid()
 	os.WriteFile(filepath.Join(etc, "passwd"), []byte(fmt.Sprintf("me:x:%d:%d::/home/me:/bin/sh\n", uid, gid)), 0o644)
-	ts.srv.runner.Etc = etc
+	ts := newTestServer(t, func(s *Server) { s.runner.Etc = etc })
 	want := fmt.Sprintf("%d %d me", uid, gid)
 	p := ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "true"}), 201)
 	s := ts.want(ts.do("POST", "/v1/sessions", map[string]any{}), 201)
