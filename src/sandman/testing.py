@@ -76,6 +76,7 @@ from typing import Any, Self
 
 from sandman import errors
 from sandman.daemon import daemon_path
+from sandman.egress import Egress
 from sandman.models import SandboxSpec
 from sandman.providers.base import DaemonEndpoint, Lost, LostReports, SandboxInfo, SandboxState
 from sandman.providers.losses import LossFeed
@@ -164,6 +165,7 @@ class _Sandbox:
     loser: asyncio.Task[None] | None = None  # loses the sandbox after lose_after
     monitor: asyncio.Task[None] | None = None  # notices the daemon ending by itself
     lost: Lost | None = None  # why it stopped, when it died by itself
+    egress: Egress | None = None  # its rules, for a sandbox made with egress
     stopping: asyncio.Task[None] | None = None  # kills the daemon; set once
     deleting: asyncio.Task[None] | None = None  # stops, removes files, forgets; set once
 
@@ -327,8 +329,9 @@ class FakeProvider:
         finally:
             self._pending.discard(sid)
         sandbox = _Sandbox(
-            sid, all_labels, spec.image, env, socket=socket, token=token, process=process
-        )
+            sid, all_labels, spec.image, env, socket=socket, token=token, process=process,
+            egress=spec.egress,
+        )  # fmt: skip
         self._admit(sandbox, start_after=delay if socket is not None and process is None else None)
         return self._info(sandbox)
 
@@ -374,6 +377,24 @@ class FakeProvider:
         if sandbox is None:
             raise errors.SandboxNotFound(f"fake: no sandbox {sandbox_id}")
         return self._info(sandbox)
+
+    async def set_egress(self, sandbox_id: str, egress: Egress) -> None:
+        """Keep ``egress`` as the sandbox's rules (`egress_of`), refusing as the local
+        provider does: `SandboxNotFound`, or `ConfigError` for a sandbox made without egress."""
+        self.calls.append(("set_egress", sandbox_id))
+        sandbox = self._sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise errors.SandboxNotFound(f"fake: no sandbox {sandbox_id}")
+        if sandbox.egress is None:
+            raise errors.ConfigError(
+                f"sandbox {sandbox_id} has no egress: egress rules need a sandbox made "
+                "with network='egress' or Egress(...)"
+            )
+        sandbox.egress = egress
+
+    def egress_of(self, sandbox_id: str) -> Egress | None:
+        """The sandbox's egress rules as last set; None for a sandbox without egress."""
+        return self._sandboxes[sandbox_id].egress
 
     async def aclose(self, *, forget: bool = False) -> None:
         """Kill every daemon this provider started and wait for them: no process is left.

@@ -28,7 +28,7 @@ from sandman.egress import Egress
 from sandman.errors import ConfigError
 from sandman.integrations._client import close_loop_clients
 from sandman.integrations.harbor import SandmanEnvironment
-from sandman.providers.local import LocalProvider
+from sandman.providers.local import LocalProvider, egress, network
 from tests.integrations.conftest import leftovers, needs_local
 from tests.integrations.images import BUSYBOX
 
@@ -329,14 +329,26 @@ async def test_a_phase_changes_the_sandbox_s_egress_rules(
 ) -> None:
     setup = NetworkPolicy(network_mode=NetworkMode.PUBLIC)
     closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
-    env = environment(tmp_path, network=NetworkMode.PUBLIC, phases=[closed])
+    listed = NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=["pypi.org"])
+    env = environment(tmp_path, network=NetworkMode.PUBLIC, phases=[closed, listed])
     await env.start(force_build=False)
     try:
-        # Made with egress rules (a sandbox without egress refuses new ones).
+        # The rules the provider's resolver and firewall hold for this sandbox now.
+        _, host_if = network.names(env._require().id)
+        held = egress.rules_path(busybox_provider.config.state_dir.resolve() / "network", host_if)
+
+        def rules() -> tuple[bool, list[list[str]], int]:
+            data = json.loads(held.read_text())
+            return data["open"], data["allow"], data["generation"]
+
+        # Made with egress rules (a sandbox without egress refuses new ones), open at first.
+        assert rules() == (True, [], 1)
         await env.set_network_policy(closed)
-        assert env.network_policy == closed
+        assert env.network_policy == closed and rules() == (False, [], 2)
+        await env.set_network_policy(listed)
+        assert env.network_policy == listed and rules() == (False, [["domain", "pypi.org"]], 3)
         await env.set_network_policy(setup)
-        assert env.network_policy == setup
+        assert env.network_policy == setup and rules() == (True, [], 4)
     finally:
         await env.stop(delete=True)
         await close_loop_clients()

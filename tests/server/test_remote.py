@@ -151,6 +151,50 @@ async def test_the_daemon_proxy_route() -> None:
         await eventually(lambda: served.provider.live == 0)
 
 
+async def test_egress_rules_change_through_the_service() -> None:
+    with serve() as served:
+        fake = served.provider
+        async with (
+            sandman.connect(served.url, api_key=KEY_A) as client,
+            client.sandbox("task", network="egress", timeout=20) as sb,
+            client.sandbox("task", timeout=20) as closed,
+            httpx.AsyncClient(base_url=served.url, headers=AUTH_A) as api,
+        ):
+            assert fake.egress_of(sb.id) == sandman.Egress()
+            await sb.set_egress(allow=["pypi.org", "10.0.0.0/8"], deny=["10.1.0.0/16"])
+            assert fake.egress_of(sb.id) == sandman.Egress(
+                allow=["pypi.org", "10.0.0.0/8"], deny=["10.1.0.0/16"]
+            )
+            await sb.set_egress(allow=None)
+            assert fake.egress_of(sb.id) == sandman.Egress()
+            # A sandbox made without egress: the provider's word, as the package's error.
+            with pytest.raises(sandman.ConfigError, match="network='egress'"):
+                await closed.set_egress(allow=[])
+            assert fake.egress_of(closed.id) is None
+            # Bad rules and bad bodies are a 4xx that changes nothing.
+            path = f"/v1/sandboxes/{sb.id}/egress"
+            bodies: list[object] = [
+                {"allow": ["not a rule!"]},
+                {"allow": "pypi.org"},
+                {"permit": []},
+            ]
+            for body in bodies:
+                response = await api.put(path, json=body)
+                assert response.status_code == 422, (body, response.text)
+                assert response.json()["error"]["code"] == "invalid_request"
+            # Another tenant's sandbox, and one that does not exist, are not found.
+            for headers, sid in ((AUTH_B, sb.id), (AUTH_A, "sb-nonexistent")):
+                response = await api.put(
+                    f"/v1/sandboxes/{sid}/egress", json={"allow": []}, headers=headers
+                )
+                assert response.status_code == 404, response.text
+                assert response.json()["error"]["code"] == "sandbox_not_found"
+            assert fake.egress_of(sb.id) == sandman.Egress()
+        with pytest.raises(sandman.SandboxNotFound):
+            await sb.set_egress(allow=[])  # released
+        await eventually(lambda: fake.live == 0)
+
+
 def test_connect_sync() -> None:
     with serve() as served, sandman.connect_sync(served.url, api_key=KEY_B) as client:
         with client.sandbox("task", timeout=20) as sb:
