@@ -37,15 +37,32 @@ def check(used: sandman.Usage | None) -> None:
     assert used.at > 0
 
 
-async def test_a_rollout_says_what_it_used(local_state: Path, imported: LocalProvider) -> None:
+async def test_a_rollout_says_what_it_used(
+    local_state: Path, imported: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[str] = []
+    read = LocalProvider.usage
+
+    async def counted(self: LocalProvider, sandbox_id: str) -> sandman.Usage:
+        reads.append(sandbox_id)
+        return await read(self, sandbox_id)
+
+    monkeypatch.setattr(LocalProvider, "usage", counted)
     async with sandman.local(state_dir=local_state) as client:
         sb = await client.acquire("busybox", network="isolated", memory="256Mi")
         before = await sb.usage()
         assert before is not None and before.disk_bytes is not None
         await sb.exec(["sh", "-c", WORK], timeout=60, check=True)
         check(await sb.usage())
+        reads.clear()
         check(await sb.release())
         assert await sb.release() is None  # released already
+
+        async def deleted() -> bool:
+            return not await imported.list()
+
+        await eventually(deleted, what="the released sandbox deleted")
+        assert reads == [sb.id]  # the release's read stands for the delete's
 
 
 async def test_over_the_service_too(local_state: Path, imported: LocalProvider) -> None:

@@ -18,7 +18,7 @@ from sandman import errors
 from sandman.pool.config import PoolConfig
 from sandman.pool.events import Emit
 from sandman.pool.ledger import Ledger
-from sandman.pool.records import LABEL_SESSION, Record
+from sandman.pool.records import LABEL_SESSION, USAGE_FRESH, Record
 from sandman.providers.base import Provider, ReportsUsage
 
 __all__ = ["Leases", "Session", "Spawn"]
@@ -190,9 +190,12 @@ class Leases:
         a read that fails or takes long is skipped: the delete goes first."""
         if not isinstance(self.provider, ReportsUsage) or record.info is None:
             return
-        try:
-            async with asyncio.timeout(2.0):
-                record.usage = await self.provider.usage(record.id)
-        except (errors.SandboxError, OSError, TimeoutError):
-            return
+        fresh = record.usage is not None and time.monotonic() - record.usage_read_at < USAGE_FRESH
+        if not fresh:  # else read by the release itself (`Pool.usage`): once is enough
+            try:
+                async with asyncio.timeout(2.0):
+                    record.usage = await self.provider.usage(record.id)
+            except (errors.SandboxError, OSError, TimeoutError):
+                return
+        assert record.usage is not None
         self.emit("sandbox.usage", record, **record.usage.model_dump())

@@ -395,6 +395,7 @@ class Pool:
         record = self.get(sandbox_id)
         if isinstance(self.provider, ReportsUsage) and record.state in ("ready", "leased"):
             record.usage = await self.provider.usage(sandbox_id)
+            record.usage_read_at = time.monotonic()
         return record.usage
 
     # -- snapshots, restore, pause ----------------------------------------------------

@@ -53,6 +53,10 @@ TimelineEvent = Literal[
 """Where a sandbox's time went, in order; each is stamped once, in wall-clock seconds."""
 
 
+USAGE_FRESH = 1.0
+"""Seconds a usage read stands as the last one before a delete (`Record.usage`)."""
+
+
 @dataclass
 class Record:
     """One sandbox, from the recorded intent to gone. Mutated only by the pool."""
@@ -69,7 +73,9 @@ class Record:
     """In state ``lost``: why (``lost.reason``: ``oom``, ``killed``, ``evicted``...)."""
     release_requested: bool = False
     usage: Usage | None = None
-    """What it used, as last read (`Pool.usage`); read once more just before its delete."""
+    """What it used, as last read (`Pool.usage`); read once more just before its delete
+    unless read within `USAGE_FRESH` seconds of it (a release that reads it first)."""
+    usage_read_at: float = 0.0
     changing: int = 0
     """Changes of its container under way (a snapshot freezes it, a restore makes it
     again, a pause with memory removes it until resumed): meanwhile the backend may
