@@ -111,6 +111,22 @@ async def test_acquire_get_list_release(api: httpx.AsyncClient, fake: FakeProvid
     assert (await api.delete(f"/v1/sandboxes/{sid}")).status_code == 204  # idempotent
 
 
+async def test_a_release_can_answer_what_the_sandbox_used(
+    api: httpx.AsyncClient, fake: FakeProvider
+) -> None:
+    session = await open_session(api)
+    sid = (await acquire(api, session)).json()["id"]
+    released = await api.delete(f"/v1/sandboxes/{sid}", params={"usage": "true"})
+    assert released.status_code == 200, released.text
+    assert released.json() is None  # the fake provider cannot tell
+    await eventually(lambda: fake.live == 0)
+    again = await api.delete(f"/v1/sandboxes/{sid}", params={"usage": "true"})
+    assert again.status_code == 200 and again.json() is None  # idempotent
+    missing = await api.delete("/v1/sandboxes/sb-nonexistent", params={"usage": "true"})
+    assert missing.status_code == 404 and error_code(missing) == "sandbox_not_found"
+    assert (await api.delete(f"/v1/sandboxes/{sid}", params={"usage": "maybe"})).status_code == 422
+
+
 async def test_closing_a_session_releases_its_sandboxes(
     api: httpx.AsyncClient, fake: FakeProvider
 ) -> None:

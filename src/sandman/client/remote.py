@@ -528,11 +528,9 @@ class RemoteBackend:
         for held in self._held.values():
             held.discard(sandbox_id)
         used = None
-        with contextlib.suppress(errors.SandboxError):
-            # The rollout's cost, before it goes; briefly: an outage defers the release.
-            used = await self.usage(sandbox_id, timeout=min(self._timeout, 5.0))
         try:
-            await self._release(sandbox_id)
+            # The rollout's cost comes back with the release, in one round trip.
+            used = await self._release(sandbox_id, usage=True)
         except errors.ProviderError as exc:
             if exc.__cause__ is None and not isinstance(exc, errors.ThrottledError):
                 raise  # the service answered with an error of its own
@@ -546,10 +544,17 @@ class RemoteBackend:
             self._unreleased.add(sandbox_id)
         return used
 
-    async def _release(self, sandbox_id: str) -> None:
+    async def _release(self, sandbox_id: str, *, usage: bool = False) -> Usage | None:
+        used = None
         with contextlib.suppress(errors.SandboxNotFound):  # idempotent
-            await self._call("DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}")
+            params = {"usage": "true"} if usage else None
+            answer = await self._call(
+                "DELETE", f"/v1/sandboxes/{_segment(sandbox_id)}", params=params
+            )
+            data = answer.json() if usage and answer.status == 200 else None
+            used = None if data is None else Usage.model_validate(data)
         self._unreleased.discard(sandbox_id)
+        return used
 
     # -- snapshots --------------------------------------------------------------------
 

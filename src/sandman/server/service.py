@@ -357,6 +357,18 @@ class Service:
         self.sandbox(tenant, sandbox_id)
         self.pool.release(sandbox_id)
 
+    async def release_with_usage(self, tenant: str, sandbox_id: str) -> Usage | None:
+        """`release`, answering what it used, read just before (None if unreadable): the
+        pool's delete takes that read as its last."""
+        record = self.sandbox(tenant, sandbox_id)
+        used = record.usage
+        if record.state in ("ready", "leased"):
+            with contextlib.suppress(errors.SandboxError, OSError, TimeoutError):
+                async with asyncio.timeout(2.0):  # briefly: the release goes first
+                    used = await self.pool.usage(sandbox_id)
+        self.pool.release(sandbox_id)
+        return used
+
     async def usage(self, tenant: str, sandbox_id: str) -> Usage | None:
         """What the tenant's sandbox used: now while held, else as read at its release."""
         record = self.sandbox(tenant, sandbox_id)

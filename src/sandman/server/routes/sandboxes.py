@@ -116,11 +116,32 @@ async def set_egress(tenant: Tenant, sandbox_id: str, body: Egress, request: Req
     return Response(status_code=204)
 
 
-@router.delete("/{sandbox_id}", status_code=204, responses=errors("sandbox_not_found"))
-async def release(tenant: Tenant, sandbox_id: str, request: Request) -> Response:
-    """Release the sandbox; it is deleted in the background. Idempotent."""
-    service(request).release(tenant, sandbox_id)
-    return Response(status_code=204)
+@router.delete(
+    "/{sandbox_id}",
+    status_code=204,
+    response_model=None,
+    responses={
+        **errors("sandbox_not_found"),
+        200: {"model": Usage | None, "description": "With ``usage=true``: what it used."},
+    },
+)
+async def release(
+    tenant: Tenant,
+    sandbox_id: str,
+    request: Request,
+    usage: Annotated[
+        bool, Query(description="Answer 200 with what it used (a rollout's cost).")
+    ] = False,
+) -> Response:
+    """Release the sandbox; it is deleted in the background. Idempotent. With
+    ``usage=true`` the answer is what it used, read just before (as ``/usage`` says),
+    in the same round trip."""
+    if not usage:
+        service(request).release(tenant, sandbox_id)
+        return Response(status_code=204)
+    used = await service(request).release_with_usage(tenant, sandbox_id)
+    body = "null" if used is None else used.model_dump_json()
+    return Response(body, status_code=200, media_type="application/json")
 
 
 async def _disconnected(request: Request) -> None:
