@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from sandman.cli import build
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import needs_root_and_crun
-from tests.support import alive
+from tests.support import alive, until
 
 pytestmark = [needs_root_and_crun, pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -80,10 +79,11 @@ def holders(local_state: Path) -> Iterator[list[Holder]]:
             if holder.process.stdout is not None:
                 holder.process.stdout.close()
         # Their watchdogs sweep: done before the state directory is checked and removed.
-        deadline = time.monotonic() + 60
-        while any(alive(h.watchdog) for h in started if h.watchdog):
-            assert time.monotonic() < deadline, "a watchdog did not finish its sweep"
-            time.sleep(0.05)
+        until(
+            "the watchdogs to finish their sweeps",
+            lambda: not any(alive(h.watchdog) for h in started if h.watchdog),
+            60,
+        )
 
     try:
         yield started

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from sandman import errors
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider
 from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for, ready
+from tests.support import eventually
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
 
@@ -102,10 +102,7 @@ async def test_pause_stops_all_cpu_until_resume(provider: LocalProvider) -> None
     assert int(cpuacct.read_text()) - used < 1_000_000, "a paused sandbox used CPU"
 
     await provider.resume(info.id)
-    deadline = time.monotonic() + 10
-    while int(cpuacct.read_text()) == used:
-        assert time.monotonic() < deadline, "the resumed sandbox never ran"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: int(cpuacct.read_text()) != used, what="the resumed sandbox to run")
 
 
 async def test_what_cannot_be_kept_says_why(provider: LocalProvider) -> None:
