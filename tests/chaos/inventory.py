@@ -323,13 +323,11 @@ def _id_ranges(scope: Scope) -> list[Item]:
     prefix = f"{scope.sandboxes.resolve()}/"
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(userns.REGISTRY):
-            holder = userns.holder(int(entry.name)) if entry.name.isdigit() else None
-            # A slot whose holder no longer records it is free (the provider takes it
-            # again): what ran under it is found as processes and containers.
-            base = userns.FIRST_ID + int(entry.name) * userns.RANGE if holder else None
-            if holder is None or userns.allocated(Path(holder)) != base:
+            # A slot no longer held (`userns.held`) is free: the provider takes it again.
+            if not entry.name.isdigit() or not userns.held(int(entry.name)):
                 continue
-            if holder.startswith(prefix):
+            holder = userns.holder(int(entry.name))
+            if holder is not None and holder.startswith(prefix):
                 sid = holder.removeprefix(prefix)
                 found.append(Item("uid range", f"slot {entry.name}", sid))
     return found

@@ -28,6 +28,7 @@ from sandman.daemon import DaemonClient
 from sandman.errors import CapacityError
 from sandman.models import SandboxSpec
 from sandman.providers.local import LocalProvider, userns
+from sandman.providers.local.trees import remove_tree
 from tests.images.builders import (
     directory,
     docker_archive,
@@ -497,6 +498,40 @@ def test_ranges_are_disjoint_and_a_dead_holders_is_taken_again(
     monkeypatch.setattr(userns, "_candidates", lambda: iter(()))
     with pytest.raises(CapacityError, match="user-namespace id ranges"):
         userns.allocate(tmp_path / "sb-4")
+
+
+async def test_a_range_stays_taken_while_an_orphan_of_it_runs(
+    provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox whose directory was removed out of band runs on under its range until
+    the reconcile deletes it: meanwhile no other sandbox gets that range."""
+    info = await provider.create(SPEC)
+    directory = provider.config.state_dir.resolve() / "sandboxes" / info.id
+    base = _base(provider, info.id)
+    [slot] = _slots([base])
+    newcomer = tmp_path / "newcomer"
+    newcomer.mkdir()
+    try:
+        async with await ready(info) as sb:
+            await sb.exec("true", check=True)
+        remove_tree(directory)  # out of band: its container runs on
+        assert _holders(base)
+        # The allocator is sent to that slot alone (fault injection: a random pick).
+        monkeypatch.setattr(userns, "_candidates", lambda: iter([slot]))
+        assert userns.held(slot)
+        with pytest.raises(CapacityError):
+            userns.allocate(newcomer)
+        assert userns.holder(slot) == str(directory)
+        await provider.delete(info.id)  # what the reconcile does with the orphan
+        await eventually(lambda: _holders(base) == [], what="no process of the range")
+        assert not userns.held(slot)
+        assert userns.allocate(newcomer) == base
+    finally:
+        await provider.delete(info.id)
+        userns.release(newcomer)
+        if userns.holder(slot) == str(directory):  # failed before the newcomer took it
+            (userns.REGISTRY / str(slot)).unlink()
+    assert userns.holder(slot) is None
 
 
 def _slots(bases: list[int]) -> list[int]:

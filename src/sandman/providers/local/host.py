@@ -6,7 +6,9 @@ import contextlib
 import os
 import resource
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ __all__ = [
     "prepare_cgroups",
     "raise_open_files",
     "remove_cgroup_parent",
+    "remove_sandbox_cgroups",
 ]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -149,6 +152,33 @@ def remove_cgroup_parent(parent: str) -> list[Path]:
                 busy.append(target)
                 break
     return busy
+
+
+def remove_sandbox_cgroups(parent: str, sandbox_id: str, patience: float = 5.0) -> list[Path]:
+    """Kill whatever still runs in the sandbox's cgroups, then rmdir them; returns what is left.
+
+    Normally the runtime's delete did all this. Not when its ``create`` died
+    half-way (killed, timed out): then the runtime does not know the
+    container, but its init may already sit in the cgroups.
+    """
+    left = [p for p in CGROUP_ROOT.glob(f"*/{parent}/{sandbox_id}") if p.is_dir()]
+    deadline = time.monotonic() + patience
+    while left and time.monotonic() < deadline:
+        for path in list(left):
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                path.rmdir()
+                left.remove(path)
+            except FileNotFoundError:
+                left.remove(path)
+            except OSError:
+                pass  # EBUSY: its last tasks are still exiting
+        if left:
+            time.sleep(0.01)
+    return left
 
 
 def _sysctl(name: str) -> int | None:

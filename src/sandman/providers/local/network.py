@@ -1,7 +1,9 @@
 """Network modes of the local provider: ``isolated`` and ``egress``.
 
-(About 750 lines, one piece: namespaces, addresses and the one nftables
-ruleset are set up and torn down together; split, a half could leak.)
+(About 890 lines: `NetworkManager`'s setup, teardown, `set_egress` and reset, with the
+commands and state files they run under its locks; their order is what keeps a crash
+from leaking a namespace, a /30 or a flow, and any sandbox from going out unfiltered.
+The ruleset's text is `firewall`'s, each sandbox's own rules `egress`'s.)
 
 Each sandbox with a network gets a named network namespace ``sm-<h>`` (``h``
 is 10 hex digits of a hash of the sandbox id) and a veth pair: ``smh<h>`` on
@@ -10,30 +12,14 @@ the host, ``eth0`` inside, with a /30 from the subnet (index ``n`` is the n-th
 end. IPv6 is off on both ends (no address is ever generated), and the
 ``inet`` table drops IPv6 from sandboxes as well.
 
-One nftables ruleset serves every sandbox (``smh*`` matches them all):
-
-- ``input``: from a sandbox, only replies (ESTABLISHED, RELATED) reach the
-  host. Without it the weak host model exposes every host service bound to
-  0.0.0.0, through any host address, including the sandbox's own gateway.
-- ``forward``: sandbox to sandbox is dropped; sandboxes in the ``egress_ifs``
-  set may go out through an uplink in ``uplink_ifs``, except to the ranges of
-  their `EgressPolicy` (``egress_deny``, keyed by interface and address, less
-  ``egress_allow``); nothing else.
-- ``sandman_nat``: what leaves through an uplink is masqueraded.
-- in ``input`` and ``forward`` first: a sandbox's new connections past its
-  ``conntrack_max`` tracked ones are dropped (``ct count``, per interface in the
-  ``sandbox_flows`` set; each sandbox's element carries its manager's cap), so
-  no sandbox can fill the host's conntrack table.
+One nftables ruleset (`firewall`) serves every sandbox: from a sandbox, only replies
+reach the host, sandbox to sandbox is dropped, and an ``egress`` sandbox goes out
+only through an uplink, past the walls of its `EgressPolicy` and by its own rules.
 
 ``isolated``: reachable from the host only. ``egress``: also NAT to the
 outside, which needs ``ip_forward`` (host-wide; switched on only once the
 forward rules are loaded, and restored by :meth:`NetworkManager.reset`).
-The outside excludes, unless the operator allows them: link-local addresses
-(169.254.0.0/16: cloud metadata services answer there with the machine's
-credentials), private ranges (the LAN, the cloud's VPC, other clusters) and
-the rest of `DEFAULT_EGRESS_DENY`. The host's own addresses and other
-sandboxes are never reachable (``input``, and ``forward`` above), whatever
-the policy says. A sandbox's policy is recorded with its allocation and goes
+A sandbox's policy is recorded with its allocation and goes
 into the sets in the same transaction as its ``egress_ifs`` element, before
 it: there is no moment when it may go out unfiltered.
 
@@ -71,7 +57,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -81,10 +67,30 @@ from sandman import _flock, errors
 from sandman.egress import Egress
 from sandman.providers.local import egress as egress_rules
 from sandman.providers.local import spawn
+from sandman.providers.local.firewall import (
+    DEFAULT_CONNTRACK_MAX,
+    DEFAULT_EGRESS_DENY,
+    HOST_PREFIX,
+    NAT_TABLE,
+    OUR_TABLES,
+    POLICY_SETS,
+    TABLE,
+    EgressPolicy,
+    SandboxEgress,
+    chain_element,
+    dns_elements,
+    flows_element,
+    policy_sets,
+    recorded_policy,
+    ruleset,
+    sandbox_egress,
+)
 
 __all__ = [
     "DEFAULT_EGRESS_DENY",
     "HOST_PREFIX",
+    "NAT_TABLE",
+    "TABLE",
     "EgressPolicy",
     "NetworkAttachment",
     "NetworkManager",
@@ -101,61 +107,15 @@ T = TypeVar("T")
 NetworkMode = Literal["isolated", "egress"]
 
 NETNS_PREFIX = "sm-"
-HOST_PREFIX = "smh"
 SANDBOX_INTERFACE = "eth0"
 NETNS_DIR = Path("/var/run/netns")
 SYS_NET = Path("/sys/class/net")
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 HOST_STATE = Path("/run/sandman/network")
-TABLE = "sandman"
-NAT_TABLE = "sandman_nat"
 COMMAND_TIMEOUT = 10.0
 VETH_WAIT = 1.0
 _STATE_VERSION = 1
 _IFNAMSIZ = 15
-
-
-DEFAULT_CONNTRACK_MAX = 4096
-"""Tracked connections a sandbox may have at once (`LocalConfig.conntrack_max`)."""
-
-DEFAULT_EGRESS_DENY: tuple[str, ...] = (
-    "0.0.0.0/8",  # "this network"
-    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",  # private (RFC 1918)
-    "100.64.0.0/10",  # shared address space: carrier NAT, some clusters' pods
-    "127.0.0.0/8",
-    "169.254.0.0/16",  # link-local: cloud metadata (169.254.169.254), its credentials
-    "224.0.0.0/4", "240.0.0.0/4",  # multicast, reserved and broadcast
-)  # fmt: skip
-"""What ``egress`` sandboxes may not reach unless allowed (`LocalConfig.egress_deny`)."""
-
-
-def _networks(ranges: Iterable[str | ipaddress.IPv4Network], what: str) -> tuple[str, ...]:
-    """Validated, merged CIDR ranges (nftables refuses overlapping intervals)."""
-    parsed = []
-    for item in ranges:
-        try:
-            parsed.append(ipaddress.IPv4Network(item))
-        except ValueError as exc:
-            raise errors.ConfigError(f"{what}: invalid IPv4 range {item!r}: {exc}") from None
-    return tuple(str(n) for n in ipaddress.collapse_addresses(parsed))
-
-
-@dataclass(frozen=True)
-class EgressPolicy:
-    """Where an ``egress`` sandbox may not go (``deny``), and the exceptions (``allow``,
-    checked first). CIDR strings; merged and validated by `EgressPolicy.of`."""
-
-    deny: tuple[str, ...] = field(default_factory=lambda: _networks(DEFAULT_EGRESS_DENY, "deny"))
-    allow: tuple[str, ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        deny: Iterable[str | ipaddress.IPv4Network] = DEFAULT_EGRESS_DENY,
-        allow: Iterable[str | ipaddress.IPv4Network] = (),
-    ) -> EgressPolicy:
-        """ConfigError on a range that is not IPv4 CIDR."""
-        return cls(deny=_networks(deny, "egress_deny"), allow=_networks(allow, "egress_allow"))
 
 
 @dataclass(frozen=True)
@@ -194,145 +154,6 @@ def _lowest_free(used: Iterable[int]) -> int:
     while index in taken:
         index += 1
     return index
-
-
-def _ifnames(items: Iterable[str]) -> str:
-    return ", ".join(json.dumps(item) for item in sorted(items))
-
-
-def _policy_elements(host_if: str, ranges: Sequence[str]) -> list[str]:
-    return [f"{json.dumps(host_if)} . {cidr}" for cidr in ranges]
-
-
-def _elements(items: Sequence[str]) -> str:
-    return f" elements = {{ {', '.join(items)} }};" if items else ""
-
-
-@dataclass(frozen=True)
-class SandboxEgress:
-    """An egress sandbox's rules in the firewall: `egress.Compiled` and its generations."""
-
-    rules: egress_rules.Compiled
-    generation: int = 1
-    dyn: int = 1
-
-
-def ruleset(
-    *,
-    egress_ifs: Iterable[str] = (),
-    uplinks: Iterable[str] = (),
-    policies: Mapping[str, EgressPolicy] | None = None,
-    rules: Mapping[str, SandboxEgress] | None = None,
-    dns_port: int | None = None,
-    flows: Mapping[str, int] | None = None,
-    conntrack_max: int = DEFAULT_CONNTRACK_MAX,
-) -> str:
-    """The whole nftables ruleset (both tables), replacing any previous one atomically.
-
-    ``policies`` maps an egress interface to its policy; one not in it gets the default.
-    ``rules``: an egress interface's own rules (`egress`); ``dns_port``: the resolver's,
-    to which each egress interface's DNS goes. ``flows``: each sandbox interface's cap
-    on tracked connections; one not in it gets ``conntrack_max``.
-    """
-    flow_elements = [_flows_element(i, n) for i, n in sorted((flows or {}).items())]
-    cap = f"add @sandbox_flows {{ iifname ct count over {conntrack_max} }}"
-    wild = json.dumps(HOST_PREFIX + "*")
-    egress_ifs = sorted(egress_ifs)
-    egress = _ifnames(egress_ifs)
-    up = _ifnames(uplinks)
-    egress_elements = f" elements = {{ {egress} }};" if egress else ""
-    uplink_elements = f" elements = {{ {up} }};" if up else ""
-    deny: list[str] = []
-    allow: list[str] = []
-    own: list[str] = []
-    for host_if in egress_ifs:
-        policy = (policies or {}).get(host_if) or EgressPolicy()
-        deny += _policy_elements(host_if, policy.deny)
-        allow += _policy_elements(host_if, policy.allow)
-        mine = (rules or {}).get(host_if)
-        if mine is not None and mine.rules.chain:
-            own += egress_rules.define(
-                TABLE, host_if, mine.rules, mine.generation, mine.dyn, new_dyn=True
-            )
-            own.append(_chain_element(host_if, mine.generation, "add"))
-        if dns_port is not None:
-            own += _dns_elements(host_if, dns_port, "add")
-    walls6 = ", ".join(egress_rules.WALLS6)
-    return f"""\
-add table inet {TABLE}
-delete table inet {TABLE}
-add table ip {NAT_TABLE}
-delete table ip {NAT_TABLE}
-table inet {TABLE} {{
-    set egress_ifs {{ type ifname;{egress_elements} }}
-    set uplink_ifs {{ type ifname;{uplink_elements} }}
-    set egress_deny {{ type ifname . ipv4_addr; flags interval;{_elements(deny)} }}
-    set egress_allow {{ type ifname . ipv4_addr; flags interval;{_elements(allow)} }}
-    set wall6 {{ type ipv6_addr; flags interval; elements = {{ {walls6} }}; }}
-    set dns_in {{ type ifname . inet_service; }}
-    map egress_chains {{ type ifname : verdict; }}
-    set sandbox_flows {{ type ifname; size 65535; flags dynamic;{_elements(flow_elements)} }}
-    chain input {{
-        type filter hook input priority filter; policy accept;
-        iifname {wild} ct state new {cap} counter drop
-        iifname {wild} ct state established,related accept
-        meta l4proto {{ tcp, udp }} iifname . th dport @dns_in ct status dnat accept
-        iifname {wild} counter drop
-    }}
-    chain egress_rules {{
-        iifname vmap @egress_chains
-        meta nfproto ipv4 accept
-        counter drop
-    }}
-    chain forward {{
-        type filter hook forward priority filter; policy accept;
-        iifname {wild} oifname {wild} counter drop
-        iifname {wild} ct state new {cap} counter drop
-        oifname {wild} ct state established,related accept
-        meta nfproto ipv4 iifname @egress_ifs oifname @uplink_ifs iifname . ip daddr @egress_allow goto egress_rules
-        meta nfproto ipv4 iifname . ip daddr @egress_deny counter drop
-        meta nfproto ipv6 iifname @egress_ifs ip6 daddr @wall6 counter drop
-        iifname @egress_ifs oifname @uplink_ifs goto egress_rules
-        iifname {wild} counter drop
-        oifname {wild} counter drop
-    }}
-}}
-table ip {NAT_TABLE} {{
-    set uplink_ifs {{ type ifname;{uplink_elements} }}
-    map dns_ports {{ type ifname : inet_service; }}
-    chain prerouting {{
-        type nat hook prerouting priority dstnat; policy accept;
-        iifname {wild} fib daddr type local meta l4proto {{ tcp, udp }} th dport 53 redirect to :iifname map @dns_ports
-    }}
-    chain postrouting {{
-        type nat hook postrouting priority srcnat; policy accept;
-        iifname {wild} oifname @uplink_ifs counter masquerade
-    }}
-}}
-""" + "".join(line + "\n" for line in own)
-
-
-def _flows_element(host_if: str, conntrack_max: int) -> str:
-    return f"{json.dumps(host_if)} ct count over {conntrack_max}"
-
-
-def _chain_element(host_if: str, generation: int, verb: Literal["add", "delete"]) -> str:
-    value = f" : goto {egress_rules.chain_name(host_if, generation)}" if verb == "add" else ""
-    return f"{verb} element inet {TABLE} egress_chains {{ {json.dumps(host_if)}{value} }}"
-
-
-def _dns_elements(host_if: str, port: int, verb: Literal["add", "delete"]) -> list[str]:
-    """The elements that send ``host_if``'s DNS to the resolver's ``port``."""
-    name = json.dumps(host_if)
-    if verb == "delete":
-        return [
-            f"delete element ip {NAT_TABLE} dns_ports {{ {name} }}",
-            f"delete element inet {TABLE} dns_in {{ {name} . {port} }}",
-        ]
-    return [
-        f"add element ip {NAT_TABLE} dns_ports {{ {name} : {port} }}",
-        f"add element inet {TABLE} dns_in {{ {name} . {port} }}",
-    ]
 
 
 def _host_batch(netns: str, host_if: str, host_ip: str) -> str:
@@ -511,12 +332,6 @@ async def _sandbox_links() -> builtins.list[str]:
     return [p.name async for p in anyio.Path(SYS_NET).iterdir() if p.name.startswith(HOST_PREFIX)]
 
 
-_OUR_TABLES = {f"table inet {TABLE}", f"table ip {NAT_TABLE}"}
-
-
-_POLICY_SETS = {"egress_deny", "egress_allow", "wall6", "dns_in", "sandbox_flows"}
-
-
 async def _loaded_sets() -> dict[str, set[str]]:
     """Our tables that are loaded (as ``table <family> <name>``), each with its sets' names.
 
@@ -528,7 +343,7 @@ async def _loaded_sets() -> dict[str, set[str]]:
         words = line.split()
         if line.startswith("table ") and len(words) >= 3:
             table = " ".join(words[:3])
-            if table in _OUR_TABLES:
+            if table in OUR_TABLES:
                 found.setdefault(table, set())
         elif table in found and words[:1] == ["set"] and len(words) >= 2:
             found[table].add(words[1])
@@ -728,22 +543,22 @@ class NetworkManager:
             port = await self._dns(state)
             entry = state["attachments"][sandbox_id]
             await _on_disk(self._write_rules, state, entry)
-            mine = _sandbox_egress(entry)
+            mine = sandbox_egress(entry)
             if mine.rules.chain:
                 own += egress_rules.define(
                     TABLE, egress_if, mine.rules, mine.generation, mine.dyn, new_dyn=True
                 )
-                own.append(_chain_element(egress_if, mine.generation, "add"))
-            own += _dns_elements(egress_if, port, "add")
+                own.append(chain_element(egress_if, mine.generation, "add"))
+            own += dns_elements(egress_if, port, "add")
         # A freshly loaded ruleset already holds this sandbox and its uplink.
         loaded = await self._ensure_rules(state)
         if loaded:
             entry = state["attachments"][sandbox_id]
-            element = _flows_element(entry["host_interface"], entry["conntrack_max"])
+            element = flows_element(entry["host_interface"], entry["conntrack_max"])
             await _run("nft", "add", "element", "inet", TABLE, "sandbox_flows", f"{{ {element} }}")
         if loaded and egress_if is not None and uplink is not None:
             # One transaction, the policy and rules before the interface: never out unfiltered.
-            policy = _policy_sets(egress_if, self.egress, "add") + "".join(f"{x}\n" for x in own)
+            policy = policy_sets(egress_if, self.egress, "add") + "".join(f"{x}\n" for x in own)
             await _run(
                 "nft",
                 "-f",
@@ -766,15 +581,15 @@ class NetworkManager:
         """Load the ruleset, with the sets as the state says, unless both tables are there.
         True if they were. Runs under the lock."""
         loaded = await _loaded_sets()
-        if set(loaded) == _OUR_TABLES:
-            if loaded[f"table inet {TABLE}"] >= _POLICY_SETS:
+        if set(loaded) == OUR_TABLES:
+            if loaded[f"table inet {TABLE}"] >= POLICY_SETS:
                 return True
             # Loaded by a sandman from before egress policies (or rules): replaced, or a
             # policy could not be added. Egress sandboxes of other managers (state dirs)
             # lose egress then: fail closed.
             logger.warning("the sandman nftables tables had no egress policy sets: replaced")
         egress = [e for e in state["attachments"].values() if e["mode"] == "egress"]
-        policies = {entry["host_interface"]: _recorded_policy(entry) for entry in egress}
+        policies = {entry["host_interface"]: recorded_policy(entry) for entry in egress}
         await _run(
             "nft",
             "-f",
@@ -783,7 +598,7 @@ class NetworkManager:
                 egress_ifs=policies,
                 uplinks=state["uplinks"],
                 policies=policies,
-                rules={entry["host_interface"]: _sandbox_egress(entry) for entry in egress},
+                rules={entry["host_interface"]: sandbox_egress(entry) for entry in egress},
                 dns_port=state.get("dns_port"),
                 flows={
                     e["host_interface"]: e.get("conntrack_max", self.conntrack_max)
@@ -808,16 +623,16 @@ class NetworkManager:
                     continue
                 host_if = entry["host_interface"]
                 for line in [
-                    *_dns_elements(host_if, old, "delete"),
-                    *_dns_elements(host_if, port, "add"),
+                    *dns_elements(host_if, old, "delete"),
+                    *dns_elements(host_if, port, "add"),
                 ]:
                     await _run("nft", "-f", "-", stdin=f"{line}\n", check=False)
         return port
 
     def _write_rules(self, state: dict[str, Any], entry: Mapping[str, Any]) -> None:
         host_ip, sandbox_ip = slot(ipaddress.IPv4Network(state["subnet"]), entry["index"])
-        policy = _recorded_policy(entry)
-        mine = _sandbox_egress(entry)
+        policy = recorded_policy(entry)
+        mine = sandbox_egress(entry)
         egress_rules.write_rules(
             self._store.directory,
             table=TABLE,
@@ -847,7 +662,7 @@ class NetworkManager:
                     "a sandbox made with network='egress' or Egress(...)"
                 )
             host_if = entry["host_interface"]
-            old = _sandbox_egress(entry)
+            old = sandbox_egress(entry)
             new_rules = egress_rules.compile_rules(egress)
             keep = egress_rules.keeps_admitted(old.rules, new_rules)
             generation = old.generation + 1
@@ -878,9 +693,9 @@ class NetworkManager:
                 TABLE, host_if, new.rules, new.generation, new.dyn, new_dyn=not keep
             )
         if old.rules.chain:
-            lines.append(_chain_element(host_if, old.generation, "delete"))
+            lines.append(chain_element(host_if, old.generation, "delete"))
         if new.rules.chain:
-            lines.append(_chain_element(host_if, new.generation, "add"))
+            lines.append(chain_element(host_if, new.generation, "add"))
         chains, sets = await _owned_objects(host_if)
         kept = set(egress_rules.objects(TABLE, host_if, new.rules, new.generation, new.dyn)[1])
         lines += egress_rules.undefine(TABLE, chains, [s for s in sets if s not in kept])
@@ -926,12 +741,12 @@ class NetworkManager:
             removals.append(_remove_own_rules(host_if))
             removals += [
                 _run("nft", "-f", "-", stdin=f"{line}\n", check=False)
-                for line in _dns_elements(host_if, dns_port or 0, "delete")
+                for line in dns_elements(host_if, dns_port or 0, "delete")
             ]
             # Apart: a set that lacks the elements (reloaded meanwhile) fails alone.
-            policy = _recorded_policy(entry)
+            policy = recorded_policy(entry)
             for which in ("deny", "allow"):
-                batch = _policy_sets(host_if, policy, "delete", only=which)
+                batch = policy_sets(host_if, policy, "delete", only=which)
                 if batch:
                     removals.append(_run("nft", "-f", "-", stdin=batch, check=False))
         await asyncio.gather(*removals)
@@ -1032,14 +847,6 @@ class NetworkManager:
                 await anyio.Path(IP_FORWARD).write_text(f"{original}\n")
 
 
-def _sandbox_egress(entry: Mapping[str, Any]) -> SandboxEgress:
-    """An egress allocation's rules (anywhere for one recorded before rules were)."""
-    rules = Egress(**entry["rules"]) if "rules" in entry else Egress()
-    return SandboxEgress(
-        egress_rules.compile_rules(rules), entry.get("generation", 1), entry.get("dyn", 1)
-    )
-
-
 async def _owned_objects(host_if: str) -> tuple[builtins.list[str], builtins.list[str]]:
     """The chains and sets of ``host_if``'s rules that are loaded (any generation)."""
     found: tuple[builtins.list[str], builtins.list[str]] = ([], [])
@@ -1057,33 +864,11 @@ async def _owned_objects(host_if: str) -> tuple[builtins.list[str], builtins.lis
 
 async def _remove_own_rules(host_if: str) -> None:
     """Remove ``host_if``'s chain (its map entry first) and sets, whatever generation."""
-    await _run("nft", "-f", "-", stdin=_chain_element(host_if, 0, "delete") + "\n", check=False)
+    await _run("nft", "-f", "-", stdin=chain_element(host_if, 0, "delete") + "\n", check=False)
     chains, sets = await _owned_objects(host_if)
     if chains or sets:
         batch = egress_rules.undefine(TABLE, chains, sets)
         await _run("nft", "-f", "-", stdin="\n".join(batch) + "\n")
-
-
-def _recorded_policy(entry: Mapping[str, Any]) -> EgressPolicy:
-    """The policy an egress allocation was made with (the default for one recorded before
-    policies were: fail closed)."""
-    if "egress_deny" not in entry:
-        return EgressPolicy()
-    return EgressPolicy(
-        deny=tuple(entry["egress_deny"]), allow=tuple(entry.get("egress_allow", ()))
-    )
-
-
-def _policy_sets(
-    host_if: str, policy: EgressPolicy, verb: Literal["add", "delete"], only: str | None = None
-) -> str:
-    """nft commands that add (or delete) the elements of ``host_if``'s policy."""
-    lines = []
-    for which, ranges in (("deny", policy.deny), ("allow", policy.allow)):
-        if ranges and only in (None, which):
-            items = ", ".join(_policy_elements(host_if, ranges))
-            lines.append(f"{verb} element inet {TABLE} egress_{which} {{ {items} }}\n")
-    return "".join(lines)
 
 
 def _record_ip_forward(value: str) -> None:

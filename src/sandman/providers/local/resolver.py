@@ -1,5 +1,9 @@
 """The egress resolver: the DNS server of the local provider's egress sandboxes.
 
+(About 860 lines in one file: it runs as a script by its path, ``python -S -E
+resolver.py DIR`` (`egress.ensure_resolver`), where no module of ours can be
+imported, so its DNS wire format, rules and server live together.)
+
 A process of its own, one per network state directory (``<state_dir>/network``),
 started by the first `NetworkManager` that needs it and outliving it (a sandbox made
 by ``sandman create`` keeps its DNS after the command exits); it exits once no

@@ -17,8 +17,10 @@ hand out the same one): a slot is a file ``/run/sandman/userns/<n>`` naming the
 sandbox directory that holds it (boot-scoped, as the processes using the range are),
 made under a lock together with the sandbox's own record of it (``<dir>/ids``). A
 slot whose sandbox directory is gone, or no longer records that slot, is free again
-(what a crash between the two writes, or a removed state directory, leaves). A
-delete releases the slot after the sandbox's processes are gone.
+(what a crash between the two writes, or a removed state directory, leaves) once no
+process runs with an id of its range: a sandbox whose directory was removed out of
+band may still run, until the reconcile deletes it (`held`). A delete releases the
+slot after the sandbox's processes are gone.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ __all__ = [
     "SLOTS",
     "allocate",
     "allocated",
+    "held",
     "holder",
+    "prepare",
     "probe",
     "release",
 ]
@@ -69,6 +73,7 @@ host, an empty directory): the runtime's container process, root of the sandbox'
 namespace and so nobody to the host's root-only (0700) state directory, reaches it
 only on a path whose every directory it may search."""
 _TRIES = 64
+_PROC = Path("/proc")
 
 
 def allocate(directory: Path) -> int:
@@ -78,9 +83,9 @@ def allocate(directory: Path) -> int:
     mount_point = directory / MOUNT_POINT
     if not mount_point.exists():
         os.close(os.open(mount_point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    held = allocated(directory)
-    if held is not None and holder(_slot(held)) == str(directory):
-        return held
+    recorded = allocated(directory)
+    if recorded is not None and holder(_slot(recorded)) == str(directory):
+        return recorded
     fd = _flock.lock_file(REGISTRY / ".lock", mode=0o600, parent_mode=0o700)
     try:
         for slot in _candidates():
@@ -88,7 +93,7 @@ def allocate(directory: Path) -> int:
             try:
                 _write(entry, str(directory), exclusive=True)
             except FileExistsError:
-                if not _stale(slot):
+                if held(slot):
                     continue
                 _write(entry, str(directory), exclusive=False)
             base = FIRST_ID + slot * RANGE
@@ -150,13 +155,35 @@ def _candidates() -> Iterator[int]:
     yield from (slot for slot in range(SLOTS) if slot not in taken)
 
 
-def _stale(slot: int) -> bool:
-    """Whether ``slot``'s holder no longer holds it (under the lock: a holder's two
-    records are written together)."""
+def held(slot: int) -> bool:
+    """Whether ``slot`` is taken: its holder records it, or a process still runs with
+    an id of its range (an orphan container of a holder whose directory was removed out
+    of band). A slot with no entry in the `REGISTRY` is free. Exact under the registry's
+    lock (`allocate`: a holder's two records are written together)."""
     named = holder(slot)
     if named is None:
-        return True
-    return allocated(Path(named)) != FIRST_ID + slot * RANGE
+        return False
+    base = FIRST_ID + slot * RANGE
+    return allocated(Path(named)) == base or _in_use(base)
+
+
+def _in_use(base: int) -> bool:
+    """Whether a process of this host has a uid of the range from ``base`` (real,
+    effective, saved or filesystem; as the host sees it, so a sandbox's root is ``base``)."""
+    with os.scandir(_PROC) as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"{entry.path}/status", "rb") as status:
+                    for line in status:
+                        if line.startswith(b"Uid:"):
+                            if any(base <= int(uid) < base + RANGE for uid in line.split()[1:]):
+                                return True
+                            break
+            except OSError:
+                continue  # gone meanwhile
+    return False
 
 
 def _write(path: Path, text: str, *, exclusive: bool) -> None:
@@ -170,6 +197,28 @@ def _write(path: Path, text: str, *, exclusive: bool) -> None:
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(staged, path)
+
+
+def prepare(helper: Path, directory: Path) -> None:
+    """ConfigError unless sandboxes can run in user namespaces here (`probe`, in the state
+    directory ``directory``: the image layers are idmapped on its filesystem); makes
+    `ROOTFS`. ProviderError when ``directory`` fails (read-only, full)."""
+    try:
+        works, why = probe(helper, directory)
+    except OSError as exc:
+        raise errors.ProviderError(
+            f"the state directory failed at {exc.filename or directory}: {exc.strerror or exc}"
+        ) from exc
+    if not works:
+        raise errors.ConfigError(
+            f"sandboxes cannot run in user namespaces here: {why} (`sandman doctor`); "
+            "LocalConfig(userns=False) runs them without one (root inside is then "
+            "root on the host)"
+        )
+    try:
+        ROOTFS.mkdir(mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise errors.ProviderError(f"cannot make {ROOTFS}: {exc.strerror}") from exc
 
 
 def probe(helper: Path, directory: Path | None = None) -> tuple[bool, str]:
