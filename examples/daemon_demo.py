@@ -49,10 +49,10 @@ async def tour(sock: Path, token: str, workdir: Path) -> None:
         print(f"$ exec -> exit {result.exit_code} in {result.duration_seconds * 1e3:.1f} ms:",
               result.stdout.strip().replace("\n", " | "))  # fmt: skip
 
-        shell = await sb.create_session()
-        await sb.run_in_session(shell.id, f"cd {workdir} && export TASK=demo", check=True)
-        here = await sb.run_in_session(shell.id, "echo $PWD $TASK")
-        print(f"$ shell session remembers cd and export: {here.stdout.strip()}")
+        shell = await sb.create_shell()
+        await sb.run_in_shell(shell.id, f"cd {workdir} && export TASK=demo", check=True)
+        here = await sb.run_in_shell(shell.id, "echo $PWD $TASK")
+        print(f"$ a shell remembers cd and export: {here.stdout.strip()}")
 
         await sb.write_file(str(workdir / "solution.py"), "print(sum(range(10)))\n")
         run = await sb.exec(["python3", "solution.py"], cwd=str(workdir))

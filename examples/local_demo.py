@@ -57,10 +57,10 @@ async def tour(state_dir: Path) -> None:
             out = await a.read_output(ticker.id)
             print(f"$ background process {ticker.id} still running, said: {out.stdout.split()[:6]}")
 
-            shell = await a.create_session()
-            await a.run_in_session(shell.id, "cd /tmp && export TASK=demo", check=True)
-            here = await a.run_in_session(shell.id, "echo $PWD $TASK")
-            print(f"$ shell session remembers cd and export: {here.stdout.strip()}")
+            shell = await a.create_shell()
+            await a.run_in_shell(shell.id, "cd /tmp && export TASK=demo", check=True)
+            here = await a.run_in_shell(shell.id, "echo $PWD $TASK")
+            print(f"$ a shell remembers cd and export: {here.stdout.strip()}")
 
             seen = await b.exists("/root/solution.sh")
             procs = (await b.exec(["ps", "-o", "pid,comm"])).stdout.split("\n")[1:]

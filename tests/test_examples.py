@@ -21,7 +21,7 @@ def test_daemon_demo() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "shell session remembers cd and export" in done.stdout
+    assert "a shell remembers cd and export" in done.stdout
     assert "ran it: 45" in done.stdout
     assert "sandmand stopped (exit 0)" in done.stdout
 

@@ -19,7 +19,7 @@ SandboxError
 │   ├── ProtocolVersionError    the daemon speaks another protocol
 │   ├── Unauthorized            wrong or missing token
 │   ├── InvalidRequest          (ValueError)  the daemon refused the request
-│   ├── PathNotFound            (FileNotFoundError)  also a missing process or session
+│   ├── PathNotFound            (FileNotFoundError)  also a missing process or shell
 │   ├── UnknownUser             (LookupError)  no such user or group in the sandbox
 │   ├── PathExists              (FileExistsError)
 │   ├── IsADirectory            (IsADirectoryError)
@@ -30,8 +30,8 @@ SandboxError
 │   ├── UnsafeArchive           (ValueError)  tar entry escapes its target
 │   ├── FileTooLarge            a read or download went past its size or entry limit
 │   ├── NotARegularFile         (OSError)  reading a device, fifo or socket is refused
-│   ├── SessionBusy             a run is already in progress in that shell session
-│   ├── SessionClosed           the session's shell has exited
+│   ├── ShellBusy               a run is already in progress in that shell (was SessionBusy)
+│   ├── ShellClosed             the shell has exited (was SessionClosed)
 │   └── StdinClosed             the process has no open stdin
 ├── CommandFailed               exec(check=True) and the exit code was not 0
 ├── SandboxTimeout              (TimeoutError)
@@ -40,7 +40,9 @@ SandboxError
 └── PoolClosed
 ```
 
-`retryable` says whether trying the same call again can help.
+`retryable` says whether trying the same call again can help. ``SessionBusy`` and
+``SessionClosed`` are deprecated names of `ShellBusy` and `ShellClosed` (the daemon's
+shells were called sessions, a word the client's lease session keeps).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ __all__ = [
     "SessionBusy",
     "SessionClosed",
     "SessionExpired",
+    "ShellBusy",
+    "ShellClosed",
     "SnapshotNotFound",
     "StdinClosed",
     "ThrottledError",
@@ -167,7 +171,7 @@ class SandboxLost(SandboxNotFound):
 
 
 class SessionExpired(SandboxNotFound):
-    """The client's session with the pool or the service is over (not a shell session):
+    """The client's session with the pool or the service is over (not a daemon's shell):
     its lease passed without a heartbeat, or it was closed, and the sandboxes it held
     went with it. `AsyncClient` opens a new session by itself and says what was lost."""
 
@@ -311,16 +315,21 @@ class NotARegularFile(DaemonError, OSError):
     default_code = "not_a_regular_file"
 
 
-class SessionBusy(DaemonError):
-    """A command is already running in this shell session."""
+class ShellBusy(DaemonError):
+    """A command is already running in this shell (`DaemonClient.run_in_shell`)."""
 
-    default_code = "session_busy"
+    default_code = "shell_busy"
 
 
-class SessionClosed(DaemonError):
-    """The session's shell has exited (``exit``, a timeout, or a kill)."""
+class ShellClosed(DaemonError):
+    """The shell has exited (``exit``, a timeout, or a kill)."""
 
-    default_code = "session_closed"
+    default_code = "shell_closed"
+
+
+# Deprecated names, from when the daemon's shells were called sessions.
+SessionBusy = ShellBusy
+SessionClosed = ShellClosed
 
 
 class StdinClosed(DaemonError):

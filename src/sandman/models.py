@@ -1,4 +1,4 @@
-"""Values Sandman hands back: results of commands, file stats, process and session state.
+"""Values Sandman hands back: results of commands, file stats, process and shell state.
 
 All are frozen; unknown fields from a newer daemon are ignored.
 """
@@ -38,6 +38,8 @@ __all__ = [
     "SandboxSpec",
     "SessionInfo",
     "SessionRunResult",
+    "ShellInfo",
+    "ShellRunResult",
     "Snapshot",
     "Usage",
     "check_object_name",
@@ -51,8 +53,8 @@ Encoding = Literal["utf-8", "base64"]
 FileType = Literal["file", "directory", "symlink", "other"]
 
 OnTimeout = Literal["kill", "interrupt"]
-"""What a shell session's run does when it times out: ``kill`` the session, or
-``interrupt`` the command line (SIGINT, as Ctrl-C) and keep the session."""
+"""What a run in a shell does when it times out: ``kill`` the shell, or
+``interrupt`` the command line (SIGINT, as Ctrl-C) and keep the shell."""
 
 NetworkMode = Literal["none", "isolated", "egress"]
 """``none``: loopback only. ``isolated``: reachable from the host only.
@@ -415,7 +417,7 @@ class ProcessOutput(_Value):
     encoding: Encoding = "utf-8"
 
 
-class SessionInfo(_Value):
+class ShellInfo(_Value):
     """A persistent shell: ``cd``, variables and functions persist between runs."""
 
     id: str
@@ -423,15 +425,15 @@ class SessionInfo(_Value):
     shell: str
     alive: bool
     uid: int
-    """The uid the shell runs as: ``create_session(user=...)``'s, else the daemon's own."""
+    """The uid the shell runs as: ``create_shell(user=...)``'s, else the daemon's own."""
     gid: int
     """Its primary gid."""
     user: str | None = None
     """The uid's name in the sandbox's ``/etc/passwd``; None when it lists none."""
 
 
-class SessionRunResult(_Value):
-    """The outcome of one command run in a shell session."""
+class ShellRunResult(_Value):
+    """The outcome of one command run in a shell (`DaemonClient.run_in_shell`)."""
 
     exit_code: int
     stdout: str
@@ -441,6 +443,11 @@ class SessionRunResult(_Value):
     duration_seconds: float
     alive: bool
     encoding: Encoding = "utf-8"
+
+
+# Deprecated names, from when the daemon's shells were called sessions.
+SessionInfo = ShellInfo
+SessionRunResult = ShellRunResult
 
 
 class FileStat(_Value):

@@ -1,5 +1,5 @@
 """What the framework adapters ask of a command (issue 16, gaps 1-5), through the SDK on
-the real local provider: ``user=``, merged output, binary stdin, a session timeout that
+the real local provider: ``user=``, merged output, binary stdin, a shell timeout that
 interrupts, and a cancelled exec that kills its command."""
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ async def test_the_adapters_command_surface(task: str, local_state: Path) -> Non
         assert (await sb.exec(["id", "-u"], user=0)).stdout == "0\n"
         with pytest.raises(sandman.UnknownUser, match="unable to find user ghost"):
             await sb.exec(["true"], user="ghost")
-        shell = await sb.create_session(user="agent")
+        shell = await sb.create_shell(user="agent")
         assert (shell.uid, shell.gid, shell.user) == (1000, 1000, "agent")
-        assert (await sb.run_in_session(shell.id, "cd; pwd")).stdout == "/home/agent\n"
+        assert (await sb.run_in_shell(shell.id, "cd; pwd")).stdout == "/home/agent\n"
 
         # 2. merged output
         merged = await sb.exec("echo out; echo err >&2; echo out2", merge_stderr=True)
         assert (merged.stdout, merged.stderr) == ("out\nerr\nout2\n", "")
-        run = await sb.run_in_session(shell.id, "echo a; echo b >&2", merge_stderr=True)
+        run = await sb.run_in_shell(shell.id, "echo a; echo b >&2", merge_stderr=True)
         assert (run.stdout, run.stderr) == ("a\nb\n", "")
 
         # 3. binary stdin
@@ -76,13 +76,13 @@ async def test_the_adapters_command_surface(task: str, local_state: Path) -> Non
         copied = await sb.exec(["cat"], stdin=payload, encoding="base64")
         assert copied.stdout_bytes == payload
 
-        # 4. a session timeout that interrupts and keeps the shell
-        await sb.run_in_session(shell.id, "export KEEP=1", check=True)
-        late = await sb.run_in_session(
+        # 4. a shell run that times out, interrupted: the shell lives on
+        await sb.run_in_shell(shell.id, "export KEEP=1", check=True)
+        late = await sb.run_in_shell(
             shell.id, "sleep 1000; echo never", timeout=0.3, on_timeout="interrupt"
         )
         assert late.timed_out and late.alive and late.exit_code == 130
-        assert (await sb.run_in_session(shell.id, "echo $KEEP")).stdout == "1\n"
+        assert (await sb.run_in_shell(shell.id, "echo $KEEP")).stdout == "1\n"
 
         # 5. a cancelled exec kills its command's process group
         async with anyio.create_task_group() as tg:
@@ -119,6 +119,6 @@ def test_the_blocking_face_has_the_same_surface(task: str, local_state: Path) ->
         assert (spawned.uid, spawned.user) == (1000, "agent")
         sb.wait(spawned.id, timeout=10)
         assert sb.read_output(spawned.id).stdout == "agent\ne\n"
-        shell = sb.create_session()
-        late = sb.run_in_session(shell.id, "sleep 1000", timeout=0.2, on_timeout="interrupt")
+        shell = sb.create_shell()
+        late = sb.run_in_shell(shell.id, "sleep 1000", timeout=0.2, on_timeout="interrupt")
         assert late.timed_out and late.alive

@@ -43,9 +43,9 @@ async def test_async_client_end_to_end(
         out = await sb.read_output(proc.id, wait=5)
         assert "started" in out.stdout
 
-        shell = await sb.create_session()
-        await sb.run_in_session(shell.id, "cd /tmp && export X=1", check=True)
-        assert (await sb.run_in_session(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
+        shell = await sb.create_shell()
+        await sb.run_in_shell(shell.id, "cd /tmp && export X=1", check=True)
+        assert (await sb.run_in_shell(shell.id, "echo $PWD $X")).stdout == "/tmp 1\n"
 
         local_dir = tmp_path / "up"
         (local_dir / "sub").mkdir(parents=True)

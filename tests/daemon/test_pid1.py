@@ -70,8 +70,8 @@ async def test_sigterm_reaches_children_and_the_daemon_exits_cleanly(pid1: Pid1)
         await client.spawn(
             "trap 'echo term > /tmp/got-term; exit 0' TERM; while true; do sleep 0.05; done"
         )
-        session = await client.create_session()
-        await client.run_in_session(session.id, "echo session up", check=True)
+        sh = await client.create_shell()
+        await client.run_in_shell(sh.id, "echo shell up", check=True)
     os.kill(pid1.daemon_host_pid(), signal.SIGTERM)
     assert pid1.process.wait(timeout=15) == 0
     assert (pid1.root / "tmp" / "got-term").read_text() == "term\n"

@@ -24,7 +24,7 @@ import sandman
 from sandman import models
 from sandman._transport import AsyncTransport, HTTPTransport, Response, ResponseStream
 from sandman.daemon import DaemonClient
-from sandman.daemon.protocol import ERROR_CLASSES
+from sandman.daemon.protocol import ERROR_CLASSES, ExecOptions
 from tests.daemon.conftest import TOKEN
 from tests.daemon.running import RunningDaemon
 
@@ -161,15 +161,13 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     term = await client.spawn(["cat"], tty=True, rows=10, cols=20)
     await client.resize(term.id, rows=11, cols=21)
     await client.kill(term.id)
-    session = await client.create_session(
-        shell="/bin/sh", cwd=str(work), env={"B": "2"}, user="root"
-    )
-    await client.run_in_session(session.id, "cd /", timeout=5, max_output=100)
-    await client.run_in_session(session.id, "cd /", timeout=5, merge_stderr=True,
-                                on_timeout="interrupt", kill_grace=1)  # fmt: skip
-    await client.list_sessions()
-    await client.get_session(session.id)
-    await client.close_session(session.id)
+    sh = await client.create_shell(shell="/bin/sh", cwd=str(work), env={"B": "2"}, user="root")
+    await client.run_in_shell(sh.id, "cd /", timeout=5, max_output=100)
+    await client.run_in_shell(sh.id, "cd /", timeout=5, merge_stderr=True,
+                              on_timeout="interrupt", kill_grace=1)  # fmt: skip
+    await client.list_shells()
+    await client.get_shell(sh.id)
+    await client.close_shell(sh.id)
     await client.write_file(str(work / "f"), "x", mode=0o600)
     await client.write_file(str(work / "d" / "g"), "y", parents=True)
     await client.read_file(str(work / "f"))
@@ -189,7 +187,7 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
         client.read_file(str(work / "missing")),
         client.list_dir(str(work / "a" / "t.txt")),
         client.poll("p-missing"),
-        client.run_in_session("s-missing", "true"),
+        client.run_in_shell("s-missing", "true"),
         client.exec(["true"], user="no-such-user-here"),
     ):
         with pytest.raises(sandman.DaemonError):
@@ -236,8 +234,8 @@ async def test_client_requests_and_daemon_answers_match_the_spec(
         (models.ExecResult, "ExecResult"),
         (models.ProcessInfo, "ProcessInfo"),
         (models.ProcessOutput, "ProcessOutput"),
-        (models.SessionInfo, "SessionInfo"),
-        (models.SessionRunResult, "SessionRunResult"),
+        (models.ShellInfo, "ShellInfo"),
+        (models.ShellRunResult, "ShellRunResult"),
         (models.FileStat, "FileStat"),
         (models.ArchiveResult, "ArchiveResult"),
     ],
@@ -265,3 +263,11 @@ def test_every_wire_error_code_is_mapped() -> None:
     unmapped = codes - set(ERROR_CLASSES)
     # These two are the daemon's own failures: a plain DaemonError is right for them.
     assert unmapped == {"internal", "process_running"}
+
+
+def test_exec_options_are_the_exec_request_fields() -> None:
+    # Written once on each side: an option the SDK has is a field of the wire's
+    # ExecRequest under the same name, and a field of it is an option (but the command
+    # itself and stdin's encoding, which the SDK picks from stdin's type).
+    wire = set(_schema("ExecRequest")["properties"]) - {"argv", "cmd", "stdin_encoding"}
+    assert set(ExecOptions.__optional_keys__) == wire

@@ -1,4 +1,4 @@
-"""``user=`` on exec, exec_stream, spawn and sessions: resolved in the sandbox's own
+"""``user=`` on exec, exec_stream, spawn and shells: resolved in the sandbox's own
 /etc/passwd and /etc/group (a busybox rootfs, the daemon its PID 1, as root)."""
 
 from __future__ import annotations
@@ -79,30 +79,30 @@ async def test_unknown_user_or_group_is_a_clear_error_everywhere(sandbox: Pid1) 
             with pytest.raises(sandman.UnknownUser):
                 await client.spawn(["true"], user=user)
             with pytest.raises(sandman.UnknownUser):
-                await client.create_session(user=user)
+                await client.create_shell(user=user)
         with pytest.raises(sandman.InvalidRequest):
             await client.exec(["true"], user="a:b:c")
         with pytest.raises(sandman.ConfigError):
             await client.exec(["true"], user=-1)
 
 
-async def test_stream_spawn_and_session_run_as_the_user(sandbox: Pid1) -> None:
+async def test_stream_spawn_and_shell_run_as_the_user(sandbox: Pid1) -> None:
     async with sandbox.client() as client:
         async with client.exec_stream(["id", "-un"], user="agent") as events:
             assert "".join([e.data async for e in events if e.event == "stdout"]) == "agent\n"
         proc = await client.spawn(["id", "-un"], user="agent")  # (tty: daemon/ tests it)
         await client.wait(proc.id, timeout=10)
         assert (await client.read_output(proc.id)).stdout == "agent\n"
-        session = await client.create_session(shell="/bin/sh", user="agent")
-        result = await client.run_in_session(session.id, "cd; pwd; id -un", check=True)
+        sh = await client.create_shell(shell="/bin/sh", user="agent")
+        result = await client.run_in_shell(sh.id, "cd; pwd; id -un", check=True)
         assert result.stdout == "/home/agent\nagent\n"
 
 
-def _who(info: sandman.ProcessInfo | sandman.SessionInfo) -> tuple[int, int, str | None]:
+def _who(info: sandman.ProcessInfo | sandman.ShellInfo) -> tuple[int, int, str | None]:
     return info.uid, info.gid, info.user
 
 
-async def test_processes_and_sessions_say_whom_they_run_as(sandbox: Pid1) -> None:
+async def test_processes_and_shells_say_whom_they_run_as(sandbox: Pid1) -> None:
     async with sandbox.client() as client:
         for user, who in (
             (None, (0, 0, "root")),  # the daemon's own
@@ -115,15 +115,15 @@ async def test_processes_and_sessions_say_whom_they_run_as(sandbox: Pid1) -> Non
             assert _who(proc) == who, user
             assert _who(await client.poll(proc.id)) == who
             await client.kill(proc.id)
-            session = await client.create_session(shell="/bin/sh", user=user)
-            assert _who(session) == who, user
-            assert _who(await client.get_session(session.id)) == who
-            uid = await client.run_in_session(session.id, "id -u", check=True)
+            sh = await client.create_shell(shell="/bin/sh", user=user)
+            assert _who(sh) == who, user
+            assert _who(await client.get_shell(sh.id)) == who
+            uid = await client.run_in_shell(sh.id, "id -u", check=True)
             assert uid.stdout == f"{who[0]}\n"
-            await client.close_session(session.id)
+            await client.close_shell(sh.id)
         # Listed, and for a program that could not start: whom it would have run as.
         missing = await client.spawn(["/no/such/program"], user="agent")
         assert missing.exit_code == 127 and _who(missing) == (1000, 1000, "agent")
         assert [_who(p) for p in await client.list_processes()] == [(1000, 1000, "agent")]
-        await client.create_session(shell="/bin/sh", user="nobody")
-        assert [_who(s) for s in await client.list_sessions()] == [(65534, 65534, "nobody")]
+        await client.create_shell(shell="/bin/sh", user="nobody")
+        assert [_who(s) for s in await client.list_shells()] == [(65534, 65534, "nobody")]

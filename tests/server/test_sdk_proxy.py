@@ -169,16 +169,16 @@ async def test_the_adapters_command_surface_through_the_proxy(tmp_path: Path) ->
             payload = b"\x00\xff\xfe" * 1000
             copied = await sb.exec(["cat"], stdin=payload, encoding="base64")
             assert copied.stdout_bytes == payload
-            # 4. a session timeout that interrupts
-            shell = await sb.create_session(shell="/bin/bash", user="nobody")
+            # 4. a shell run that times out, interrupted
+            shell = await sb.create_shell(shell="/bin/bash", user="nobody")
             assert (shell.uid, shell.user) == (65534, "nobody")
-            assert (await sb.get_session(shell.id)).user == "nobody"
-            await sb.run_in_session(shell.id, "X=kept", check=True)
-            late = await sb.run_in_session(
+            assert (await sb.get_shell(shell.id)).user == "nobody"
+            await sb.run_in_shell(shell.id, "X=kept", check=True)
+            late = await sb.run_in_shell(
                 shell.id, "sleep 1000", timeout=0.3, on_timeout="interrupt", merge_stderr=True
             )
             assert late.timed_out and late.alive
-            assert (await sb.run_in_session(shell.id, "echo $X $(id -un)")).stdout == (
+            assert (await sb.run_in_shell(shell.id, "echo $X $(id -un)")).stdout == (
                 "kept nobody\n"
             )
             # 5. a cancelled exec: the client's connection to the service closes, the

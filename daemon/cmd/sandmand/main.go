@@ -1,5 +1,5 @@
 // Command sandmand is the in-sandbox daemon of Sandman: PID 1 of the
-// sandbox container, it runs commands, sessions and file operations for the
+// sandbox container, it runs commands, shells and file operations for the
 // client over HTTP (protocol v1, see daemon/PROTOCOL.md).
 package main
 

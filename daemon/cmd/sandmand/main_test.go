@@ -185,7 +185,7 @@ func TestSIGTERMStopsEverything(t *testing.T) {
 	p2 := d.post(t, "/v1/processes", "tok", map[string]any{"cmd": "trap '' TERM; echo trapped; sleep 60 & wait"})
 	// Until the shell has run `trap`, a SIGTERM would still end it.
 	waitOutput(t, d, p2["id"].(string), "trapped")
-	s := d.post(t, "/v1/sessions", "tok", map[string]any{})
+	s := d.post(t, "/v1/shells", "tok", map[string]any{})
 	pids := []int{int(p1["pid"].(float64)), int(p2["pid"].(float64)), int(s["pid"].(float64))}
 	for _, pid := range pids {
 		if err := syscall.Kill(pid, 0); err != nil {

@@ -5,7 +5,7 @@ import (
 	"strconv"
 )
 
-// markScanner splits one session stream into the run's output and the end
+// markScanner splits one shell stream into the run's output and the end
 // marker the shell prints after it. It never holds more than the marker's
 // length of unclassified bytes, so huge outputs cost no memory beyond max.
 type markScanner struct {

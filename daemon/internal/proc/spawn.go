@@ -1,5 +1,5 @@
 // Package proc runs commands: one-shot execs (buffered or streamed),
-// background processes and persistent shell sessions. Every child is started
+// background processes and persistent shells. Every child is started
 // through the reaper, in its own process group.
 package proc
 

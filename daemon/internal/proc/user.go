@@ -28,7 +28,7 @@ type identity struct {
 	spec     string // as the request spelled it, for messages
 }
 
-// Who is the user a process or session was started as: uid, gid and the
+// Who is the user a process or shell was started as: uid, gid and the
 // name passwd gives the uid ("" when it lists none).
 type Who struct {
 	UID, GID uint32

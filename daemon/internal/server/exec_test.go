@@ -28,7 +28,7 @@ func TestHealthAndSpecNeedNoAuth(t *testing.T) {
 
 func TestAuth(t *testing.T) {
 	ts := newTestServer(t)
-	for _, path := range []string{"/v1/processes", "/v1/sessions", "/v1/files/stat?path=/"} {
+	for _, path := range []string{"/v1/processes", "/v1/shells", "/v1/files/stat?path=/"} {
 		ts.want(ts.do("GET", path, nil, noToken), 401, "unauthorized")
 		ts.want(ts.do("GET", path, nil, withToken("wrong")), 401, "unauthorized")
 		ts.want(ts.do("GET", path, nil, withToken(testToken+"x")), 401, "unauthorized")

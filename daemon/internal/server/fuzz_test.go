@@ -90,9 +90,9 @@ func FuzzDecodeWait(f *testing.F) {
 	fuzzDecoder(f, func(b []byte) error { _, err := parseWait(b); return err })
 }
 
-func FuzzDecodeSessionCreate(f *testing.F) {
+func FuzzDecodeShellCreate(f *testing.F) {
 	fuzzDecoder(f, func(b []byte) error {
-		a, err := parseSessionCreate(b)
+		a, err := parseShellCreate(b)
 		if err == nil && a.user != "" && proc.CheckUserSpec(a.user) != nil {
 			panic("accepted a bad user")
 		}
@@ -100,9 +100,9 @@ func FuzzDecodeSessionCreate(f *testing.F) {
 	})
 }
 
-func FuzzDecodeSessionRun(f *testing.F) {
+func FuzzDecodeShellRun(f *testing.F) {
 	fuzzDecoder(f, func(b []byte) error {
-		a, err := parseSessionRun(b)
+		a, err := parseShellRun(b)
 		if err == nil && (a.maxOutput < 0 || a.enc == "" || a.timeout < 0 || (a.killGrace != nil && *a.killGrace < 0)) {
 			panic("accepted an inconsistent run request")
 		}

@@ -101,8 +101,8 @@ func newTestServer(t *testing.T, setup ...func(*Server)) *testServer {
 		for _, p := range srv.procs.List() {
 			_ = srv.procs.Delete(p.ID)
 		}
-		for _, s := range srv.sessions.List() {
-			_ = srv.sessions.Delete(s.ID)
+		for _, s := range srv.shells.List() {
+			_ = srv.shells.Delete(s.ID)
 		}
 		hs.Close()
 		os.RemoveAll(dir)

@@ -56,7 +56,7 @@ type Server struct {
 	log       *log.Logger
 	runner    *proc.Runner
 	procs     *proc.Manager
-	sessions  *proc.SessionManager
+	shells    *proc.ShellManager
 	tunnels   tunnels
 	routes    []route
 	conns     conns
@@ -85,7 +85,7 @@ func New(o Options) (*Server, error) {
 	runner.ChildOOMScoreAdj = o.ChildOOMScoreAdj
 	s := &Server{
 		version: o.Version, killGrace: o.KillGrace, started: time.Now(), log: o.Log,
-		runner: runner, procs: proc.NewManager(runner), sessions: proc.NewSessionManager(runner),
+		runner: runner, procs: proc.NewManager(runner), shells: proc.NewShellManager(runner),
 		listeners: o.Listeners, changesRoot: o.ChangesRoot,
 	}
 	if s.log == nil {
@@ -111,11 +111,11 @@ func New(o Options) (*Server, error) {
 		{"POST", "/v1/processes/{id}/signal", false, s.processSignal},
 		{"POST", "/v1/processes/{id}/wait", false, s.processWait},
 		{"POST", "/v1/processes/{id}/resize", false, s.processResize},
-		{"POST", "/v1/sessions", false, s.sessionCreate},
-		{"GET", "/v1/sessions", false, s.sessionList},
-		{"GET", "/v1/sessions/{id}", false, s.sessionGet},
-		{"DELETE", "/v1/sessions/{id}", false, s.sessionDelete},
-		{"POST", "/v1/sessions/{id}/run", false, s.sessionRun},
+		{"POST", "/v1/shells", false, s.shellCreate},
+		{"GET", "/v1/shells", false, s.shellList},
+		{"GET", "/v1/shells/{id}", false, s.shellGet},
+		{"DELETE", "/v1/shells/{id}", false, s.shellDelete},
+		{"POST", "/v1/shells/{id}/run", false, s.shellRun},
 		{"GET", "/v1/files", false, s.fileRead},
 		{"PUT", "/v1/files", false, s.fileWrite},
 		{"DELETE", "/v1/files", false, s.fileDelete},

@@ -47,7 +47,7 @@ func TestExecAsUser(t *testing.T) {
 	if r.str("stdout") != "/elsewhere\n" {
 		t.Errorf("env HOME: %s", r.body)
 	}
-	// Streamed, background, on a terminal and in a session: the same user.
+	// Streamed, background, on a terminal and in a shell: the same user.
 	resp, sc := ts.stream(map[string]any{"cmd": "id -u", "user": "agent"})
 	var out string
 	for sc.Scan() {
@@ -68,10 +68,10 @@ func TestExecAsUser(t *testing.T) {
 			t.Errorf("process (tty %v): %s", tty, o.body)
 		}
 	}
-	s := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"user": "agent:extra"}), 201)
+	s := ts.want(ts.do("POST", "/v1/shells", map[string]any{"user": "agent:extra"}), 201)
 	r = run(ts, s.str("id"), whoami)
 	if r.str("stdout") != "4321 4500 4500 /home/agent\n" {
-		t.Errorf("session: %s", r.body)
+		t.Errorf("shell: %s", r.body)
 	}
 }
 
@@ -84,11 +84,11 @@ func TestUnknownUserAndBadUser(t *testing.T) {
 		}
 		ts.want(ts.do("POST", "/v1/exec/stream", map[string]any{"argv": []string{"true"}, "user": user}), 404, "unknown_user")
 		ts.want(ts.do("POST", "/v1/processes", map[string]any{"argv": []string{"true"}, "user": user}), 404, "unknown_user")
-		ts.want(ts.do("POST", "/v1/sessions", map[string]any{"user": user}), 404, "unknown_user")
+		ts.want(ts.do("POST", "/v1/shells", map[string]any{"user": user}), 404, "unknown_user")
 	}
 	for _, user := range []any{"", "a:b:c", ":x", "99999999999", 5} {
 		ts.want(ts.do("POST", "/v1/exec", map[string]any{"argv": []string{"true"}, "user": user}), 400, "invalid_request")
-		ts.want(ts.do("POST", "/v1/sessions", map[string]any{"user": user}), 400, "invalid_request")
+		ts.want(ts.do("POST", "/v1/shells", map[string]any{"user": user}), 400, "invalid_request")
 	}
 }
 
@@ -141,21 +141,21 @@ func TestInfoSaysWhichUser(t *testing.T) {
 		{map[string]any{"user": "777"}, "777 0 null"},
 		{map[string]any{}, "0 0 root"},
 	} {
-		s := ts.want(ts.do("POST", "/v1/sessions", c.req), 201)
+		s := ts.want(ts.do("POST", "/v1/shells", c.req), 201)
 		if got := whoIn(s.json); got != c.want {
-			t.Errorf("session %v: started %s, want %s", c.req, got, c.want)
+			t.Errorf("shell %v: started %s, want %s", c.req, got, c.want)
 		}
-		if got := whoIn(ts.want(ts.do("GET", "/v1/sessions/"+s.str("id"), nil), 200).json); got != c.want {
-			t.Errorf("session %v: get %s, want %s", c.req, got, c.want)
+		if got := whoIn(ts.want(ts.do("GET", "/v1/shells/"+s.str("id"), nil), 200).json); got != c.want {
+			t.Errorf("shell %v: get %s, want %s", c.req, got, c.want)
 		}
 		// The reported uid is the shell's.
 		if r := run(ts, s.str("id"), "id -u"); r.str("stdout") != strings.Fields(c.want)[0]+"\n" {
-			t.Errorf("session %v: id -u %s", c.req, r.body)
+			t.Errorf("shell %v: id -u %s", c.req, r.body)
 		}
-		ts.want(ts.do("DELETE", "/v1/sessions/"+s.str("id"), nil), 204)
+		ts.want(ts.do("DELETE", "/v1/shells/"+s.str("id"), nil), 204)
 	}
-	for _, s := range ts.want(ts.do("GET", "/v1/sessions", nil), 200).json["sessions"].([]any) {
-		t.Errorf("session left: %v", s)
+	for _, s := range ts.want(ts.do("GET", "/v1/shells", nil), 200).json["shells"].([]any) {
+		t.Errorf("shell left: %v", s)
 	}
 }
 
@@ -167,14 +167,14 @@ func TestInfoSaysTheDaemonsOwnUser(t *testing.T) {
 	ts := newTestServer(t, func(s *Server) { s.runner.Etc = etc })
 	want := fmt.Sprintf("%d %d me", uid, gid)
 	p := ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "true"}), 201)
-	s := ts.want(ts.do("POST", "/v1/sessions", map[string]any{}), 201)
+	s := ts.want(ts.do("POST", "/v1/shells", map[string]any{}), 201)
 	if got := whoIn(p.json); got != want {
 		t.Errorf("process: %s, want %s", got, want)
 	}
 	if got := whoIn(s.json); got != want {
-		t.Errorf("session: %s, want %s", got, want)
+		t.Errorf("shell: %s, want %s", got, want)
 	}
-	ts.want(ts.do("DELETE", "/v1/sessions/"+s.str("id"), nil), 204)
+	ts.want(ts.do("DELETE", "/v1/shells/"+s.str("id"), nil), 204)
 	// Without a passwd entry the name is unknown.
 	os.WriteFile(filepath.Join(etc, "passwd"), []byte(""), 0o644)
 	p = ts.want(ts.do("POST", "/v1/processes", map[string]any{"cmd": "true"}), 201)

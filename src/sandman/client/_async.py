@@ -268,11 +268,17 @@ class AsyncSandbox:
     write_stdin = _guarded(DaemonClient.write_stdin)
     list_processes = _guarded(DaemonClient.list_processes)
 
-    create_session = _guarded(DaemonClient.create_session)
-    run_in_session = _guarded(DaemonClient.run_in_session)
-    close_session = _guarded(DaemonClient.close_session)
-    get_session = _guarded(DaemonClient.get_session)
-    list_sessions = _guarded(DaemonClient.list_sessions)
+    create_shell = _guarded(DaemonClient.create_shell)
+    run_in_shell = _guarded(DaemonClient.run_in_shell)
+    close_shell = _guarded(DaemonClient.close_shell)
+    get_shell = _guarded(DaemonClient.get_shell)
+    list_shells = _guarded(DaemonClient.list_shells)
+    # Deprecated: the shells' old names (CHANGELOG), the same calls.
+    create_session = create_shell
+    run_in_session = run_in_shell
+    close_session = close_shell
+    get_session = get_shell
+    list_sessions = list_shells
 
     read_file = _guarded(DaemonClient.read_file)
     read_file_stream = _guarded_stream(DaemonClient.read_file_stream)

@@ -129,11 +129,11 @@ class Sandbox:
     read_output = _blocking(AsyncSandbox.read_output)
     write_stdin = _blocking(AsyncSandbox.write_stdin)
     list_processes = _blocking(AsyncSandbox.list_processes)
-    create_session = _blocking(AsyncSandbox.create_session)
-    run_in_session = _blocking(AsyncSandbox.run_in_session)
-    close_session = _blocking(AsyncSandbox.close_session)
-    get_session = _blocking(AsyncSandbox.get_session)
-    list_sessions = _blocking(AsyncSandbox.list_sessions)
+    create_shell = _blocking(AsyncSandbox.create_shell)
+    run_in_shell = _blocking(AsyncSandbox.run_in_shell)
+    close_shell = _blocking(AsyncSandbox.close_shell)
+    get_shell = _blocking(AsyncSandbox.get_shell)
+    list_shells = _blocking(AsyncSandbox.list_shells)
     read_file = _blocking(AsyncSandbox.read_file)
     write_file = _blocking(AsyncSandbox.write_file)
     stat = _blocking(AsyncSandbox.stat)
@@ -150,6 +150,12 @@ class Sandbox:
     download_tree = _blocking(AsyncSandbox.download_tree)
     # Its listener runs on the portal's loop; `ExposedPort.close` (and ``with``) reach it there.
     expose = _blocking(AsyncSandbox.expose)
+    # Deprecated: the shells' old names (CHANGELOG), the same calls.
+    create_session = create_shell
+    run_in_session = run_in_shell
+    close_session = close_shell
+    get_session = get_shell
+    list_sessions = list_shells
 
 
 class Client:

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from ssl import SSLContext
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, Unpack
 
 from pydantic import BaseModel
 from pydantic_core import to_json
@@ -35,6 +35,7 @@ from sandman._transport import (
     iter_lines,
 )
 from sandman.daemon import protocol
+from sandman.daemon.protocol import ExecOptions
 from sandman.daemon.tunnel import Dialer, ExposedPort
 from sandman.daemon.untar import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_UNPACKED, TarExtractor
 from sandman.models import (
@@ -47,8 +48,8 @@ from sandman.models import (
     OnTimeout,
     ProcessInfo,
     ProcessOutput,
-    SessionInfo,
-    SessionRunResult,
+    ShellInfo,
+    ShellRunResult,
 )
 
 __all__ = ["DEFAULT_MAX_READ", "DaemonClient"]
@@ -297,82 +298,46 @@ class DaemonClient:
 
     # -- commands -----------------------------------------------------------
 
-    def _exec_payload(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None,
-        env: Mapping[str, str] | None,
-        stdin: str | bytes | None,
-        timeout: float | None,
-        kill_grace: float | None,
-        max_output: int | None,
-        shell: str | None,
-        encoding: Encoding,
-        user: str | int | None,
-        merge_stderr: bool,
-    ) -> dict[str, Any]:
-        payload = protocol.command_fields(
-            command, shell=shell, cwd=cwd, env=env, user=user, merge_stderr=merge_stderr
-        )
-        payload.update(
-            protocol.output_fields(max_output=max_output, encoding=encoding, timeout=timeout)
-        )
-        payload.update(protocol.stdin_fields(stdin))
-        if kill_grace is not None:
-            payload["kill_grace"] = kill_grace
-        return payload
-
     async def exec(
         self,
         command: str | Sequence[str],
         *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: str | bytes | None = None,
-        timeout: float | None = None,
-        kill_grace: float | None = None,
-        max_output: int | None = None,
-        shell: str | None = None,
-        encoding: Encoding = "utf-8",
-        user: str | int | None = None,
-        merge_stderr: bool = False,
         check: bool = False,
+        **options: Unpack[ExecOptions],
     ) -> ExecResult:
         """Run a command to completion: a string runs in ``shell -c``, a sequence as argv.
 
-        ``stdin`` is text or bytes (any bytes: they travel as base64), then
-        end-of-file; without it the command reads ``/dev/null``. ``user`` runs
-        it as that user: a name or uid, optionally ``:group``, looked up in the
-        sandbox's ``/etc/passwd`` and ``/etc/group`` (UnknownUser if missing;
-        its groups and ``HOME`` come along). ``merge_stderr=True`` gives the
-        command one pipe for both outputs: ``stdout`` holds them interleaved
-        as written, ``stderr`` is empty.
+        Its options (`ExecOptions`, all keywords, each absent by default):
+
+        - ``cwd``: the working directory (the daemon's by default).
+        - ``env``: variables added to the image's environment.
+        - ``stdin``: text or bytes (any bytes: they travel as base64), then
+          end-of-file; without it the command reads ``/dev/null``.
+        - ``timeout``: seconds it may run (None: no limit); then its process group
+          gets SIGTERM, and SIGKILL ``kill_grace`` seconds later.
+        - ``kill_grace``: those seconds (the daemon's, 2 by default).
+        - ``max_output``: bytes kept per stream (1 MiB by default); the rest is
+          dropped and ``truncated`` is true.
+        - ``shell``: the shell a command string runs in (``/bin/sh``); not for an argv.
+        - ``encoding``: ``"utf-8"`` (the default) or ``"base64"``, which keeps the
+          output's bytes exact.
+        - ``user``: run it as that user: a name or uid, optionally ``:group``,
+          looked up in the sandbox's ``/etc/passwd`` and ``/etc/group``
+          (UnknownUser if missing; its groups and ``HOME`` come along).
+        - ``merge_stderr``: ``True`` gives the command one pipe for both outputs:
+          ``stdout`` holds them interleaved as written, ``stderr`` is empty.
 
         A non-zero exit code is data (``result.exit_code``); ``check=True``
         raises CommandFailed for it, and ExecTimeout if the command timed out.
         Cancelling the call (a timeout around it, a cancelled task) kills the
         command's process group.
         """
-        payload = self._exec_payload(
-            command,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            timeout=timeout,
-            kill_grace=kill_grace,
-            max_output=max_output,
-            shell=shell,
-            encoding=encoding,
-            user=user,
-            merge_stderr=merge_stderr,
-        )
         result = await self._model(
             ExecResult,
             "POST",
             "/v1/exec",
-            payload,
-            deadline=self._command_deadline(timeout, kill_grace),
+            protocol.exec_fields(command, options),
+            deadline=self._command_deadline(options.get("timeout"), options.get("kill_grace")),
             timeout_error=errors.ExecTimeout,
         )
         if check:
@@ -381,41 +346,16 @@ class DaemonClient:
 
     @asynccontextmanager
     async def exec_stream(
-        self,
-        command: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: str | bytes | None = None,
-        timeout: float | None = None,
-        kill_grace: float | None = None,
-        max_output: int | None = None,
-        shell: str | None = None,
-        encoding: Encoding = "utf-8",
-        user: str | int | None = None,
-        merge_stderr: bool = False,
+        self, command: str | Sequence[str], **options: Unpack[ExecOptions]
     ) -> AsyncIterator[AsyncIterator[ExecEvent]]:
         """Run a command and read its output as it happens.
 
         ``async with client.exec_stream("make") as events: async for ev in events: ...``
         The last event is ``exit``. Leaving the block early kills the command.
-        The parameters are `exec`'s; with ``merge_stderr=True`` every output
-        event is ``stdout``.
+        The options are `exec`'s (`ExecOptions`); with ``merge_stderr=True`` every
+        output event is ``stdout``.
         """
-        payload = self._exec_payload(
-            command,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            timeout=timeout,
-            kill_grace=kill_grace,
-            max_output=max_output,
-            shell=shell,
-            encoding=encoding,
-            user=user,
-            merge_stderr=merge_stderr,
-        )
-        body = to_json(payload)
+        body = to_json(protocol.exec_fields(command, options))
         with _map_transport_errors(self._address):
             async with self._transport.stream(
                 "POST", "/v1/exec/stream", body=body, content_type=_JSON
@@ -532,18 +472,20 @@ class DaemonClient:
         """Kill the process's group if it runs, and forget it."""
         await self._call("DELETE", _process(process_id))
 
-    # -- shell sessions ---------------------------------------------------------
+    # -- shells -----------------------------------------------------------------
+    # Persistent shells, called sessions until the name was left to the client's
+    # lease session; the old names stay as aliases below.
 
-    async def create_session(
+    async def create_shell(
         self,
         *,
         shell: str | None = None,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | int | None = None,
-    ) -> SessionInfo:
+    ) -> ShellInfo:
         """Start a persistent shell (bash if the image has it, else sh): ``cd``,
-        exports and functions persist between `run_in_session` calls.
+        exports and functions persist between `run_in_shell` calls.
 
         ``user`` runs the shell, and so every command in it, as that user (as
         for `exec`)."""
@@ -555,20 +497,20 @@ class DaemonClient:
         if env:
             payload["env"] = dict(env)
         payload.update(protocol.user_fields(user))
-        return await self._model(SessionInfo, "POST", "/v1/sessions", payload)
+        return await self._model(ShellInfo, "POST", "/v1/shells", payload)
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        """Every shell session, alive or not."""
-        data = await self._json("GET", "/v1/sessions")
-        return [SessionInfo.model_validate(item) for item in data["sessions"]]
+    async def list_shells(self) -> list[ShellInfo]:
+        """Every shell, alive or not."""
+        data = await self._json("GET", "/v1/shells")
+        return [ShellInfo.model_validate(item) for item in data["shells"]]
 
-    async def get_session(self, session_id: str) -> SessionInfo:
-        """One session's state (``alive``)."""
-        return await self._model(SessionInfo, "GET", _session(session_id))
+    async def get_shell(self, shell_id: str) -> ShellInfo:
+        """One shell's state (``alive``)."""
+        return await self._model(ShellInfo, "GET", _shell(shell_id))
 
-    async def run_in_session(
+    async def run_in_shell(
         self,
-        session_id: str,
+        shell_id: str,
         command: str,
         *,
         timeout: float | None = None,
@@ -578,17 +520,17 @@ class DaemonClient:
         on_timeout: OnTimeout = "kill",
         kill_grace: float | None = None,
         check: bool = False,
-    ) -> SessionRunResult:
-        """Run a command in the session's shell; ``cd`` and ``export`` persist.
+    ) -> ShellRunResult:
+        """Run a command in the shell; ``cd`` and ``export`` persist.
 
         ``merge_stderr=True`` runs it with ``2>&1``: ``stdout`` holds both
         outputs interleaved, ``stderr`` is empty. On timeout (and if the call
-        is cancelled) the session is killed by default (``alive`` is false
+        is cancelled) the shell is killed by default (``alive`` is false
         afterwards). ``on_timeout="interrupt"`` sends SIGINT instead, as
         Ctrl-C: the rest of the command line is skipped and the shell lives
         on with its state (``timed_out`` and ``alive`` true, exit code 130);
         only if the command line is still running ``kill_grace`` seconds
-        later (default 2) is the session killed.
+        later (default 2) is the shell killed.
         """
         payload: dict[str, Any] = {"cmd": command}
         payload.update(
@@ -601,9 +543,9 @@ class DaemonClient:
         if kill_grace is not None:
             payload["kill_grace"] = kill_grace
         result = await self._model(
-            SessionRunResult,
+            ShellRunResult,
             "POST",
-            _session(session_id, "run"),
+            _shell(shell_id, "run"),
             payload,
             deadline=self._command_deadline(timeout, kill_grace),
             timeout_error=errors.ExecTimeout,
@@ -612,9 +554,16 @@ class DaemonClient:
             _check(command, result.exit_code, result.timed_out, result.stdout, result.stderr)
         return result
 
-    async def close_session(self, session_id: str) -> None:
-        """Kill the session's shell and everything it started."""
-        await self._call("DELETE", _session(session_id))
+    async def close_shell(self, shell_id: str) -> None:
+        """Kill the shell and everything it started."""
+        await self._call("DELETE", _shell(shell_id))
+
+    # Deprecated: the shells' old names (CHANGELOG), the same calls.
+    create_session = create_shell
+    list_sessions = list_shells
+    get_session = get_shell
+    run_in_session = run_in_shell
+    close_session = close_shell
 
     # -- files ----------------------------------------------------------------
 
@@ -989,8 +938,8 @@ def _process(process_id: str, action: str | None = None) -> str:
     return f"{base}/{action}" if action else base
 
 
-def _session(session_id: str, action: str | None = None) -> str:
-    base = f"/v1/sessions/{protocol.quote_segment(session_id)}"
+def _shell(shell_id: str, action: str | None = None) -> str:
+    base = f"/v1/shells/{protocol.quote_segment(shell_id)}"
     return f"{base}/{action}" if action else base
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import quote, urlencode
 
 from sandman import errors
@@ -18,8 +18,10 @@ from sandman.models import Encoding
 __all__ = [
     "ERROR_CLASSES",
     "PROTOCOL_VERSION",
+    "ExecOptions",
     "command_fields",
     "error_from_response",
+    "exec_fields",
     "output_fields",
     "quote_segment",
     "stdin_fields",
@@ -51,8 +53,8 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     "unsafe_archive": errors.UnsafeArchive,
     "file_too_large": errors.FileTooLarge,
     "not_a_regular_file": errors.NotARegularFile,
-    "session_busy": errors.SessionBusy,
-    "session_closed": errors.SessionClosed,
+    "shell_busy": errors.ShellBusy,
+    "shell_closed": errors.ShellClosed,
     "stdin_closed": errors.StdinClosed,
     # Resizing a process without a terminal is the caller's mistake.
     "not_a_tty": errors.InvalidRequest,
@@ -93,8 +95,60 @@ def target(endpoint: str, /, **params: object) -> str:
 
 
 def quote_segment(value: str) -> str:
-    """Quote one path segment (a process or session id) for a request target."""
+    """Quote one path segment (a process or shell id) for a request target."""
     return quote(value, safe="")
+
+
+class ExecOptions(TypedDict, total=False):
+    """Exec's options, written once; `DaemonClient.exec`'s docstring says what each does.
+
+    `DaemonClient.exec` and ``exec_stream`` take them as keywords
+    (``**options: Unpack[ExecOptions]``), and so do `AsyncSandbox`'s and `Sandbox`'s,
+    derived from those; `exec_fields` puts them on the wire. A new option is a field
+    here, its line in `exec_fields` and in ``exec``'s docstring, and the daemon's side:
+    the list is in ``docs/architecture.md`` ("A new exec option").
+    """
+
+    cwd: str | None
+    env: Mapping[str, str] | None
+    stdin: str | bytes | None
+    timeout: float | None
+    kill_grace: float | None
+    max_output: int | None
+    shell: str | None
+    encoding: Encoding
+    user: str | int | None
+    merge_stderr: bool
+
+
+def exec_fields(command: str | Sequence[str], options: ExecOptions) -> dict[str, Any]:
+    """The body of ``POST /v1/exec`` (and ``/v1/exec/stream``) for ``command`` and ``options``.
+
+    A key that is not an `ExecOptions` field is a TypeError, as an unknown keyword is.
+    """
+    unknown = options.keys() - ExecOptions.__optional_keys__
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {min(unknown)!r}: not an exec option")
+    fields = command_fields(
+        command,
+        shell=options.get("shell"),
+        cwd=options.get("cwd"),
+        env=options.get("env"),
+        user=options.get("user"),
+        merge_stderr=options.get("merge_stderr", False),
+    )
+    fields.update(
+        output_fields(
+            max_output=options.get("max_output"),
+            encoding=options.get("encoding", "utf-8"),
+            timeout=options.get("timeout"),
+        )
+    )
+    fields.update(stdin_fields(options.get("stdin")))
+    kill_grace = options.get("kill_grace")
+    if kill_grace is not None:
+        fields["kill_grace"] = kill_grace
+    return fields
 
 
 def command_fields(

@@ -149,7 +149,7 @@ class SandmanSandboxEnvironment(SandboxEnvironment):
     def __init__(self, sandbox: AsyncSandbox) -> None:
         super().__init__()
         self.sandbox = sandbox
-        """The Sandman sandbox underneath (sessions, spawn, uploads, ...)."""
+        """The Sandman sandbox underneath (shells, spawn, uploads, ...)."""
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -9,11 +9,12 @@ SWE-ReX's ``DeploymentConfig`` is a closed union, so the route is programmatic::
                  post_startup_commands=[])
 
 No process runs inside the sandbox but Sandman's daemon: the runtime's calls go to
-it directly. Bash sessions keep SWE-ReX's semantics on the daemon's shell
-sessions: each command is syntax-checked first (``BashIncorrectSyntaxError``),
-stdout and stderr come back merged, a command that times out is interrupted
-(SIGINT, as Ctrl-C) and raises ``CommandTimeoutError`` while the session lives on
-with its state, and ``BashInterruptAction`` then finds the shell at its prompt.
+it directly. Bash sessions keep SWE-ReX's semantics on the daemon's shells
+(``AsyncSandbox.create_shell``): each command is syntax-checked first
+(``BashIncorrectSyntaxError``), stdout and stderr come back merged, a command that
+times out is interrupted (SIGINT, as Ctrl-C) and raises ``CommandTimeoutError``
+while the session lives on with its state, and ``BashInterruptAction`` then finds
+the shell at its prompt.
 
 SWE-agent runs every runtime call in its own ``asyncio.run``: the sandbox lives
 on the process-wide client's own loop (``_client.shared_client``), so it
@@ -201,7 +202,7 @@ class _Program:
 
 @dataclass
 class _Session:
-    id: str
+    id: str  # of the daemon's shell that holds it
     shell: str
     request: CreateBashSessionRequest
     alive: bool = True
@@ -260,7 +261,7 @@ class SandmanRuntime(AbstractRuntime):
     async def _start_session(self, request: CreateBashSessionRequest) -> str:
         """Start the session's shell, register it (also if sourcing then times out, as
         SWE-ReX does), source the startup files; their output."""
-        info = await self._call(self._sandbox.create_session, shell=self._shell)
+        info = await self._call(self._sandbox.create_shell, shell=self._shell)
         session = self._sessions[request.session] = _Session(info.id, info.shell, request)
         if not request.startup_source:
             return ""
@@ -270,7 +271,7 @@ class SandmanRuntime(AbstractRuntime):
             for p in request.startup_source
         )
         result = await self._call(
-            self._sandbox.run_in_session, session.id, sources, timeout=request.startup_timeout,
+            self._sandbox.run_in_shell, session.id, sources, timeout=request.startup_timeout,
             merge_stderr=True, on_timeout="interrupt", max_output=self._max_output,
         )  # fmt: skip
         session.alive = result.alive
@@ -294,7 +295,7 @@ class SandmanRuntime(AbstractRuntime):
             return session
         self.logger.warning("session %r had ended; starting it again", name)
         with contextlib.suppress(SandmanRuntimeError):
-            await self._call(self._sandbox.close_session, session.id)
+            await self._call(self._sandbox.close_shell, session.id)
         await self._start_session(session.request)
         return self._sessions[name]
 
@@ -335,7 +336,7 @@ class SandmanRuntime(AbstractRuntime):
         session = await self._revive(action.session)
         await self._check_syntax(session, action.command)
         result = await self._call(
-            self._sandbox.run_in_session, session.id, action.command, timeout=action.timeout,
+            self._sandbox.run_in_shell, session.id, action.command, timeout=action.timeout,
             merge_stderr=True, on_timeout="interrupt", max_output=self._max_output,
         )  # fmt: skip
         session.alive = result.alive
@@ -361,7 +362,7 @@ class SandmanRuntime(AbstractRuntime):
         if program is None:
             # Started as the session's shell would start it: its directory, its exports.
             where = await self._call(
-                self._sandbox.run_in_session, session.id, "pwd; export -p", timeout=30
+                self._sandbox.run_in_shell, session.id, "pwd; export -p", timeout=30
             )
             cwd, _, exports = where.stdout.partition("\n")
             script = f"cd -- {shlex.quote(cwd)}\n{exports}\n{action.command}"
@@ -443,7 +444,7 @@ class SandmanRuntime(AbstractRuntime):
         with contextlib.suppress(SandmanRuntimeError):  # already ended
             if session.program is not None:
                 await self._call(self._sandbox.kill, session.program.id)
-            await self._call(self._sandbox.close_session, session.id)
+            await self._call(self._sandbox.close_shell, session.id)
         return CloseBashSessionResponse()
 
     # -- one-off commands and files -----------------------------------------------------------

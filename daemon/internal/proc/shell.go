@@ -23,13 +23,13 @@ import (
 // otherwise hang the run.
 const markerGrace = 500 * time.Millisecond
 
-// Session is a persistent shell; runs are evaluated in the shell itself so
-// cd, variables and functions persist.
-type Session struct {
-	ID    string
-	Shell string
-	Pid   int
-	Who   Who // the user the shell runs as
+// Shell is a persistent shell (the API's /v1/shells, once called sessions); runs
+// are evaluated in the shell itself so cd, variables and functions persist.
+type Shell struct {
+	ID   string
+	Path string // the shell program
+	Pid  int
+	Who  Who // the user the shell runs as
 
 	seq        int
 	stdinRedir string // "</dev/null", or "<&-" in a rootfs without /dev/null
@@ -42,18 +42,18 @@ type Session struct {
 	runMu      sync.Mutex    // held for a whole run; TryLock failing means busy
 
 	mu       sync.Mutex
-	cur      *sessRun
+	cur      *shellRun
 	progress chan struct{} // poked (non-blocking) when a scanner completes
 }
 
-type sessRun struct {
+type shellRun struct {
 	out, err markScanner
 }
 
 // Alive reports whether the shell is still running.
-func (s *Session) Alive() bool { return !s.child.Exited() }
+func (s *Shell) Alive() bool { return !s.child.Exited() }
 
-func (s *Session) pump(f *os.File, stream int) {
+func (s *Shell) pump(f *os.File, stream int) {
 	defer func() { s.pumpDone <- struct{}{} }()
 	buf := make([]byte, 32<<10)
 	for {
@@ -95,7 +95,7 @@ func shQuote(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
-// interruptTrap is the session shell's SIGINT trap, set when the shell
+// interruptTrap is a Shell's SIGINT trap, set when the shell
 // starts and again by every interruptible run: a SIGINT makes the shell
 // leave every loop it is in (a run wraps its command in one), so the rest of
 // the command line is skipped as Ctrl-C would, and the shell lives on. Its
@@ -103,7 +103,7 @@ func shQuote(s string) string {
 // outside a loop does nothing.
 const interruptTrap = "trap '__sandman_int=1; break 1000 2>/dev/null' INT"
 
-// RunOptions are the knobs of one session run.
+// RunOptions are the knobs of one run in a shell.
 type RunOptions struct {
 	Cmd       string
 	Timeout   time.Duration // <= 0: none
@@ -112,9 +112,9 @@ type RunOptions struct {
 	// stream, reported as stdout.
 	MergeStderr bool
 	// Interrupt, on timeout (or when the client goes away), sends SIGINT to
-	// the session's process group and waits up to Grace for the command line
-	// to end, so the shell and its state survive; only then is the session
-	// killed. Otherwise the session is killed at once.
+	// the shell's process group and waits up to Grace for the command line
+	// to end, so the shell and its state survive; only then is the shell
+	// killed. Otherwise the shell is killed at once.
 	Interrupt bool
 	Grace     time.Duration
 }
@@ -123,7 +123,7 @@ type RunOptions struct {
 // syntax error from killing a POSIX shell; each stream ends with a fresh
 // random marker line whose leading newline we strip again, so output without
 // a final newline comes back unchanged.
-func (s *Session) script(o RunOptions, mark string) string {
+func (s *Shell) script(o RunOptions, mark string) string {
 	run := "command eval " + shQuote(o.Cmd) + " " + s.stdinRedir
 	if o.MergeStderr {
 		run += " 2>&1"
@@ -140,23 +140,23 @@ func (s *Session) script(o RunOptions, mark string) string {
 }
 
 // Run evaluates o.Cmd in the shell.
-func (s *Session) Run(ctx context.Context, o RunOptions) (*RunResult, error) {
+func (s *Shell) Run(ctx context.Context, o RunOptions) (*RunResult, error) {
 	<-s.ready // the shell reads its lines in order: this costs the run nothing
 	if !s.runMu.TryLock() {
-		return nil, apierr.New(http.StatusConflict, "session_busy", "a run is already in progress on session %s", s.ID)
+		return nil, apierr.New(http.StatusConflict, "shell_busy", "a run is already in progress in shell %s", s.ID)
 	}
 	defer s.runMu.Unlock()
 	return s.run(ctx, o)
 }
 
-func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
+func (s *Shell) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 	if !s.Alive() {
-		return nil, apierr.New(http.StatusConflict, "session_closed", "the shell of session %s has exited", s.ID)
+		return nil, apierr.New(http.StatusConflict, "shell_closed", "shell %s has exited", s.ID)
 	}
 	var rb [16]byte
 	_, _ = rand.Read(rb[:])
 	mark := "__sandman_" + hex.EncodeToString(rb[:])
-	run := &sessRun{
+	run := &shellRun{
 		out: markScanner{pat: []byte("\n" + mark + " "), wantRC: true, max: o.MaxOutput},
 		err: markScanner{pat: []byte("\n" + mark + "\n"), max: o.MaxOutput},
 	}
@@ -255,9 +255,9 @@ func (s *Session) run(ctx context.Context, o RunOptions) (*RunResult, error) {
 	return res, nil
 }
 
-// interrupt sends SIGINT to the session's group when the run asked for it;
-// false means "kill the session now".
-func (s *Session) interrupt(o RunOptions) bool {
+// interrupt sends SIGINT to the shell's group when the run asked for it;
+// false means "kill the shell now".
+func (s *Shell) interrupt(o RunOptions) bool {
 	return o.Interrupt && syscall.Kill(-s.Pid, syscall.SIGINT) == nil
 }
 
@@ -270,7 +270,7 @@ func graceAfter(o RunOptions, killing bool) <-chan time.Time {
 }
 
 // kill ends the shell and everything in its group.
-func (s *Session) kill() {
+func (s *Shell) kill() {
 	if !s.child.Exited() {
 		_ = syscall.Kill(-s.Pid, syscall.SIGKILL)
 	}
@@ -279,38 +279,39 @@ func (s *Session) kill() {
 	_ = s.stderr.SetReadDeadline(time.Unix(1, 0))
 }
 
-// SessionManager holds the sessions by id.
-type SessionManager struct {
-	r        *Runner
-	mu       sync.Mutex
-	sessions map[string]*Session
-	seq      int
+// ShellManager holds the shells by id.
+type ShellManager struct {
+	r      *Runner
+	mu     sync.Mutex
+	shells map[string]*Shell
+	seq    int
 }
 
-// NewSessionManager returns an empty SessionManager.
-func NewSessionManager(r *Runner) *SessionManager {
-	return &SessionManager{r: r, sessions: make(map[string]*Session)}
+// NewShellManager returns an empty ShellManager.
+func NewShellManager(r *Runner) *ShellManager {
+	return &ShellManager{r: r, shells: make(map[string]*Shell)}
 }
 
-// DefaultSessionShell is /bin/bash when the image has it, else /bin/sh.
-func DefaultSessionShell() string {
+// DefaultShellProgram is what a Shell runs unless told: /bin/bash when the image has
+// it, else /bin/sh.
+func DefaultShellProgram() string {
 	if checkExecutable("/bin/bash") == nil {
 		return "/bin/bash"
 	}
 	return "/bin/sh"
 }
 
-// sessionInitTimeout bounds the shell's first run, which sets its SIGINT trap.
-const sessionInitTimeout = 10 * time.Second
+// shellInitTimeout bounds the shell's first run, which sets its SIGINT trap.
+const shellInitTimeout = 10 * time.Second
 
 // Start launches a shell, as user if not empty, and has it set its SIGINT
 // trap (see interruptTrap) before it takes any run, so that no interrupt can
 // come before it; that first line runs in the background (the shell would
-// read it before a run's anyway), so starting a session costs no round trip.
+// read it before a run's anyway), so starting a shell costs no round trip.
 // A shell that cannot be launched is not_found.
-func (m *SessionManager) Start(shell, dir string, env map[string]string, user string) (*Session, error) {
+func (m *ShellManager) Start(shell, dir string, env map[string]string, user string) (*Shell, error) {
 	if shell == "" {
-		shell = DefaultSessionShell()
+		shell = DefaultShellProgram()
 	}
 	st, err := m.r.start(&Command{Argv: []string{shell}, Dir: dir, Env: env, User: user}, true)
 	if err != nil {
@@ -320,8 +321,8 @@ func (m *SessionManager) Start(shell, dir string, env map[string]string, user st
 		}
 		return nil, err
 	}
-	s := &Session{
-		Shell: shell, Pid: st.child.Pid, Who: m.r.whoOf(st.id), child: st.child, stdinRedir: "</dev/null",
+	s := &Shell{
+		Path: shell, Pid: st.child.Pid, Who: m.r.whoOf(st.id), child: st.child, stdinRedir: "</dev/null",
 		stdin: st.stdin, stdout: st.stdout, stderr: st.stderr,
 		pumpDone: make(chan struct{}, 2), progress: make(chan struct{}, 1),
 		ready: make(chan struct{}),
@@ -337,32 +338,32 @@ func (m *SessionManager) Start(shell, dir string, env map[string]string, user st
 		defer s.runMu.Unlock()
 		// A shell that dies here (or hangs) is then reported with alive
 		// false, as one that exits on its own.
-		_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: sessionInitTimeout})
+		_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: shellInitTimeout})
 	}()
 	m.mu.Lock()
 	m.seq++
 	s.seq = m.seq
 	s.ID = fmt.Sprintf("s-%d", m.seq)
-	m.sessions[s.ID] = s
+	m.shells[s.ID] = s
 	m.mu.Unlock()
 	return s, nil
 }
 
-// Get finds a session by id.
-func (m *SessionManager) Get(id string) (*Session, error) {
+// Get finds a shell by id.
+func (m *ShellManager) Get(id string) (*Shell, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if s := m.sessions[id]; s != nil {
+	if s := m.shells[id]; s != nil {
 		return s, nil
 	}
-	return nil, apierr.NotFound("no session %q", id)
+	return nil, apierr.NotFound("no shell %q", id)
 }
 
-// List returns the sessions in creation order.
-func (m *SessionManager) List() []*Session {
+// List returns the shells in creation order.
+func (m *ShellManager) List() []*Shell {
 	m.mu.Lock()
-	ss := make([]*Session, 0, len(m.sessions))
-	for _, s := range m.sessions {
+	ss := make([]*Shell, 0, len(m.shells))
+	for _, s := range m.shells {
 		ss = append(ss, s)
 	}
 	m.mu.Unlock()
@@ -370,14 +371,14 @@ func (m *SessionManager) List() []*Session {
 	return ss
 }
 
-// Delete kills the session's process group and forgets it.
-func (m *SessionManager) Delete(id string) error {
+// Delete kills the shell's process group and forgets it.
+func (m *ShellManager) Delete(id string) error {
 	m.mu.Lock()
-	s := m.sessions[id]
-	delete(m.sessions, id)
+	s := m.shells[id]
+	delete(m.shells, id)
 	m.mu.Unlock()
 	if s == nil {
-		return apierr.NotFound("no session %q", id)
+		return apierr.NotFound("no shell %q", id)
 	}
 	s.kill()
 	return nil

@@ -19,7 +19,7 @@ func run(ts *testServer, id, cmd string, extra ...map[string]any) *response {
 			body[k] = v
 		}
 	}
-	return ts.want(ts.do("POST", "/v1/sessions/"+id+"/run", body), 200)
+	return ts.want(ts.do("POST", "/v1/shells/"+id+"/run", body), 200)
 }
 
 // shells to check: bash, dash and busybox ash (reached via a symlink named
@@ -41,12 +41,12 @@ func shells(t *testing.T) []string {
 	return have
 }
 
-func TestSessionPersistsState(t *testing.T) {
+func TestShellPersistsState(t *testing.T) {
 	ts := newTestServer(t)
 	for _, sh := range shells(t) {
 		t.Run(filepath.Base(sh), func(t *testing.T) {
 			ts.t = t
-			r := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": sh, "env": map[string]string{"GREETING": "hi"}}), 201)
+			r := ts.want(ts.do("POST", "/v1/shells", map[string]any{"shell": sh, "env": map[string]string{"GREETING": "hi"}}), 201)
 			id := r.str("id")
 			if !r.boolean("alive") || r.str("shell") != sh {
 				t.Fatalf("create: %s", r.body)
@@ -85,55 +85,55 @@ func TestSessionPersistsState(t *testing.T) {
 			if r.num("exit_code") != 7 || r.boolean("alive") {
 				t.Fatalf("exit: %s", r.body)
 			}
-			ts.want(ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "true"}), 409, "session_closed")
-			r = ts.want(ts.do("GET", "/v1/sessions/"+id, nil), 200)
+			ts.want(ts.do("POST", "/v1/shells/"+id+"/run", map[string]any{"cmd": "true"}), 409, "shell_closed")
+			r = ts.want(ts.do("GET", "/v1/shells/"+id, nil), 200)
 			if r.boolean("alive") {
 				t.Fatalf("get: %s", r.body)
 			}
-			ts.want(ts.do("DELETE", "/v1/sessions/"+id, nil), 204)
+			ts.want(ts.do("DELETE", "/v1/shells/"+id, nil), 204)
 		})
 	}
 }
 
-func TestSessionTimeoutClosesIt(t *testing.T) {
+func TestShellTimeoutClosesIt(t *testing.T) {
 	ts := newTestServer(t)
-	r := ts.want(ts.do("POST", "/v1/sessions", nil), 201)
+	r := ts.want(ts.do("POST", "/v1/shells", nil), 201)
 	id, pgid := r.str("id"), int(r.num("pid"))
 	r = run(ts, id, "echo before; sleep 30", map[string]any{"timeout": 0.2})
 	if !r.boolean("timed_out") || r.boolean("alive") || r.str("stdout") != "before\n" {
 		t.Fatalf("timeout: %s", r.body)
 	}
-	eventually(t, 5*time.Second, "the session's group to be gone", func() bool { return groupGone(pgid) })
-	ts.want(ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "true"}), 409, "session_closed")
+	eventually(t, 5*time.Second, "the shell's group to be gone", func() bool { return groupGone(pgid) })
+	ts.want(ts.do("POST", "/v1/shells/"+id+"/run", map[string]any{"cmd": "true"}), 409, "shell_closed")
 }
 
-func TestSessionBusy(t *testing.T) {
+func TestShellBusy(t *testing.T) {
 	ts := newTestServer(t)
-	id := ts.want(ts.do("POST", "/v1/sessions", map[string]any{}), 201).str("id")
+	id := ts.want(ts.do("POST", "/v1/shells", map[string]any{}), 201).str("id")
 	marker := filepath.Join(t.TempDir(), "started")
 	var wg sync.WaitGroup
 	wg.Add(1)
 	var first *response
 	go func() {
 		defer wg.Done()
-		first = ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "touch " + marker + "; sleep 0.5; echo done"})
+		first = ts.do("POST", "/v1/shells/"+id+"/run", map[string]any{"cmd": "touch " + marker + "; sleep 0.5; echo done"})
 	}()
 	eventually(t, 5*time.Second, "the first run to start", func() bool { _, err := os.Stat(marker); return err == nil })
-	ts.want(ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "true"}), 409, "session_busy")
+	ts.want(ts.do("POST", "/v1/shells/"+id+"/run", map[string]any{"cmd": "true"}), 409, "shell_busy")
 	wg.Wait()
 	if first.status != 200 || !strings.Contains(string(first.body), `"stdout":"done\n"`) {
 		t.Fatalf("first run: %d %s", first.status, first.body)
 	}
 }
 
-func TestSessionEndpoints(t *testing.T) {
+func TestShellEndpoints(t *testing.T) {
 	ts := newTestServer(t)
-	r := ts.want(ts.do("POST", "/v1/sessions", ""), 201)
+	r := ts.want(ts.do("POST", "/v1/shells", ""), 201)
 	if r.str("shell") != "/bin/bash" {
 		t.Fatalf("default shell: %s", r.body)
 	}
 	id := r.str("id")
-	r = ts.want(ts.do("GET", "/v1/sessions", nil), 200)
+	r = ts.want(ts.do("GET", "/v1/shells", nil), 200)
 	if !strings.Contains(string(r.body), `"id":"`+id+`"`) {
 		t.Fatalf("list: %s", r.body)
 	}
@@ -142,23 +142,23 @@ func TestSessionEndpoints(t *testing.T) {
 		t.Fatalf("truncation: %s", r.body)
 	}
 	for _, bad := range []string{`{}`, `{"cmd":1}`, `{"cmd":"true","timeout":0}`, `{"cmd":"true","x":1}`, `{"cmd":"true","encoding":"x"}`} {
-		ts.want(ts.do("POST", "/v1/sessions/"+id+"/run", bad), 400, "invalid_request")
+		ts.want(ts.do("POST", "/v1/shells/"+id+"/run", bad), 400, "invalid_request")
 	}
-	ts.want(ts.do("POST", "/v1/sessions/s-999/run", map[string]any{"cmd": "true"}), 404, "not_found")
-	ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": "/no/such/shell"}), 404, "not_found")
-	ts.want(ts.do("POST", "/v1/sessions", map[string]any{"cwd": "/no/such/dir"}), 404, "not_found")
-	ts.want(ts.do("POST", "/v1/sessions", `{"shell":5}`), 400, "invalid_request")
-	ts.want(ts.do("DELETE", "/v1/sessions/"+id, nil), 204)
-	ts.want(ts.do("GET", "/v1/sessions/"+id, nil), 404, "not_found")
-	ts.want(ts.do("DELETE", "/v1/sessions/"+id, nil), 404, "not_found")
+	ts.want(ts.do("POST", "/v1/shells/s-999/run", map[string]any{"cmd": "true"}), 404, "not_found")
+	ts.want(ts.do("POST", "/v1/shells", map[string]any{"shell": "/no/such/shell"}), 404, "not_found")
+	ts.want(ts.do("POST", "/v1/shells", map[string]any{"cwd": "/no/such/dir"}), 404, "not_found")
+	ts.want(ts.do("POST", "/v1/shells", `{"shell":5}`), 400, "invalid_request")
+	ts.want(ts.do("DELETE", "/v1/shells/"+id, nil), 204)
+	ts.want(ts.do("GET", "/v1/shells/"+id, nil), 404, "not_found")
+	ts.want(ts.do("DELETE", "/v1/shells/"+id, nil), 404, "not_found")
 }
 
-func TestSessionMergeStderr(t *testing.T) {
+func TestShellMergeStderr(t *testing.T) {
 	ts := newTestServer(t)
 	for _, sh := range shells(t) {
 		t.Run(filepath.Base(sh), func(t *testing.T) {
 			ts.t = t
-			id := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": sh}), 201).str("id")
+			id := ts.want(ts.do("POST", "/v1/shells", map[string]any{"shell": sh}), 201).str("id")
 			r := run(ts, id, "cd /; echo out1; echo err1 >&2; echo out2", map[string]any{"merge_stderr": true})
 			if r.str("stdout") != "out1\nerr1\nout2\n" || r.str("stderr") != "" || r.num("exit_code") != 0 {
 				t.Fatalf("merged: %s", r.body)
@@ -173,13 +173,13 @@ func TestSessionMergeStderr(t *testing.T) {
 
 // on_timeout=interrupt: SIGINT abandons the command line; the shell, its
 // variables and its directory survive.
-func TestSessionTimeoutInterrupts(t *testing.T) {
+func TestShellTimeoutInterrupts(t *testing.T) {
 	ts := newTestServer(t)
 	interrupt := map[string]any{"timeout": 0.3, "on_timeout": "interrupt"}
 	for _, sh := range shells(t) {
 		t.Run(filepath.Base(sh), func(t *testing.T) {
 			ts.t = t
-			r := ts.want(ts.do("POST", "/v1/sessions", map[string]any{"shell": sh}), 201)
+			r := ts.want(ts.do("POST", "/v1/shells", map[string]any{"shell": sh}), 201)
 			id, shellPid := r.str("id"), int(r.num("pid"))
 			dir := t.TempDir()
 			pidFile := filepath.Join(dir, "pid")
@@ -206,7 +206,7 @@ func TestSessionTimeoutInterrupts(t *testing.T) {
 			if groupGone(shellPid) {
 				t.Fatal("the shell's group is gone")
 			}
-			// A command that ignores SIGINT: the session is killed kill_grace later.
+			// A command that ignores SIGINT: the shell is killed kill_grace later.
 			t0 := time.Now()
 			r = run(ts, id, "sh -c \"trap '' INT; sleep 30\"", map[string]any{"timeout": 0.2, "on_timeout": "interrupt", "kill_grace": 0.2})
 			if !r.boolean("timed_out") || r.boolean("alive") || r.num("exit_code") != 137 {
@@ -215,22 +215,22 @@ func TestSessionTimeoutInterrupts(t *testing.T) {
 			if d := time.Since(t0); d > 5*time.Second {
 				t.Fatalf("stubborn took %v", d)
 			}
-			eventually(t, 5*time.Second, "the session's group to be gone", func() bool { return groupGone(shellPid) })
+			eventually(t, 5*time.Second, "the shell's group to be gone", func() bool { return groupGone(shellPid) })
 		})
 	}
 }
 
 // With interrupt, a client that goes away interrupts the run too, and the
-// session lives on.
-func TestSessionInterruptOnDisconnect(t *testing.T) {
+// shell lives on.
+func TestShellInterruptOnDisconnect(t *testing.T) {
 	ts := newTestServer(t)
-	id := ts.want(ts.do("POST", "/v1/sessions", nil), 201).str("id")
+	id := ts.want(ts.do("POST", "/v1/shells", nil), 201).str("id")
 	marker := filepath.Join(t.TempDir(), "started")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
 		body := `{"cmd":"X=1; touch ` + marker + `; sleep 30","on_timeout":"interrupt"}`
-		req, _ := http.NewRequestWithContext(ctx, "POST", "http://sandmand/v1/sessions/"+id+"/run", strings.NewReader(body))
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://sandmand/v1/shells/"+id+"/run", strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+testToken)
 		resp, err := ts.client.Do(req)
 		if err == nil {
@@ -242,8 +242,8 @@ func TestSessionInterruptOnDisconnect(t *testing.T) {
 	cancel()
 	<-done
 	var r *response
-	eventually(t, 5*time.Second, "the session to be free again", func() bool {
-		r = ts.do("POST", "/v1/sessions/"+id+"/run", map[string]any{"cmd": "echo $X"})
+	eventually(t, 5*time.Second, "the shell to be free again", func() bool {
+		r = ts.do("POST", "/v1/shells/"+id+"/run", map[string]any{"cmd": "echo $X"})
 		return r.status == 200
 	})
 	if r.str("stdout") != "1\n" || !r.boolean("alive") {

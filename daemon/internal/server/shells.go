@@ -7,22 +7,22 @@ import (
 	"sandman/daemon/internal/proc"
 )
 
-// SessionCreateRequest is the body of POST /v1/sessions.
-type SessionCreateRequest struct {
+// ShellCreateRequest is the body of POST /v1/shells.
+type ShellCreateRequest struct {
 	Shell *string           `json:"shell"`
 	Cwd   *string           `json:"cwd"`
 	Env   map[string]string `json:"env"`
 	User  *string           `json:"user"`
 }
 
-type sessionArgs struct {
+type shellArgs struct {
 	shell, cwd, user string
 	env              map[string]string
 }
 
-func parseSessionCreate(data []byte) (sessionArgs, error) {
-	var req SessionCreateRequest
-	var a sessionArgs
+func parseShellCreate(data []byte) (shellArgs, error) {
+	var req ShellCreateRequest
+	var a shellArgs
 	if err := decodeJSON(data, &req); err != nil {
 		return a, err
 	}
@@ -48,8 +48,8 @@ func parseSessionCreate(data []byte) (sessionArgs, error) {
 	return a, checkEnv(req.Env)
 }
 
-// SessionRunRequest is the body of POST /v1/sessions/{id}/run.
-type SessionRunRequest struct {
+// ShellRunRequest is the body of POST /v1/shells/{id}/run.
+type ShellRunRequest struct {
 	Cmd         *string  `json:"cmd"`
 	Timeout     *float64 `json:"timeout"`
 	MaxOutput   *int64   `json:"max_output"`
@@ -59,7 +59,7 @@ type SessionRunRequest struct {
 	KillGrace   *float64 `json:"kill_grace"`
 }
 
-// What a session run does on timeout.
+// What a run in a shell does on timeout.
 const (
 	onTimeoutKill      = "kill"
 	onTimeoutInterrupt = "interrupt"
@@ -75,8 +75,8 @@ type runArgs struct {
 	killGrace *float64 // nil: the daemon's --kill-grace
 }
 
-func parseSessionRun(data []byte) (runArgs, error) {
-	var req SessionRunRequest
+func parseShellRun(data []byte) (runArgs, error) {
+	var req ShellRunRequest
 	var a runArgs
 	if err := decodeJSON(data, &req); err != nil {
 		return a, err
@@ -116,7 +116,7 @@ func parseSessionRun(data []byte) (runArgs, error) {
 	return a, err
 }
 
-type sessionInfo struct {
+type shellInfo struct {
 	ID    string  `json:"id"`
 	Pid   int     `json:"pid"`
 	Shell string  `json:"shell"`
@@ -126,54 +126,54 @@ type sessionInfo struct {
 	User  *string `json:"user"`
 }
 
-func sessionInfoOf(s *proc.Session) sessionInfo {
-	return sessionInfo{s.ID, s.Pid, s.Shell, s.Alive(), s.Who.UID, s.Who.GID, userName(s.Who)}
+func shellInfoOf(s *proc.Shell) shellInfo {
+	return shellInfo{s.ID, s.Pid, s.Path, s.Alive(), s.Who.UID, s.Who.GID, userName(s.Who)}
 }
 
-func (s *Server) sessionCreate(w http.ResponseWriter, r *http.Request, _ string) error {
-	a, err := readParsed(w, r, parseSessionCreate)
+func (s *Server) shellCreate(w http.ResponseWriter, r *http.Request, _ string) error {
+	a, err := readParsed(w, r, parseShellCreate)
 	if err != nil {
 		return err
 	}
-	ss, err := s.sessions.Start(a.shell, a.cwd, a.env, a.user)
+	ss, err := s.shells.Start(a.shell, a.cwd, a.env, a.user)
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, sessionInfoOf(ss))
+	writeJSON(w, http.StatusCreated, shellInfoOf(ss))
 	return nil
 }
 
-type sessionList struct {
-	Sessions []sessionInfo `json:"sessions"`
+type shellList struct {
+	Shells []shellInfo `json:"shells"`
 }
 
-func (s *Server) sessionList(w http.ResponseWriter, r *http.Request, _ string) error {
-	out := sessionList{Sessions: []sessionInfo{}}
-	for _, ss := range s.sessions.List() {
-		out.Sessions = append(out.Sessions, sessionInfoOf(ss))
+func (s *Server) shellList(w http.ResponseWriter, r *http.Request, _ string) error {
+	out := shellList{Shells: []shellInfo{}}
+	for _, ss := range s.shells.List() {
+		out.Shells = append(out.Shells, shellInfoOf(ss))
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil
 }
 
-func (s *Server) sessionGet(w http.ResponseWriter, r *http.Request, id string) error {
-	ss, err := s.sessions.Get(id)
+func (s *Server) shellGet(w http.ResponseWriter, r *http.Request, id string) error {
+	ss, err := s.shells.Get(id)
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusOK, sessionInfoOf(ss))
+	writeJSON(w, http.StatusOK, shellInfoOf(ss))
 	return nil
 }
 
-func (s *Server) sessionDelete(w http.ResponseWriter, r *http.Request, id string) error {
-	if err := s.sessions.Delete(id); err != nil {
+func (s *Server) shellDelete(w http.ResponseWriter, r *http.Request, id string) error {
+	if err := s.shells.Delete(id); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
 
-type sessionRunResult struct {
+type shellRunResult struct {
 	ExitCode        int     `json:"exit_code"`
 	Stdout          string  `json:"stdout"`
 	Stderr          string  `json:"stderr"`
@@ -184,12 +184,12 @@ type sessionRunResult struct {
 	Encoding        string  `json:"encoding"`
 }
 
-func (s *Server) sessionRun(w http.ResponseWriter, r *http.Request, id string) error {
-	ss, err := s.sessions.Get(id)
+func (s *Server) shellRun(w http.ResponseWriter, r *http.Request, id string) error {
+	ss, err := s.shells.Get(id)
 	if err != nil {
 		return err
 	}
-	a, err := readParsed(w, r, parseSessionRun)
+	a, err := readParsed(w, r, parseShellRun)
 	if err != nil {
 		return err
 	}
@@ -205,7 +205,7 @@ func (s *Server) sessionRun(w http.ResponseWriter, r *http.Request, id string) e
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusOK, sessionRunResult{
+	writeJSON(w, http.StatusOK, shellRunResult{
 		ExitCode: res.ExitCode, Stdout: encodeOutput(res.Stdout, a.enc), Stderr: encodeOutput(res.Stderr, a.enc),
 		TimedOut: res.TimedOut, Truncated: res.Truncated, DurationSeconds: seconds(res.Duration),
 		Alive: res.Alive, Encoding: a.enc,
