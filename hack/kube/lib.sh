@@ -17,6 +17,14 @@
 #   SANDMAN_KUBE_CONTAINERD  the real node's runtime: "built" (containerd 2, from
 #                            hack/kube/build) or "debian" (Debian's containerd 1.6
 #                            package, if installed: only to compare)      (built)
+#   SANDMAN_KUBE_RUNC        the real node's runc: "built" (runc 1.5 from
+#                            hack/kube/build: idmapped mounts, so pods may have
+#                            `hostUsers: false`; Debian's if it was not built) or
+#                            "debian" (Debian's runc 1.1: no user namespaces) (built)
+#   SANDMAN_KUBE_GVISOR      1: containerd gets the runtime handler "runsc" (gVisor
+#                            from hack/gvisor/build, via its shim) and the cluster
+#                            the RuntimeClass "gvisor"; 0: neither. Needs the
+#                            built containerd                                    (1)
 # and, to run a second cluster beside the first on one machine, everything
 # else the two would share (give each cluster its own value of every one):
 #   SANDMAN_KUBE_NET         first two octets of the cluster's addresses (10.213):
@@ -56,6 +64,16 @@ built) CONTAINERD_BIN=$BIN/containerd CTR=$BIN/ctr ;;
 debian) CONTAINERD_BIN=/usr/bin/containerd CTR=/usr/bin/ctr ;;
 *) echo "kube: SANDMAN_KUBE_CONTAINERD must be built or debian, not '$CONTAINERD'" >&2; exit 1 ;;
 esac
+RUNC=${SANDMAN_KUBE_RUNC:-built}
+case $RUNC in
+built) RUNC_BIN=$BIN/runc; [[ -x $RUNC_BIN ]] || RUNC_BIN=/usr/sbin/runc ;;
+debian) RUNC_BIN=/usr/sbin/runc ;;
+*) echo "kube: SANDMAN_KUBE_RUNC must be built or debian, not '$RUNC'" >&2; exit 1 ;;
+esac
+GVISOR_BIN=${KUBE_HACK%/*}/gvisor/.bin   # hack/gvisor/build put runsc and its shim here
+GVISOR=${SANDMAN_KUBE_GVISOR:-1}
+[[ $GVISOR == [01] ]] || { echo "kube: SANDMAN_KUBE_GVISOR must be 1 or 0, not '$GVISOR'" >&2; exit 1; }
+[[ $CONTAINERD == built ]] || GVISOR=0   # containerd 1.6's config here names no shim by path
 
 # The real node's pods live on a bridge of our own; the host side of that
 # bridge is also the node's address (kubelet refuses a loopback node IP).

@@ -173,6 +173,22 @@ class KubernetesConfig(BaseModel):
     capabilities minus NET_RAW and MKNOD (as local sandboxes do). ``restricted``: every
     capability dropped and ``runAsNonRoot``: for images whose USER is a numeric non-root
     uid, or specs with a non-root ``user``; a spec with ``user="0"`` is refused."""
+    runtime_class_name: KubeObjectName | None = None
+    """The RuntimeClass of every pod, unless its spec names one
+    (`KubernetesOptions.runtime_class_name`): e.g. ``gvisor`` (GKE Sandbox, or
+    hack/kube's), to run every sandbox behind gVisor's kernel as a second wall. A spec's
+    own must be allowed by the server (``runtime_classes``); this one is the operator's."""
+    userns: bool = False
+    """Each pod in a user namespace of its own (``spec.hostUsers: false``): root in the
+    sandbox is an unprivileged host uid range no other pod has, so per-user kernel limits
+    are the pod's own and what escapes is nobody on the node. Needs Kubernetes >= 1.33
+    (``UserNamespacesSupport``, on by default) and nodes whose runtime does idmapped
+    mounts (containerd >= 2.0 with runc >= 1.2 or crun >= 1.9; Linux >= 6.3). Off by
+    default: on a node whose runtime cannot, the kubelet never starts the pod ("runtime
+    does not support user namespaces") and the create fails only at ``start_timeout``.
+    A spec's ``user`` must then be below 65536. Pods with a RuntimeClass (this config's
+    or the spec's) are left as they are: gVisor and Kata are walls of their own, and
+    gVisor fails to start in a user namespace."""
     owner_lease: int = Field(default=15, ge=3)
     """Seconds of the ``leaseDurationSeconds`` of each pool process's Lease (the owner its
     pods name, ``sandman.io/owner=k.<lease>``); renewed every third of it."""

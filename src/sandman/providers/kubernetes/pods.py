@@ -34,6 +34,7 @@ __all__ = [
     "MANAGED_BY",
     "RESERVED_PREFIX",
     "SPEC",
+    "USERNS_IDS",
     "PullRetrying",
     "Started",
     "check_delivery",
@@ -74,6 +75,8 @@ minus NET_RAW (raw sockets: spoofing, ARP/ICMP tricks on the pod network) and MK
 (device nodes), the same set local sandboxes get. Enough for a root task image (chown,
 setuid to a build user, bind :80, chroot); every one is allowed by Pod Security
 Standards baseline. ``restricted`` drops them all."""
+USERNS_IDS = 65536
+"""The ids each pod's user namespace maps (`KubernetesConfig.userns`): the kubelet's."""
 INSTALLER_UID = 65532
 """The init container that copies the daemon runs as this uid (nobody's; it only writes
 a 0555 file into the emptyDir, which is world-writable)."""
@@ -375,8 +378,18 @@ def pod_manifest(
     k8s = spec.kubernetes
     if config.service_account:
         pod_spec["serviceAccountName"] = config.service_account
-    if k8s.runtime_class_name:
-        pod_spec["runtimeClassName"] = k8s.runtime_class_name
+    if runtime_class := k8s.runtime_class_name or config.runtime_class_name:
+        pod_spec["runtimeClassName"] = runtime_class
+    elif config.userns:
+        # Not with a RuntimeClass: gVisor's gofer cannot join the pod's user namespace.
+        pod_spec["hostUsers"] = False
+        ids = [container_security.get(key) for key in ("runAsUser", "runAsGroup")]
+        if any(i is not None and i >= USERNS_IDS for i in ids):
+            # The kubelet maps 65,536 ids per pod; it would fail the container at start.
+            raise errors.ConfigError(
+                f"user {spec.user!r}: with userns=True a sandbox's uid and gid must be "
+                f"below {USERNS_IDS}"
+            )
     # The pool's, then the spec's own; the kubelet tries each for every image of the pod.
     pull_secrets = list(dict.fromkeys([*config.image_pull_secrets, *k8s.image_pull_secrets]))
     if pull_secrets:
