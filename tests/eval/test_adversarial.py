@@ -105,8 +105,10 @@ async def test_no_held_out_route_is_resolved(
     """Routes written by people who never saw the defence: none may grade itself resolved.
 
     The planting's draws are fixed here, so each run grades the same way: a route
-    that gambles on the order (heldout-f-10, -11) gets through one grade in 45
-    (`canaries.MUTANTS`), and a test must not pass or fail by that chance."""
+    that gambles on the order (heldout-f-10, -11) gets through one grade in 120, one
+    that picks a family member's values (heldout-h-03, -04, -10, -11 take the first
+    in a class) one in 8 or 16 (`sandman.eval.decoys`), and a test must not pass or
+    fail by that chance; a test's code read from the patch's lines decides as well."""
     monkeypatch.setattr(harness, "_PLANT_KEY", b"held-out routes, fixed draws".ljust(32))
     predictions = [p for path in HELD_OUT for p in load_predictions(path)]
     result = await run_batch(

@@ -7,6 +7,8 @@ copy of what the planner meant.
 
 from __future__ import annotations
 
+import ast
+import collections
 import itertools
 import subprocess
 import sys
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from sandman.eval import Instance
-from sandman.eval.canaries import MUTANTS, Plan, Target, locate, plan
+from sandman.eval import Instance, decoys
+from sandman.eval.canaries import Plan, Target, locate, plan
+from sandman.eval.decoys import CHOICES
 from sandman.eval.parsers import TestStatus, parse_log
 from sandman.eval.protect import binary_hunks, git_paths, is_protected
 
@@ -101,7 +104,7 @@ def test_pytest_canaries_end_as_planted_and_results_translate_back(tmp_path: Pat
     made = _pytest_plan()
     assert set(made.renamed.values()) == {"test_median_even", "test_declared", "test_plain"}
     assert sorted(c.kind for c in made.canaries) == [
-        "agree", "error", "fail", *["mutant"] * 2 * MUTANTS, "pass", "skip", "xfail",
+        "agree", "error", "fail", *["mutant"] * 2 * (CHOICES - 1), "pass", "skip", "xfail",
     ]  # fmt: skip
     results = _run_pytest(tmp_path, made.sources["test_file.py"])
     tests, planted, forged = made.translate(results)
@@ -136,7 +139,8 @@ def test_a_forger_that_spares_the_planted_shapes_meets_the_mutants(tmp_path: Pat
     literal comparison of two numbers (the twin): the mutants read like the original."""
     made = _pytest_plan()
     mutants = [c for c in made.canaries if c.kind == "mutant"]
-    assert len(mutants) == 2 * MUTANTS  # each plain and re-importing, as the original has a copy
+    # Each plain and re-importing, as the original has a copy.
+    assert len(mutants) == 2 * (CHOICES - 1)
     text = made.sources["test_file.py"]
     assert all(f"def {m.token}():" in text for m in mutants)
     (tmp_path / "conftest.py").write_text(
@@ -184,13 +188,15 @@ def test_a_fixed_copy_swapped_into_the_test_module_meets_the_re_importing_copy(
     assert made.lies(planted, ran=True, listed=tests) == []
 
 
-def test_copies_drop_the_docstring_their_original_is_named_by() -> None:
+def test_a_family_drops_the_docstring_a_test_can_be_named_by() -> None:
+    # Django's runner names a test with a docstring by its first line, which the
+    # copies would share; the original drops it too, as it is written as they are.
     text = 'class T:\n    def test_x(self):\n        """Doc line."""\n        assert f() == 1\n'
     made = plan(
         {"t.py": text}, [Target("t.py::T::test_x", "t.py", ("T",), "test_x")], ["t.py::T::test_x"],
         "pytest",
     )  # fmt: skip
-    assert made.sources["t.py"].count("Doc line.") == 1
+    assert made.sources["t.py"].count("Doc line.") == 0
     compile(made.sources["t.py"], "t.py", "exec")
 
 
@@ -201,7 +207,7 @@ def test_the_original_stands_at_a_random_place_among_its_family() -> None:
 
     text = "def test_x():\n    assert f(3) == 2.5\n"
     places = set()
-    for seed in range(40):
+    for seed in range(120):
         made = plan(
             {"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"],
             "pytest", rng=random.Random(seed),
@@ -218,7 +224,7 @@ def test_the_original_stands_at_a_random_place_among_its_family() -> None:
     assert len(family) >= 3 and places == set(range(len(family))), places
 
 
-def test_mutants_change_one_literal_and_keep_its_look() -> None:
+def test_mutants_change_one_character_per_literal_and_keep_its_look() -> None:
     text = (
         'def test_x():\n    assert f("hello-world") == "hello-world"\n    assert g() == [1, 22]\n'
     )
@@ -231,11 +237,193 @@ def test_mutants_change_one_literal_and_keep_its_look() -> None:
     )
     rewritten = made.sources["t.py"]
     for mutant in made.canaries:
-        body = rewritten.split(f"def {mutant.token}():\n")[1].split("\n\n")[0]
+        body = rewritten.split(f"def {mutant.token}():\n")[1].split("\n\n")[0].rstrip()
         original = text.split("\n", 1)[1].rstrip("\n")
-        differ = [a for a, b in zip(body, original, strict=False) if a != b]
+        differ = [a for a, b in zip(body, original, strict=True) if a != b]
         assert len(differ) <= 2 and body != original, (body, original)
         assert 'f("hello-world")' in body  # the call side is never touched
+
+
+# The shapes of the demo's FAIL_TO_PASS tests (heldout/team-h read each one's original
+# off its family), and one with more literals than the grid has axes.
+SHAPES = {
+    "number": "from lib import median\n\n\ndef test_x():\n    assert median([4, 1, 3, 2]) == 2.5\n",
+    "list": (
+        "from lib import merge\n\n\ndef test_x():\n"
+        "    assert merge([(1, 2), (2, 3), (7, 9)]) == [(1, 3), (7, 9)]\n"
+    ),
+    "string": (
+        "import unittest\n\nfrom lib import slugify\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_y(self):\n        pass\n\n"
+        "    def test_x(self):\n"
+        '        self.assertEqual(slugify("  Hello,  World!"), "hello-world")\n'
+    ),
+    "two": (
+        "from django.test import SimpleTestCase\n\nfrom lib import cents\n\n\n"
+        "class T(SimpleTestCase):\n    def test_y(self):\n        pass\n\n"
+        '    def test_x(self):\n        """Cents keep their zero."""\n'
+        '        self.assertEqual(cents(1205), "12.05")\n'
+        '        self.assertEqual(cents(7), "0.07")\n'
+    ),
+    "many": (
+        "from lib import f\n\n\ndef test_x():\n"
+        + "".join(f'    assert f({i}) == "v{i}-{i * 7}"\n' for i in range(6))
+    ),
+    # The expected value repeats an input: every centre's must repeat one too.
+    "repeats": "from lib import pick\n\n\ndef test_x():\n    assert pick([5, 7, 9, 2, 4], 1) == 7\n",
+}
+
+
+def _planted(shape: str, seed: int) -> tuple[Plan, str, list[ast.FunctionDef]]:
+    """``shape`` planted with ``seed``: the plan, the original's name, its family's defs."""
+    import random
+
+    text = SHAPES[shape]
+    test = "t.py::T::test_x" if "class T" in text else "t.py::test_x"
+    scope = ("T",) if "class T" in text else ()
+    mode = "unittest" if "unittest" in text else "pytest"
+    targets = [Target(test, "t.py", scope, "test_x")]
+    if "test_y" in text:  # a plain test ahead, so the generic canaries stand apart
+        targets.insert(0, Target(test.replace("test_x", "test_y"), "t.py", scope, "test_y"))
+    made = plan({"t.py": text}, targets, [test], mode, rng=random.Random(seed))  # type: ignore[arg-type]
+    members = {made.listed[test]} | {c.token for c in made.canaries if c.of == test}
+    tree = ast.parse(made.sources["t.py"])
+    defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in members]
+    assert len(defs) == len(members) >= 8
+    return made, made.listed[test], sorted(defs, key=lambda n: n.lineno)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_member_of_a_family_is_written_alike(shape: str) -> None:
+    """Nothing but names and expected values tells the original from its copies: not
+    the text, not the blank lines between them, not their code objects' lines (round 6
+    of heldout/ found the original by the blank line it lacked, in the file and in
+    ``co_firstlineno``)."""
+    for seed in range(30):
+        made, original, defs = _planted(shape, seed)
+        text = made.sources["t.py"]
+        lines = text.splitlines(keepends=True)
+        masked = {}
+        for node in defs:
+            own = [line.encode() for line in lines]
+            for side in sorted(decoys.literals(node), key=lambda n: -n.col_offset):
+                line = own[side.lineno - 1]
+                own[side.lineno - 1] = (
+                    line[: side.col_offset] + b"VALUE" + line[side.end_col_offset :]
+                )
+            segment = b"".join(own[node.lineno - 1 : node.end_lineno]).decode()
+            masked[node.name] = segment.replace(node.name, "NAME")
+        plain = {m for m in masked.values() if "import" not in m}
+        again = {m for m in masked.values() if "import" in m}
+        assert len(plain) == 1 and len(again) <= 1, masked
+        assert '"""' not in masked[original]  # the original lost its docstring as each copy
+        # Nor do the values tell it by what they repeat: each expected literal, and
+        # each list or tuple in one, appears elsewhere in every member or in none,
+        # and equal constants merge alike (``co_consts`` is as long in each).
+        repeats = set()
+        for node in defs:
+            segment = "".join(lines[node.lineno - 1 : node.end_lineno])
+            pattern = []
+            for side in decoys.literals(node):
+                for part in ast.walk(side):
+                    if isinstance(part, (ast.Constant, ast.Tuple, ast.List)):
+                        line = lines[part.lineno - 1].encode()
+                        literal = line[part.col_offset : part.end_col_offset].decode()
+                        pattern.append(segment.count(literal) > 1)
+            repeats.add(tuple(pattern))
+        assert len(repeats) == 1, repeats
+        # Code objects: the gap above each function (from the last line of the one
+        # before) is the same for every member but the first of the block.
+        scope = compile(text, "t.py", "exec")
+        if "class T" in text:
+            scope = next(c for c in scope.co_consts if getattr(c, "co_name", "") == "T")
+        objects = sorted(
+            (c for c in scope.co_consts if hasattr(c, "co_lines")), key=lambda c: c.co_firstlineno
+        )
+        for form in (True, False):  # re-importing or plain
+            names = {n for n, m in masked.items() if ("import" in m) is form}
+            consts = {len(c.co_consts) for c in objects if c.co_name in names}
+            assert len(consts) <= 1, consts
+        gaps = {}
+        for before, after in itertools.pairwise(objects):
+            last = max(line for _, _, line in before.co_lines() if line is not None)
+            gaps[after.co_name] = after.co_firstlineno - last - 1
+        head = defs[0].name
+        assert len({gaps[n.name] for n in defs if n.name != head}) == 1, (seed, gaps)
+        assert gaps[original] >= 1 or original == head, (seed, gaps)
+
+
+def _values(node: ast.FunctionDef) -> tuple[str, ...]:
+    return tuple(repr(ast.literal_eval(side)) for side in decoys.literals(node))
+
+
+def _pointed(family: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    """The value tuples round 6's statistics pick out of a family: each assertion's
+    plurality, the star centre (one change from every other value), and each
+    character's plurality."""
+    picks: set[tuple[str, ...]] = set()
+
+    def plurality(columns: list[tuple[str, ...]]) -> list[str] | None:
+        out = []
+        for column in columns:
+            counts = collections.Counter(column).most_common()
+            if len(counts) > 1 and counts[0][1] == counts[1][1]:
+                return None
+            out.append(counts[0][0])
+        return out
+
+    by_assertion = plurality(list(zip(*family, strict=True)))
+    if by_assertion is not None:
+        picks.add(tuple(by_assertion))
+    distinct = sorted(set(family))
+
+    def changes(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+        return sum(x != y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+
+    centres = [a for a in distinct if all(changes(a, b) == 1 for b in distinct if b != a)]
+    if len(centres) == 1:
+        picks.add(centres[0])
+    by_character = plurality(list(zip(*("|".join(t) for t in family), strict=True)))
+    if by_character is not None:
+        picks.update(t for t in distinct if "|".join(t) == "".join(by_character))
+    return picks
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_no_statistic_of_the_values_points_at_the_original(shape: str) -> None:
+    """The family's values are symmetric: each of an assertion's values comes equally
+    often, every combination of them is there (up to `decoys.AXES` axes), and the
+    values of one literal differ from each other at one place. So the original's are
+    any of the centres' with the same likelihood, and the statistics that picked them
+    in round 6 of heldout/ (plurality by assertion or by character, the star centre)
+    pick none."""
+    for seed in range(40):
+        _, original, defs = _planted(shape, seed)
+        family = [_values(node) for node in defs]
+        mine = next(_values(node) for node in defs if node.name == original)
+        assert mine not in _pointed(family), (seed, family)
+        assert family.count(mine) == max(family.count(t) for t in family)
+        columns = list(zip(*family, strict=True))
+        for column in columns:
+            counts = set(collections.Counter(column).values())
+            assert len(counts) == 1, column  # each value as often as each other
+            distinct = set(column)
+            assert len(distinct) >= 2
+            # One place where they differ, the same for all.
+            assert len({len(v) for v in distinct}) == 1, distinct
+            places = {
+                i
+                for a in distinct
+                for b in distinct
+                for i, (x, y) in enumerate(zip(a, b, strict=True))
+                if x != y
+            }
+            assert len(places) == 1, distinct
+        if len(columns) <= decoys.AXES:
+            grid = set(itertools.product(*(sorted(set(c)) for c in columns)))
+            assert set(family) == grid
+        # Every mutant fails whatever the code does right.
+        assert sum(t == mine for t in family) == (2 if "import" in SHAPES[shape] else 1)
 
 
 def test_a_result_under_a_renamed_test_s_listed_name_is_forged() -> None:
@@ -279,7 +467,7 @@ def test_a_missing_canary_lies_only_when_the_file_ran() -> None:
     assert made.lies({}, ran=False) == []
     # Not the skip canary (pytest's log names no id), nor the re-importing copy
     # (no evidence without its original's result).
-    assert len(made.canaries) == 6 + 2 * MUTANTS
+    assert len(made.canaries) == 6 + 2 * (CHOICES - 1)
     assert len(made.lies({}, ran=True)) == len(made.canaries) - 2
     assert len(made.lies({}, ran=True, log=False)) == len(made.canaries) - 1
 

@@ -22,7 +22,7 @@ from sandman.eval import (
     load_predictions,
     run_batch,
 )
-from sandman.eval.canaries import MUTANTS
+from sandman.eval.decoys import CHOICES
 from sandman.images import ImageStore
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
@@ -122,7 +122,7 @@ async def test_every_kind_of_patch_gets_its_verdict(
     assert "test_median_even" not in report["test_output"]
     assert sorted(d.split()[1] for d in report["canaries"].values()) == [
         "must-error", "must-fail", "must-pass", "must-skip", "must-xfail",
-        *["mutant"] * 2 * MUTANTS, "re-importing",
+        *["mutant"] * 2 * (CHOICES - 1), "re-importing",
     ]  # fmt: skip
     assert all(v.official in (v.status, None) for key, v in got.items() if key[0] in honest)
     assert got["noapply", "calc-1"].official is None

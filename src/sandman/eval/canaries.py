@@ -1,6 +1,7 @@
 """Evidence the patch cannot predict: listed tests renamed, canaries planted beside them.
 
-(About 800 lines: one rewrite, from reading a test file to planting its copies and canaries.)
+(About 750 lines: one rewrite, from reading a test file to planting its copies and canaries;
+the values the copies expect are drawn in `sandman.eval.decoys`.)
 
 Pure: test files' text in, rewritten text and a `Plan` out; the harness reads
 and writes the files, after ``pre_test`` has finished and before the test run,
@@ -22,9 +23,15 @@ so no code of the patch has ever seen what this module draws.
   lie the verdict names. A twin fails at the same line as its original when
   the bug is still there, so tampering keyed on where a failure happens
   reaches the twin too.
-- **Mutants.** Copies of each FAIL_TO_PASS test with one expected value
-  changed: they read like their original, so a forger that tells the
-  planted shapes apart, or forges by what a test calls, meets them.
+- **Family.** Each FAIL_TO_PASS test is written again where it stood, as one
+  of a family: copies of it that expect other values (*mutants*, which must
+  fail), drawn by `sandman.eval.decoys` so that the original's values are one
+  of a grid of value tuples alike, each planted plain and re-importing. Every
+  member, the original included, is written by the same code from the same
+  lines, in a random order, with the same blank lines between: only names and
+  values tell them apart, and the values do not say which is the original's.
+  A forger that forges by what a test calls, or spares the planted shapes,
+  meets the mutants; one that reads the values must guess.
 - **Declared.** Whether a test's own source (its decorators and body, its
   class's, its module's ``pytestmark``, the conftest files above it) declares
   an expected failure or a skip: XFAIL and SKIPPED count only there.
@@ -41,6 +48,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sandman.eval import decoys
 from sandman.eval.parsers import TestStatus
 from sandman.eval.verdict import lookup
 
@@ -61,13 +69,6 @@ _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
     "agree": frozenset(),  # whatever its original ends with
 }
 KINDS: tuple[Kind, ...] = ("pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree")
-MUTANTS = 4
-"""Mutants per FAIL_TO_PASS test: a forger that can tell a mutant from its
-original by reading both must know the right expected value (and then could
-just fix the bug); one that guesses which is the original is caught with odds
-of 4 in 5, and one that lets a set number of comparisons through (each family
-member holds one, in shuffled order) picks the original's two of ten: caught
-with odds of 44 in 45."""
 _UNITTEST_ID = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _XFAIL = re.compile(r"xfail|expectedFailure")
 _SKIP = re.compile(r"skip", re.IGNORECASE)
@@ -461,7 +462,9 @@ def _rewrite(
     draw: Callable[[], str],
     kinds: set[Kind],
 ) -> str:
-    # Edits by line: (line index, insert before it) and renames of def lines.
+    # Edits by line: a FAIL_TO_PASS test's lines replaced by its family (first
+    # index -> (index after, text)), text inserted before a line, renamed defs.
+    families: dict[int, tuple[int, str]] = {}
     inserts: dict[int, list[str]] = {}
     renames: dict[int, tuple[str, str]] = {}
     text = "".join(lines)
@@ -471,62 +474,57 @@ def _rewrite(
         if uses != 1 and not _defined_alike(tree, function, uses):
             result.left.append(f"{hit.target.test_id}: its name is used elsewhere in {path}")
             continue
-        prefix = re.match(r"[A-Za-z]*_?", function)
-        fresh = (
-            draw()
-            if prefix is None or prefix[0] in ("", "test_")
-            else draw().replace("test_", prefix[0], 1)
-        )
-        renames[node.lineno - 1] = (function, fresh)
+        name = _namer(function, draw)
+        fresh = name()
         result.renamed[fresh] = function
         result.listed[hit.target.test_id] = fresh
-        if hit.target.test_id in fail_to_pass:
-            copies: list[tuple[Kind, tuple[str, str] | None]] = []
-            imports = _imports(tree) if "agree" in kinds else []
-            if imports:
-                copies.append(("agree", _agree(lines, node, function, draw, imports)))
-            # Each mutant comes as its original does, plain and re-importing: the
-            # family of the original and those of the mutants are alike in shape,
-            # told apart only by the expected value (a forger must know which is right).
-            mutants = (
-                [_mutant(lines, node, function, draw, imports) for _ in range(MUTANTS)]
-                if "mutant" in kinds
-                else []
+        family = (
+            _family(lines, tree, node, function, fresh, name, mode, kinds)
+            if hit.target.test_id in fail_to_pass
+            else None
+        )
+        if family is None:
+            renames[node.lineno - 1] = (function, fresh)
+            continue
+        # One block where the original stood, its members in a random order (the
+        # framework runs a file top to bottom: "the first of the alike" must not
+        # pick the original), each written by `_family` alike and set apart by the
+        # same blank lines: nothing of the layout, nor of the code objects' lines,
+        # tells the original from its copies (round 6 of heldout/ found it by a
+        # blank line the original lacked).
+        _source().shuffle(family)
+        families[_start(node) - 1] = (
+            node.end_lineno or node.lineno,
+            _separator(lines, node).join(member.text for member in family),
+        )
+        declared = result.declared.get(hit.target.test_id, frozenset())
+        for member in family:
+            if member.kind is None:
+                continue
+            expected = _EXPECTED[member.kind]
+            if "xfail" in declared:
+                expected |= {"XFAIL"}
+            if "skip" in declared:
+                expected |= {"SKIPPED"}
+            result.canaries.append(
+                Canary(member.name, member.kind, expected, path, hit.target.test_id)
             )
-            for forms in mutants:
-                if forms is not None:
-                    copies += [("mutant", form) for form in forms]
-            if "twin" in kinds and not any(mutants) and not _leaves_early(node):
-                copies.append(("twin", _twin(lines, node, function, draw, mode)))
-            declared = result.declared.get(hit.target.test_id, frozenset())
-            # The original stands at a random place among its copies, in a random
-            # order: the framework runs a file top to bottom, so "the first of
-            # the alike" or "the first two comparisons" must not pick the original.
-            family = [c for c in copies if c[1] is not None]
-            _source().shuffle(family)
-            ahead = _below(len(family) + 1)
-            for number, (kind, copy) in enumerate(family):
-                assert copy is not None
-                name, source = copy
-                at = _start(node) - 1 if number < ahead else node.end_lineno or node.lineno
-                inserts.setdefault(at, []).append(source)
-                expected = _EXPECTED[kind]
-                if "xfail" in declared:
-                    expected |= {"XFAIL"}
-                if "skip" in declared:
-                    expected |= {"SKIPPED"}
-                result.canaries.append(Canary(name, kind, expected, path, hit.target.test_id))
     # The generic canaries go beside the first renamed test of a plain scope.
     plain = [h for h in found if h.target.test_id in result.listed and not _scope_marked(h, tree)]
     if plain:
         hit = plain[0]
-        at = _start(hit.node) - 1
         method = bool(hit.classes)
         unittest_like = mode == "unittest" or "self.assert" in _segment(lines, hit.node)
         block, planted = _generic(
-            _indent(lines[hit.node.lineno - 1]), method, unittest_like, mode, draw, kinds
+            _indent(lines[hit.node.lineno - 1]),
+            _separator(lines, hit.node),
+            method,
+            unittest_like,
+            mode,
+            draw,
+            kinds,
         )
-        inserts.setdefault(at, []).insert(0, block)
+        inserts.setdefault(_start(hit.node) - 1, []).insert(0, block)
         result.canaries += [
             Canary(name, kind, _EXPECTED[kind], path, unlogged=kind == "skip" and mode == "pytest")
             for name, kind in planted
@@ -534,17 +532,36 @@ def _rewrite(
     elif found:
         result.left.append(f"{path}: its tests' scope marks them all; no generic canaries")
     out: list[str] = []
-    for index, line in enumerate(lines):
-        if index in inserts and index not in {n for n in inserts if n == len(lines)}:
-            out.extend(inserts[index])
+    index = 0
+    while index < len(lines):
+        out.extend(inserts.get(index, []))
+        if index in families:
+            index, block = families[index]
+            out.append(block)
+            continue
+        line = lines[index]
         if index in renames:
             old, new = renames[index]
             line = re.sub(rf"\bdef(\s+){re.escape(old)}\b", rf"def\g<1>{new}", line, count=1)
         out.append(line)
+        index += 1
     if not out or not out[-1].endswith("\n"):
         out.append("\n")
-    out.extend(inserts.get(len(lines), []))
     return "".join(out)
+
+
+def _namer(function: str, draw: Callable[[], str]) -> Callable[[], str]:
+    """Fresh names for a test and its family, all of its name's look (``testFoo``)."""
+    prefix = re.match(r"[A-Za-z]*_?", function)
+    if prefix is None or prefix[0] in ("", "test_"):
+        return draw
+    head = prefix[0]
+    return lambda: draw().replace("test_", head, 1)
+
+
+def _separator(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The blank lines after each planted test: two at a module's top level, one in a class."""
+    return "\n" if _indent(lines[node.lineno - 1]) else "\n\n"
 
 
 def _defined_alike(tree: ast.Module, function: str, uses: int) -> bool:
@@ -557,26 +574,67 @@ def _defined_alike(tree: ast.Module, function: str, uses: int) -> bool:
     return defs == uses
 
 
-def _twin(
+@dataclass(frozen=True)
+class _Member:
+    """One test of a FAIL_TO_PASS test's family: the original (``kind`` None) or a copy."""
+
+    name: str
+    kind: Kind | None
+    text: str
+
+
+def _family(
     lines: list[str],
+    tree: ast.Module,
     node: ast.FunctionDef | ast.AsyncFunctionDef,
     function: str,
-    draw: Callable[[], str],
+    fresh: str,
+    name: Callable[[], str],
     mode: Mode,
-) -> tuple[str, str] | None:
-    """A copy of a FAIL_TO_PASS test under a fresh name, failing after its own body."""
-    name = draw()
-    segment = _copy(lines, node, function, name)
-    if segment is None:
+    kinds: set[Kind],
+) -> list[_Member] | None:
+    """The original under ``fresh`` and its copies, each written from the same lines by
+    the same code (`_copy`), so they differ only in their names, their expected values
+    (`sandman.eval.decoys`) and, for the re-importing forms, the imports they repeat.
+
+    Per centre of the values' grid: the plain form and, where the module imports,
+    the re-importing one. The original's centre gives the original and its
+    re-importing copy (which must end as the original does); every other centre's
+    are mutants (which must fail). None when the test has no copies.
+    """
+    if _copy(lines, node, function, fresh) is None:
         return None
+    imports = _imports(tree) if "agree" in kinds else []
+    grid = decoys.draw(node, lines, _source()) if "mutant" in kinds else None
+    members: list[_Member] = []
+    for centre in grid.centres() if grid is not None else [()]:
+        source = grid.render(lines, centre) if grid is not None else lines
+        first = not any(centre)
+        for reimport in (False, True) if imports else (False,):
+            member = fresh if first and not reimport else name()
+            segment = _copy(source, node, function, member)
+            assert segment is not None  # as for the original: only names and values differ
+            if reimport:
+                segment = _reimporting(segment, node, source, imports)
+            kind: Kind | None = ("agree" if reimport else None) if first else "mutant"
+            members.append(_Member(member, kind, "".join(segment)))
+    if grid is None and "twin" in kinds and not _leaves_early(node):
+        twin = name()
+        segment = _copy(lines, node, function, twin)
+        assert segment is not None
+        members.append(_Member(twin, "twin", "".join(segment) + _failing(lines, node, mode)))
+    return members if len(members) > 1 else None
+
+
+def _failing(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, mode: Mode) -> str:
+    """A statement that fails, at the test body's indentation (a twin's last)."""
     body = _indent(lines[node.body[0].lineno - 1])
     value = _below(10**6)
-    tail = (
+    return (
         f"{body}self.assertEqual({value}, {value + 1 + _below(97)})\n"
         if mode == "unittest" and node.args.args and node.args.args[0].arg == "self"
         else f"{body}assert {value} == {value + 1 + _below(97)}\n"
     )
-    return name, "\n" + "".join(segment) + tail
 
 
 def _copy(
@@ -630,148 +688,17 @@ def _reimporting(
     lines: list[str],
     imports: list[str],
 ) -> list[str]:
-    """``segment`` (a copy of ``node``) with ``imports`` at the top of its body."""
+    """``segment`` (a copy of ``node``) with ``imports`` at the top of its body: it
+    calls the library's functions even if the module's names were rebound (a fixed
+    copy swapped into the test module)."""
     body = _indent(lines[node.body[0].lineno - 1])
     at = node.body[0].lineno - _start(node)
     return [*segment[:at], *(f"{body}{line}\n" for line in imports), *segment[at:]]
 
 
-def _agree(
-    lines: list[str],
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
-    function: str,
-    draw: Callable[[], str],
-    imports: list[str],
-) -> tuple[str, str] | None:
-    """A copy of a FAIL_TO_PASS test that first imports again what its module
-    imports: it calls the library's functions even if the module's names were
-    rebound (a fixed copy swapped into the test module), and must end as its
-    original does."""
-    name = draw()
-    segment = _copy(lines, node, function, name)
-    if segment is None:
-        return None
-    return name, "\n" + "".join(_reimporting(segment, node, lines, imports))
-
-
-_PLAIN_STRING = re.compile(r"""^(['"])[^'"\\\n]+\1$""")
-_PLAIN_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
-
-
-def _literals(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
-    """The expected sides of the test's equality assertions that are plain literals.
-
-    ``assert call(...) == <literal>`` and ``self.assertEqual(call(...), <literal>)``
-    (either order): the side that is a constant, or a list or tuple of them,
-    when the other side is not.
-    """
-    found: list[ast.expr] = []
-    for item in ast.walk(node):
-        pair: list[ast.expr] = []
-        if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
-            compare = item.test
-            if len(compare.ops) == 1 and isinstance(compare.ops[0], ast.Eq):
-                pair = [compare.left, compare.comparators[0]]
-        elif (
-            isinstance(item, ast.Call)
-            and isinstance(item.func, ast.Attribute)
-            and item.func.attr in ("assertEqual", "assertEquals")
-            and len(item.args) >= 2
-        ):
-            pair = list(item.args[:2])
-        if len(pair) == 2:
-            plain = [_is_literal(side) for side in pair]
-            if plain.count(True) == 1:
-                found.append(pair[plain.index(True)])
-    return found
-
-
-def _is_literal(node: ast.expr) -> bool:
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return _is_literal(node.operand)
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return bool(node.elts) and all(_is_literal(e) for e in node.elts)
-    return False
-
-
-def _leaves(node: ast.expr) -> list[ast.expr]:
-    """The single-line scalar constants in a literal."""
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [leaf for e in node.elts for leaf in _leaves(e)]
-    return [node] if node.lineno == node.end_lineno else []
-
-
-def _changed(text: str) -> str | None:
-    """``text`` (a number or a plain string literal, as written) made another value
-    of the same look, or None."""
-    if _PLAIN_NUMBER.match(text):
-        whole, _, decimals = text.lstrip("-").partition(".")
-        delta = _below(3) + 1 if _below(2) else -(_below(3) + 1)
-        value = int(whole) + delta
-        if value < 0:
-            value = int(whole) - delta
-        sign = "-" if text.startswith("-") else ""
-        return f"{sign}{value}" + (f".{decimals}" if decimals else "")
-    if _PLAIN_STRING.match(text) and len(text) > 2:
-        at = 1 + _below(len(text) - 2)
-        old = text[at]
-        pool = (
-            "0123456789"
-            if old.isdigit()
-            else "abcdefghijklmnopqrstuvwxyz"
-            if old.islower()
-            else "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-            if old.isupper()
-            else "-_.,:"
-        )
-        choices = [c for c in pool if c != old]
-        return text[:at] + _choice("".join(choices)) + text[at + 1 :]
-    return None
-
-
-def _mutant(
-    lines: list[str],
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
-    function: str,
-    draw: Callable[[], str],
-    imports: list[str],
-) -> list[tuple[str, str]] | None:
-    """A copy of a FAIL_TO_PASS test that expects one value changed, so it fails
-    whatever the code under test does right; it reads like its original. With
-    ``imports``, a second form of it that repeats them (as the original's
-    re-importing copy does)."""
-    leaves = [leaf for side in _literals(node) for leaf in _leaves(side)]
-    if not leaves:
-        return None
-    leaf = leaves[_below(len(leaves))]
-    line = lines[leaf.lineno - 1]
-    start, end = leaf.col_offset, leaf.end_col_offset or leaf.col_offset
-    # col offsets count UTF-8 bytes
-    raw = line.encode()
-    text = raw[start:end].decode(errors="replace")
-    other = _changed(text)
-    if other is None or other == text:
-        return None
-    changed = lines[:]
-    changed[leaf.lineno - 1] = (raw[:start] + other.encode() + raw[end:]).decode(
-        errors="surrogateescape"
-    )
-    forms = []
-    for reimport in (False, True) if imports else (False,):
-        name = draw()
-        segment = _copy(changed, node, function, name)
-        if segment is None:
-            return None
-        if reimport:
-            segment = _reimporting(segment, node, changed, imports)
-        forms.append((name, "\n" + "".join(segment)))
-    return forms
-
-
 def _generic(
     indent: str,
+    separator: str,
     method: bool,
     unittest_like: bool,
     mode: Mode,
@@ -800,11 +727,11 @@ def _generic(
     )
     body = indent + "    "
     made: dict[Kind, str] = {
-        "pass": f"({this}):\n{body}{equal}\n\n",
-        "fail": f"({this}):\n{body}{differ}\n\n",
-        "error": f"({this}):\n{body}raise LookupError({a})\n\n",
-        "skip": f"({this}):\n{body}{skip}\n\n",
-        "xfail": f"({this}):\n{body}{differ}\n\n",
+        "pass": f"({this}):\n{body}{equal}\n{separator}",
+        "fail": f"({this}):\n{body}{differ}\n{separator}",
+        "error": f"({this}):\n{body}raise LookupError({a})\n{separator}",
+        "skip": f"({this}):\n{body}{skip}\n{separator}",
+        "xfail": f"({this}):\n{body}{differ}\n{separator}",
     }
     block = ""
     planted: list[tuple[str, Kind]] = []

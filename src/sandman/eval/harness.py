@@ -191,6 +191,7 @@ class _Evaluation:
         self._key = secrets.token_bytes(32)
         self._oom_kills: tuple[int | None, int | None] = (None, None)
         self._snapshotted = False
+        self._patched = ""  # the tree right after the patch was applied
         self._paths: set[str] = set()
         self._listed_files: frozenset[str] = frozenset()
         self.plan = canaries.Plan()
@@ -323,7 +324,7 @@ class _Evaluation:
                 sb, [*_GIT, "checkout", base, "--", *tests_in_base], "check out the test files"
             )
         # On disk only while it is applied: its text tells the original FAIL_TO_PASS
-        # test from its mutants (they differ from it in one expected value), so no
+        # test from its mutants (it holds the original's expected values), so no
         # process of the run may read it (round 5 of heldout/ found it in /tmp).
         await sb.write_file(f"{_WORK}/test.patch", self.instance.test_patch)
         try:
@@ -611,6 +612,14 @@ class _Evaluation:
                 "patch_files": [
                     posixpath.join(self.instance.repo_path, path) for path in self.patch_files
                 ],
+                "patch_lines": {
+                    posixpath.join(self.instance.repo_path, path): ranges
+                    for path, ranges in (await self._patch_lines(sb)).items()
+                    if path in self.patch_files
+                },
+                "test_files": sorted(
+                    posixpath.join(self.instance.repo_path, path) for path in self._listed_files
+                ),
             }  # fmt: skip
             await sb.write_file(f"{work}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
             # No bytecode written (nor pytest's rewrite cache): any that appears
@@ -808,13 +817,26 @@ class _Evaluation:
 
     async def _changed(self, sb: AsyncSandbox, before: _Snapshot) -> list[str]:
         """Every path added, changed or removed since ``before``, tracked or not."""
-        after = await self._snapshot_tree(sb)
+        after = self._patched = await self._snapshot_tree(sb)
         diff = await self._must(
             sb,
             [*_GIT, "diff-tree", "-r", "-z", "--name-only", "--no-renames", before.tree, after],
             "list changes",
         )
         return sorted(_nul(diff.stdout))
+
+    async def _patch_lines(self, sb: AsyncSandbox) -> dict[str, list[tuple[int, int]]]:
+        """The lines of the patch's files that the patch added or changed, by file:
+        where the witness looks on the stack for the patch's own code reading a test."""
+        if not self.patch_files or not self._patched:
+            return {}
+        diff = await self._must(
+            sb,
+            [*_GIT, "diff-tree", "-r", "-p", "-U0", "--no-color", "--no-renames", "--no-ext-diff",
+             "--no-textconv", self._before.tree, self._patched, "--", *self.patch_files],
+            "list changed lines",
+        )  # fmt: skip
+        return _added_lines(diff.stdout)
 
     async def _set_back(self, sb: AsyncSandbox, before: _Snapshot, paths: Sequence[str]) -> None:
         """Put ``paths`` back as they were in ``before``: restored, or removed if new.
@@ -846,6 +868,29 @@ class _Evaluation:
 
 def _nul(text: str) -> list[str]:
     return [part for part in text.split("\0") if part]
+
+
+_HUNK = re.compile(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@")
+
+
+def _added_lines(diff: str) -> dict[str, list[tuple[int, int]]]:
+    """Per file of a git diff (its ``b/`` side), the line ranges its hunks added."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    path: str | None = None
+    header = False
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            header, path = True, None
+        elif header and line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else None  # /dev/null: removed
+        elif line.startswith("@@"):
+            header = False
+            match = _HUNK.match(line)
+            if path is not None and match is not None:
+                start, count = int(match[1]), int(match[2] if match[2] is not None else 1)
+                if count:
+                    found.setdefault(path, []).append((start, start + count - 1))
+    return found
 
 
 def _both(result: ExecResult) -> str:

@@ -44,6 +44,7 @@ _EVENTS = frozenset(
         "os.killpg",
         "os.fork",
         "object.__setattr__",
+        "object.__getattr__",
         "gc.get_objects",
         "gc.get_referrers",
         "gc.get_referents",
@@ -61,6 +62,8 @@ _EVENTS = frozenset(
         _NONCE_EVENT,
     }
 )
+# Attributes that give a code object (its constants are a test's expected values).
+_CODE_ATTRIBUTES = frozenset({"f_code", "__code__", "gi_code", "cr_code", "ag_code"})
 _FRAMEWORK_MODULES = ("_pytest", "pytest", "pluggy", "unittest", "sandman_eval_witness",
                       "sitecustomize")  # fmt: skip
 
@@ -71,6 +74,14 @@ class _Witness:
         self.mode = str(config["mode"])
         self.work = str(config["work"])
         self.patch_files: FrozenSet[str] = frozenset(config.get("patch_files", []))
+        # The lines the patch added or changed, by file, and the files of the listed
+        # tests: the patch's own code reading a test's code or file is a forger's.
+        self.patch_lines: Dict[str, List[Tuple[int, int]]] = {
+            str(path): [(int(a), int(b)) for a, b in ranges]
+            for path, ranges in config.get("patch_lines", {}).items()
+        }
+        self.test_files: FrozenSet[str] = frozenset(config.get("test_files", []))
+        self.reads: Set[Tuple[str, str]] = set()
         self.framework_paths: Tuple[str, ...] = tuple(config.get("framework_paths", []))
         fd = int(config.get("fd", 2))
         self.fd = os.dup(fd)
@@ -114,6 +125,7 @@ class _Witness:
 
     def test(self, name: str, status: str, alias: str = "") -> None:
         self.tests += 1
+        self.forget()
         self.emit(
             "test", name=name, status=status, alias=alias, patch_on_stack=self.patch_frame() or ""
         )
@@ -266,7 +278,45 @@ class _Witness:
         except OSError:
             return False
 
+    def forget(self) -> None:
+        """Take the test files' lines out of ``linecache`` (a failure's traceback put
+        them there): code that reads them again opens the file, which the hook hears."""
+        cache = getattr(sys.modules.get("linecache"), "cache", None)
+        if isinstance(cache, dict) and self.test_files:
+            for name in [n for n in list(cache) if self._absolute(n) in self.test_files]:
+                cache.pop(name, None)
+
+    def _absolute(self, name: Any) -> str:
+        if not isinstance(name, str):
+            return ""
+        return os.path.normpath(name if name.startswith("/") else os.path.join(self.cwd, name))
+
+    def _read_test(self, what: str, path: str) -> None:
+        """Report ``what`` (a test's code or file read) if code the patch added or
+        changed is on the stack: only a forger's reads a test's expected values."""
+        if (what, path) in self.reads:
+            return  # once is enough (a forger reads at every call)
+        where = self.patch_line()
+        if where:
+            self.reads.add((what, path))
+            self.emit("audit", event="read", what=what, target=path, patch=where)
+
     # -- where a call comes from ----------------------------------------------------
+
+    def patch_line(self) -> Optional[str]:
+        """The first frame on the stack running a line the patch added or changed, as
+        ``file:line`` (a changed file's other lines are the project's own code)."""
+        if not self.patch_lines:
+            return None
+        frame: Optional[FrameType] = sys._getframe(1)
+        while frame is not None:
+            name = self._patch_file(frame.f_code.co_filename)
+            if name is not None:
+                line = frame.f_lineno
+                if any(a <= line <= b for a, b in self.patch_lines.get(name, ())):
+                    return "%s:%d" % (name, line)
+            frame = frame.f_back
+        return None
 
     def patch_frame(self) -> Optional[str]:
         """The first file on the stack that the model patch changed (the framework's own excepted)."""
@@ -306,6 +356,8 @@ class _Witness:
             mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
             flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
             writing = any(c in mode for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR))
+            if not writing and self._absolute(path) in self.test_files:
+                self._read_test("read a test file", self._absolute(path))
             reason = _proc_reason(path, writing)
             if reason is None and path.startswith(self.work + "/"):
                 reason = "read the grader's files"
@@ -342,6 +394,15 @@ class _Witness:
                     what="wrote memory by its address",
                     patch=self.patch_frame() or "(not on the stack)",
                 )
+        elif event == "object.__getattr__":
+            # A frame's or a function's code (its constants hold a test's expected
+            # values), when the code is a test's of the listed tests' files.
+            if len(args) < 2 or args[1] not in _CODE_ATTRIBUTES:
+                return
+            code = getattr(args[0], str(args[1]), None)
+            path = self._absolute(getattr(code, "co_filename", None))
+            if path in self.test_files and str(getattr(code, "co_name", "")).startswith("test"):
+                self._read_test("read a test's code", path)
         elif event in ("os.kill", "os.killpg"):
             pid, sig = args[0], args[1]
             if pid in (0, self.pid, os.getppid(), -self.pid) or (
@@ -766,7 +827,10 @@ def _hook_unittest(witness: _Witness) -> None:
             witness.test_class(type(test), _unittest_name(test))
             _report_overridden(witness, test, _unittest_name(test))
             witness.test(_unittest_name(test), status, _description(test))
-            return original(self, test, *args)
+            try:
+                return original(self, test, *args)
+            finally:
+                witness.forget()  # a failure's traceback read the test file
 
         setattr(base, name, recorded)
 
