@@ -2,7 +2,8 @@
 
 Without --url they act on this machine's local provider (sandboxes from `sandman
 create`); a snapshot made here expires after its --ttl (`sandman gc` deletes it then).
-With --url they act on the tenant's sandboxes at a service.
+With --url they act on the tenant's sandboxes at a service. ``snapshot save --as-image
+REF --kubernetes`` makes a pod of a namespace an image in a registry.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import click
@@ -24,6 +26,7 @@ from sandman.cli._common import (
     remote_backend,
     run_async,
 )
+from sandman.cli.images import credentials, in_cli_terms, registry_options
 from sandman.cli.sandboxes import create_ready
 from sandman.pool.records import LABEL_EXPIRES
 from sandman.pool.snapshots import expires_at
@@ -31,6 +34,8 @@ from sandman.providers.local import LocalProvider
 
 if TYPE_CHECKING:
     from sandman.client.remote import RemoteBackend
+    from sandman.images.registry import Credentials
+    from sandman.providers.kubernetes import KubernetesProvider
 
 __all__ = ["COMMANDS"]
 
@@ -81,9 +86,25 @@ def snapshot() -> None:
 @click.option(
     "--as-image",
     "as_image",
-    metavar="NAME",
-    help="Make it an image of this machine's store instead (create IMAGE=NAME later).",
+    metavar="NAME|REF",
+    help="Make it an image instead: NAME in this machine's store (create IMAGE=NAME "
+    "later), or with --kubernetes REF (REPOSITORY:TAG) pushed to a registry.",
 )
+@click.option(
+    "--kubernetes",
+    "on_kubernetes",
+    is_flag=True,
+    help="With --as-image: ID is a pod of a namespace (its daemon reachable from here).",
+)
+@click.option(
+    "--kubeconfig",
+    envvar="KUBECONFIG",
+    type=click.Path(path_type=Path),
+    help="With --kubernetes. Default: $KUBECONFIG, else the pod's service account.",
+)
+@click.option("--context", help="With --kubernetes: the kubeconfig context.")
+@click.option("--namespace", help="With --kubernetes: the pod's (default: the context's).")
+@registry_options
 @client_options
 @click.pass_context
 def save(
@@ -92,18 +113,45 @@ def save(
     ttl: float,
     memory: bool,
     as_image: str | None,
+    on_kubernetes: bool,
+    kubeconfig: Path | None,
+    context: str | None,
+    namespace: str | None,
+    insecure: bool,
+    creds: str | None,
+    authfile: Path | None,
     url: str | None,
     api_key: str | None,
 ) -> None:
     """Keep sandbox ID's files as a snapshot and print its id; the sandbox goes on.
 
-    With --as-image NAME, its files over its image's become the image NAME instead."""
+    With --as-image NAME, its files over its image's become the image NAME instead.
+    With --kubernetes too, ID is a pod, and its files over its image's are pushed as
+    image REF (only the layer the registry lacks is uploaded); prints it by digest
+    (REPOSITORY@sha256:...), for later sandboxes' image. Registry options as for
+    `sandman images push`."""
+    if on_kubernetes and as_image is None:
+        raise click.UsageError(
+            "--kubernetes goes with --as-image REF: a pod's snapshot is kept by its pool "
+            "(the SDK's `sb.snapshot()`)"
+        )
+    if (insecure or creds or authfile) and not on_kubernetes:
+        raise click.UsageError("--insecure, --creds and --authfile go with --kubernetes")
     if as_image is not None:
         if url:
             raise click.UsageError(
-                "--as-image writes to this machine's image store; a service's store is "
-                "shared by its tenants, so it takes no images from them"
+                "--as-image writes to this machine's image store, or with --kubernetes to "
+                "a registry; a service's store is shared by its tenants, so it takes no "
+                "images from them"
             )
+        if on_kubernetes:
+            auth = credentials(creds, authfile, as_image)
+            kube = _kube_provider(kubeconfig, context, namespace)
+            call = _push_image(kube, sandbox_id, as_image, auth, not insecure)
+            pushed = run_async(ctx, in_cli_terms(call))
+            click.echo(pushed)
+            click.echo(f"a sandbox of it: SandboxSpec(image={pushed!r})", err=True)
+            return
         run_async(ctx, _as_image(ctx, sandbox_id, as_image))
         click.echo(as_image)
         click.echo(f"`sandman create {as_image}` makes a sandbox of it", err=True)
@@ -135,6 +183,52 @@ async def _as_image(ctx: click.Context, sandbox_id: str, name: str) -> None:
             await provider.delete_snapshot(snap.id)
     finally:
         await provider.aclose()
+
+
+def _kube_provider(
+    kubeconfig: Path | None, context: str | None, namespace: str | None
+) -> KubernetesProvider:
+    from pydantic import ValidationError
+
+    from sandman.providers.kubernetes import KubernetesProvider  # its HTTP stack, on demand
+    from sandman.settings import KubernetesConfig
+
+    try:
+        config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)
+    except ValidationError as exc:
+        raise click.BadParameter(exc.errors()[0]["msg"], param_hint="--namespace") from None
+    return KubernetesProvider(config)
+
+
+async def _push_image(
+    provider: KubernetesProvider,
+    sandbox_id: str,
+    reference: str,
+    auth: Credentials | None,
+    tls_verify: bool,
+) -> str:
+    """Snapshot the pod, push the snapshot as ``reference`` and delete it; the image by
+    digest."""
+    from sandman.images.registry import PROBE_TIMEOUT, parse_reference, probe_registry
+
+    try:
+        # A bad reference or an unreachable registry at once, before the pod is read.
+        target = parse_reference(reference)
+        await probe_registry(target, tls_verify=tls_verify, timeout=PROBE_TIMEOUT, action="push")
+        labels = {LABEL_EXPIRES: f"{time.time() + 600:.0f}"}
+        try:
+            snap = await provider.snapshot(sandbox_id, labels=labels)
+        except errors.SandboxNotFound:
+            raise errors.SandboxNotFound(
+                f"no pod {sandbox_id} in namespace {provider.namespace} (--namespace)"
+            ) from None
+        try:
+            digest = await provider.save_image(snap.id, reference, auth=auth, tls_verify=tls_verify)
+        finally:
+            await provider.delete_snapshot(snap.id)
+    finally:
+        await provider.aclose()
+    return f"{target.name.removesuffix(f':{target.tag}')}@{digest}"
 
 
 @snapshot.command("ls")

@@ -55,6 +55,7 @@ __all__ = [
     "LayerBlob",
     "export_image",
     "export_layer",
+    "export_stream",
     "image_config",
     "write_blob",
     "write_layout",
@@ -374,6 +375,46 @@ def export_layer(
     except OSError as exc:
         part.unlink(missing_ok=True)
         raise ImageError(f"cannot export the layer {root}: {exc}") from exc
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return LayerBlob(
+        digest=f"sha256:{digest}",
+        diff_id=f"sha256:{sink.diff.hexdigest()}",
+        size=sink.size,
+        media_type=MEDIA_LAYER_GZIP if compress else MEDIA_LAYER,
+    )
+
+
+def export_stream(
+    write: Callable[[Any], None],
+    blobs: Path,
+    *,
+    what: str,
+    compress: bool = True,
+    level: int = COMPRESS_LEVEL,
+) -> LayerBlob:
+    """A layer blob in `blobs` (made if missing) from a tar that `write` writes to the
+    binary file-like it is given (``write`` and ``tell``), gzipped as by `export_layer`;
+    for layers that are no tree on this host (a pod's changes). `what` names the layer
+    in errors. Blocking."""
+    blobs.mkdir(parents=True, exist_ok=True)
+    part = blobs / f".{secrets.token_hex(8)}.part"
+    threads = os.cpu_count() or 1
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="gzip") if compress else None
+    try:
+        with open(part, "wb") as file:
+            sink = _BlobSink(file, pool, level, ahead=2 * threads)
+            write(sink)
+            sink.close()
+        digest = sink.blob.hexdigest()
+        os.replace(part, blobs / digest)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise ImageError(f"cannot export {what}: {exc}") from exc
     except BaseException:
         part.unlink(missing_ok=True)
         raise

@@ -34,6 +34,7 @@ import anyio
 
 from sandman import errors
 from sandman.egress import Egress
+from sandman.images.registry import Credentials
 from sandman.models import SandboxSpec
 from sandman.providers.base import (
     BackendOwners,
@@ -341,6 +342,23 @@ class KubernetesProvider:
     async def restore(self, sandbox_id: str, snapshot_id: str) -> SandboxInfo:
         """Make the sandbox's pod again from the snapshot: same id, token and labels."""
         return await self._snapshots.restore(sandbox_id, snapshot_id)
+
+    async def save_image(
+        self,
+        snapshot_id: str,
+        reference: str,
+        *,
+        auth: Credentials | None = None,
+        tls_verify: bool = True,
+        timeout: float = 3600.0,
+    ) -> str:
+        """Push the snapshot's files over its image's to a registry as the image
+        ``reference`` (a tag), which later creates can name; the pushed manifest's
+        digest. Only the blobs the registry lacks are uploaded (`PodSnapshots.save_image`
+        says what else it needs and raises)."""
+        return await self._snapshots.save_image(
+            snapshot_id, reference, auth=auth, tls_verify=tls_verify, timeout=timeout
+        )
 
     async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
         """Not on Kubernetes: a ConfigError that says what is."""

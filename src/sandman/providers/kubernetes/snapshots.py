@@ -21,6 +21,13 @@ cannot reach, so a pod cannot be put back in place.
 
 The snapshot's directory is flocked shared while a sandbox is made from it and
 exclusively while it is deleted: a delete waits for the creates in flight.
+
+`PodSnapshots.save_image` makes a snapshot an image in a registry (``sandman snapshot
+save ID --as-image REF --kubernetes``): its image's layers, fetched with skopeo, and
+the changes as one more layer (`sandman.providers.kubernetes.commit`), pushed with
+skopeo, which uploads only the blobs the registry lacks. It works in a scratch
+directory beside the snapshots (``.image-*``), flocked while its maker lives, so
+``sandman gc`` removes one whose maker was killed.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -45,14 +54,26 @@ from pydantic import ValidationError
 
 from sandman import errors
 from sandman.daemon.changes import apply_changes, download_changes
+from sandman.images.registry import (
+    PROBE_TIMEOUT,
+    PUSH_DIR,
+    PUSH_TAG,
+    Credentials,
+    parse_reference,
+    probe_registry,
+    push_with_skopeo,
+    run_skopeo,
+)
 from sandman.models import SandboxSpec
 from sandman.providers.base import SandboxInfo, SnapshotInfo
-from sandman.providers.kubernetes import pods
+from sandman.providers.kubernetes import commit, pods
 
 if TYPE_CHECKING:
     from sandman.providers.kubernetes.provider import KubernetesProvider
 
 __all__ = ["PodSnapshots", "SnapshotStore", "new_snapshot_id", "spec_of"]
+
+logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"^sn-[a-z0-9]{1,60}$")
 _META = "meta.json"
@@ -60,7 +81,11 @@ _FILES = "files.tar"
 _PARTIAL = ".files.tar.part"
 _STAGING = ".new-"
 _TRASH = ".old-"
+_SCRATCH = ".image-"
 _STRAY_GRACE = 60.0
+# A scratch directory is flocked a moment after it is made; one older than this and
+# not locked is a dead maker's.
+_SCRATCH_GRACE = 10.0
 _MAX_ENTRIES = 2_000_000
 _GONE_TIMEOUT = 60.0
 
@@ -216,12 +241,31 @@ class SnapshotStore:
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A private directory beside the snapshots to make an image in, removed after the
+        block; flocked meanwhile, so that `remove_strays` takes only a dead maker's."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=_SCRATCH, dir=self.root))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
     def remove_strays(self) -> builtins.list[str]:
-        """What a make or a delete killed half-way left under a staging or trash name."""
+        """What a make or a delete killed half-way left under a staging or trash name, and
+        the scratch directories of image makers that died."""
         removed = []
         deadline = time.time() - _STRAY_GRACE
         with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as entries:
             for entry in entries:
+                if entry.name.startswith(_SCRATCH):
+                    if _remove_dead_scratch(entry.path, time.time() - _SCRATCH_GRACE):
+                        removed.append(entry.name)
+                    continue
                 trash = entry.name.startswith(_TRASH)
                 if trash or entry.name.startswith(_STAGING):
                     with contextlib.suppress(FileNotFoundError):
@@ -254,6 +298,26 @@ class SnapshotStore:
             id=snapshot_id, provider=self._provider, labels={}, created_at=0.0,
             image="", image_id="", size=0,
         )  # fmt: skip
+
+
+def _remove_dead_scratch(path: str, deadline: float) -> bool:
+    """Remove scratch directory ``path`` if it is older than ``deadline`` and no live
+    process holds its lock; whether it did."""
+    try:
+        if os.stat(path, follow_symlinks=False).st_mtime >= deadline:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its maker lives
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 class PodSnapshots:
@@ -487,6 +551,139 @@ class PodSnapshots:
                     )
             path = self.store.files(snapshot.id)
             await apply_changes(daemon, path, timeout=config.snapshot_timeout)
+
+    # -- images -----------------------------------------------------------------------
+
+    async def save_image(
+        self,
+        snapshot_id: str,
+        reference: str,
+        *,
+        auth: Credentials | None = None,
+        tls_verify: bool = True,
+        timeout: float = 3600.0,
+    ) -> str:
+        """Push the snapshot's files over its image's as the image ``reference``
+        (``registry.example/team/task:1``), one layer more than its image; the pushed
+        manifest's digest (``registry.example/team/task@<digest>`` names it).
+
+        Needs skopeo, and the snapshot's image in a registry this host can pull from (its
+        layers are read for the names the snapshot removed, and referenced as they are).
+        The registry is asked for each blob first: the image's layers, or the whole
+        image, pushed before are not uploaded again. ``auth`` is the pushed registry's
+        (and the image's, when it is the same registry; give an auth file to cover
+        two); ``tls_verify`` for both; ``timeout`` bounds it all. Raises
+        `SnapshotNotFound`, `ImageError` (a bad reference, a registry unreachable, at
+        once, or refusing, an image not in a registry) and `ConfigError` (the image's
+        tag now names another image). The snapshot is held (a delete waits); nothing
+        is left on this host."""
+        target = parse_reference(reference)
+        if target.tag is None:
+            raise errors.ImageError(
+                f"cannot push to {reference}: name a tag (REPOSITORY:TAG); the registry "
+                "gives the digest"
+            )
+        if timeout <= 0:
+            raise errors.ConfigError(f"timeout must be positive, not {timeout}")
+        started = time.monotonic()
+
+        def left() -> float:
+            return max(timeout - (time.monotonic() - started), 0.001)
+
+        digest = ""
+        async with self._held(snapshot_id) as snapshot:
+            base_name, base_id = commit.base_reference(snapshot.image, snapshot.image_id)
+            base = parse_reference(base_name)
+            same = isinstance(auth, Path) or base.registry == target.registry
+            with anyio.move_on_after(timeout) as deadline:
+                await probe_registry(
+                    target, tls_verify=tls_verify, timeout=min(PROBE_TIMEOUT, timeout),
+                    action="push",
+                )  # fmt: skip
+                async with self._scratch() as scratch:
+                    try:
+                        layout = await run_skopeo(
+                            base, scratch, auth=auth if same else None,
+                            tls_verify=tls_verify, timeout=left(),
+                        )  # fmt: skip
+                    except errors.ImageError as exc:
+                        raise type(exc)(
+                            f"cannot make an image of snapshot {snapshot_id}: its image "
+                            f"{snapshot.image} cannot be fetched by this host ({exc}); "
+                            "make the sandbox of an image in a registry that both this host "
+                            "and the nodes reach"
+                        ) from exc
+                    try:
+                        digest = await anyio.to_thread.run_sync(
+                            self._layout, scratch, layout, snapshot, base_id
+                        )
+                    except OSError as exc:
+                        if isinstance(exc, errors.SandboxError):
+                            raise
+                        raise errors.ProviderError(
+                            f"cannot make an image of snapshot {snapshot_id}: "
+                            f"{exc.filename or scratch}: {exc.strerror or exc}"
+                        ) from exc
+                    await push_with_skopeo(
+                        target, scratch, auth=auth, tls_verify=tls_verify, timeout=left()
+                    )
+        if deadline.cancelled_caught:
+            raise errors.ImageError(
+                f"making an image of snapshot {snapshot_id} and pushing it to {target.name} "
+                f"took more than {timeout:g} s"
+            )
+        logger.info(
+            "snapshot %s pushed to %s as %s in %.1f s",
+            snapshot_id, target.name, digest, time.monotonic() - started,
+        )  # fmt: skip
+        return digest
+
+    def _layout(
+        self, scratch: Path, fetched: Path, snapshot: SnapshotInfo, base_id: str | None
+    ) -> str:
+        """The layout to push, in ``scratch``: the image skopeo ``fetched`` plus the
+        snapshot's layer; its manifest's digest. Blocking."""
+        layout = scratch / PUSH_DIR
+        fetched.rename(layout)
+        what = f"image {snapshot.image}"
+        base = commit.read_base(layout, what)
+        if base_id is not None and base.config_digest != base_id:
+            raise errors.ConfigError(
+                f"image {snapshot.image!r} is now {base.config_digest}, and snapshot "
+                f"{snapshot.id} holds changes to {base_id}: name the image by its digest "
+                "to make images from snapshots of it"
+            )
+        tree = commit.base_tree(layout, base, what)
+        layer = commit.changes_layer(
+            self.store.files(snapshot.id),
+            tree,
+            layout / "blobs" / "sha256",
+            what=f"the files of snapshot {snapshot.id}",
+        )
+        return commit.finish_layout(
+            layout,
+            base,
+            layer,
+            tag=PUSH_TAG,
+            source=snapshot.id,
+            created_by=f"sandman snapshot save {snapshot.source or snapshot.id} --as-image",
+        )
+
+    @contextlib.asynccontextmanager
+    async def _scratch(self) -> AsyncIterator[Path]:
+        try:
+            hold = self.store.scratch()
+            path = await anyio.to_thread.run_sync(hold.__enter__)
+        except OSError as exc:
+            raise errors.ProviderError(
+                f"cannot make an image: the snapshot directory failed at "
+                f"{exc.filename or self.store.root}: {exc.strerror or exc}"
+            ) from exc
+        try:
+            yield path
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(hold.__exit__, None, None, None)
 
     # -- pause ------------------------------------------------------------------------
 
