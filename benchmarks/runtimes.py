@@ -26,11 +26,13 @@ One line per variant, then the ratios to the base, then all figures on one line:
     <v>_vs_<base> create_ratio=<x/x'> noop_exec_ratio=<y/y'> mem_ratio=<m/m'>
     crun_create_ms=<x> crun_exec_ms=<y> crun_mem_mib=<m> runsc_systrap_create_ms=<x> ...
 
-``leftover`` counts the runtime's state directory too: the built runsc leaves its
-empty ``null-netns`` file there (1; see hack/gvisor/README.md).
+``leftover`` counts what the variant left behind (mounts, processes, files in the
+state directory): 0 expected. The built runsc runs with
+``--gofer-network-namespace=new``, as ``LocalConfig.runsc_args`` advises.
 
 Run as root: ``.venv/bin/python benchmarks/runtimes.py [-n 20] [-e 500] [-m 5]
-[--runtimes crun,runsc_ptrace,runsc_systrap]`` (``hack/gvisor/build`` first).
+[--runtimes crun,runsc_ptrace,runsc_systrap] [--built-runsc PATH]``
+(``hack/gvisor/build`` first).
 """
 
 from __future__ import annotations
@@ -56,7 +58,13 @@ from sandman.settings import LocalConfig
 SPEC = SandboxSpec(image="busybox", memory="64Mi", pids=64, cpu=1)
 BUILT_RUNSC = Path(__file__).resolve().parents[1] / "hack" / "gvisor" / ".bin" / "runsc"
 RUNSC_PTRACE: dict[str, Any] = {"runtime": "runsc"}
-BUILT: dict[str, Any] = {"runtime": "runsc", "runtime_path": str(BUILT_RUNSC)}
+# A gofer network namespace of its own (runsc >= 2025): else each create leaves an empty
+# ``null-netns`` file in the runtime's state directory (LocalConfig.runsc_args).
+BUILT: dict[str, Any] = {
+    "runtime": "runsc",
+    "runtime_path": str(BUILT_RUNSC),
+    "runsc_args": ["--gofer-network-namespace=new"],
+}
 VARIANTS: dict[str, dict[str, Any]] = {
     "crun": {"runtime": "crun"},
     "crun_nouserns": {"runtime": "crun", "userns": False},
@@ -201,13 +209,23 @@ def main() -> int:
     parser.add_argument("-e", type=int, default=500, help="no-op execs per variant")
     parser.add_argument("-m", type=int, default=5, help="idle sandboxes held per variant")
     parser.add_argument("--runtimes", default="crun,runsc_ptrace,runsc_systrap")
+    parser.add_argument(
+        "--built-runsc",
+        type=Path,
+        default=BUILT_RUNSC,
+        help="the runsc the built variants run (to compare another build)",
+    )
     args = parser.parse_args()
     variants = args.runtimes.split(",")
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown:
         parser.error(f"unknown runtimes {unknown}: choose from {sorted(VARIANTS)}")
-    if any(VARIANTS[name].get("runtime_path") for name in variants) and not BUILT_RUNSC.exists():
-        parser.error(f"{BUILT_RUNSC} is missing: run hack/gvisor/build first")
+    built = args.built_runsc.resolve()
+    if any(VARIANTS[name].get("runtime_path") for name in variants) and not built.exists():
+        parser.error(f"{built} is missing: run hack/gvisor/build first")
+    for settings in VARIANTS.values():
+        if settings.get("runtime_path"):
+            settings["runtime_path"] = str(built)
     with tempfile.TemporaryDirectory(prefix="sm-rt-", dir="/tmp") as tmp:
         print(asyncio.run(run(variants, args.n, args.e, args.m, Path(tmp))))
     return 0
