@@ -32,8 +32,17 @@ top checkpoint> ratio=<y/x> mem_per_sandbox_mib=<at the top> leftover=<z>``.
 
 ``--disk off`` runs without the per-sandbox disk limit (``LocalConfig.disk=None``);
 the default is the provider's (10 GiB, a btrfs subvolume with a quota per sandbox).
+``--views own`` gives each sandbox its own tmpfs /dev and /dev/shm and its own sysfs
+(``LocalConfig.dev_tmpfs``, ``own_sysfs``), the default ``shared`` none.
 ``--seccomp default,unconfined`` runs it all once per filter, one after the
-other in the same run, for a before/after comparison (``--disk on,off`` too).
+other in the same run, for a before/after comparison (``--disk on,off`` and
+``--views shared,own`` too).
+
+The kernel's memory that grows with the square of the count: each memory cgroup (one
+a sandbox) holds a shrinker slot per superblock on the host, 1 KiB (kmalloc-1k) per 64.
+Each line gives ``superblocks`` (those one held sandbox has that another and the host
+have not) and ``shrinker_model_kib`` (held x superblocks / 64: what that adds to
+kmalloc-1k per held sandbox) beside the measured ``top_slabs_kib``.
 
 Run as root: ``.venv/bin/python benchmarks/density.py --curve 0,1000,2000,5000,10000 [-c 8]``
 (``ulimit -n`` must exceed the top checkpoint: the pool holds a descriptor per sandbox;
@@ -109,6 +118,24 @@ def _charged(cgroup_parent: str) -> int:
             if path.exists():
                 return int(path.read_text())
     return 0
+
+
+def _superblocks(pid: int) -> set[str]:
+    """The device numbers of the filesystems under a process's mounts: one a superblock."""
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return set()
+    return {line.split()[2] for line in text.splitlines()}
+
+
+def _own_superblocks(held: list[Record]) -> int:
+    """Superblocks the first held sandbox has that the second and the host have not."""
+    pids = [r.info.endpoint.pid for r in held[:2] if r.info and r.info.endpoint]
+    if len(pids) < 2 or None in pids:
+        return 0
+    one, other = (_superblocks(p) for p in pids if p is not None)
+    return len(one - other - _superblocks(os.getpid()))
 
 
 def _threads() -> int:
@@ -210,11 +237,14 @@ async def run(
     disk: bool,
     seccomp: str,
     min_available: float = 2 * 2**30,
+    own_views: bool = False,
 ) -> tuple[str, bool]:
     """The curve's lines, and whether it reached its top and left nothing."""
     spec = SPEC.model_copy(update={"seccomp": seccomp})
     cgroup_parent = new_cgroup_parent()
-    config = LocalConfig(state_dir=state, cgroup_parent=cgroup_parent)
+    config = LocalConfig(
+        state_dir=state, cgroup_parent=cgroup_parent, dev_tmpfs=own_views, own_sysfs=own_views
+    )
     if not disk:
         config = config.model_copy(update={"disk": None})
     provider = LocalProvider(config)
@@ -299,6 +329,8 @@ async def run(
                     f"slab={per['Slab']:.2f} percpu={per['Percpu']:.2f} pagetables={per['PageTables']:.2f} "
                     f"kstack={per['KernelStack']:.2f} cgroup={_charged(cgroup_parent) / n / 2**20:.2f} daemon_pss={statistics.median(pss) / 2**20 if pss else 0:.2f}) "
                 )
+                own = _own_superblocks(held)
+                line += f"superblocks={own} shrinker_model_kib={len(held) * own / 64:.0f} "
                 slabs = _slabs()
                 grown = sorted(
                     ((slabs.get(k, 0) - v, k) for k, v in base_slabs.items()), reverse=True
@@ -353,6 +385,11 @@ def main() -> int:
     parser.add_argument(
         "--seccomp", default="default", help="filters to compare, comma-separated (spec.seccomp)"
     )
+    parser.add_argument(
+        "--views",
+        default="shared",
+        help="/dev, /dev/shm and /sys: shared (no superblock of their own), own, or both",
+    )
     args = parser.parse_args()
     if args.curve:
         curve = [int(x) for x in args.curve.split(",")]
@@ -361,25 +398,31 @@ def main() -> int:
     if curve != sorted(curve) or curve[0] < 0:
         parser.error("--curve must be rising counts >= 0")
     clean = True
-    for disk in args.disk.split(","):
-        for seccomp in args.seccomp.split(","):
-            state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
-            try:
-                print(f"# disk={disk} seccomp={seccomp} curve={curve}", flush=True)
-                result = run(
-                    curve,
-                    args.concurrency,
-                    args.probe,
-                    state,
-                    disk == "on",
-                    seccomp,
-                    args.min_available_gib * 2**30,
-                )
-                text, ok = asyncio.run(result)
-                print(text, flush=True)
-                clean = clean and ok
-            finally:
-                shutil.rmtree(state, ignore_errors=True)
+    runs = [
+        (disk, seccomp, views)
+        for disk in args.disk.split(",")
+        for seccomp in args.seccomp.split(",")
+        for views in args.views.split(",")
+    ]
+    for disk, seccomp, views in runs:
+        state = Path(tempfile.mkdtemp(prefix="smb-", dir="/tmp"))
+        try:
+            print(f"# disk={disk} seccomp={seccomp} views={views} curve={curve}", flush=True)
+            result = run(
+                curve,
+                args.concurrency,
+                args.probe,
+                state,
+                disk == "on",
+                seccomp,
+                args.min_available_gib * 2**30,
+                own_views=views == "own",
+            )
+            text, ok = asyncio.run(result)
+            print(text, flush=True)
+            clean = clean and ok
+        finally:
+            shutil.rmtree(state, ignore_errors=True)
     return 0 if clean else 1
 
 

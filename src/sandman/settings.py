@@ -78,6 +78,18 @@ class LocalConfig(BaseModel):
     """The most pseudo-terminals a sandbox may hold at once (its devpts ``max``). Every
     container's come from one host budget, ``kernel.pty.max`` less ``kernel.pty.reserve``
     (3072 by default)."""
+    dev_tmpfs: bool = False
+    """Under crun, each sandbox's /dev and /dev/shm are tmpfs of their own (64 MiB each,
+    in its memory). Off (the default): /dev is a directory of the sandbox's own files,
+    which the runtime fills with the usual device nodes, and /dev/shm a directory in it
+    (on the sandbox's disk limit, in its snapshots). Each tmpfs is a superblock, and the
+    kernel's memory for superblocks grows with the square of the sandbox count
+    (docs/security.md)."""
+    own_sysfs: bool = False
+    """Under crun, each sandbox without a network gets a sysfs of its own (a superblock
+    each). Off (the default): they all see one read-only sysfs, of an empty network
+    namespace: what their own would show (only ``lo`` in /sys/class/net), but one set of
+    inodes for all. A sandbox with a network always sees its own (its interfaces)."""
     disk: Bytes | None = Field(default=10 * 2**30, ge=16 * 2**20)
     """What a sandbox may write (its layer over the image, data and metadata) when its
     spec sets no ``disk``; past it, writes fail ("Disk quota exceeded", the daemon's

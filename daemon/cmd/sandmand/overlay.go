@@ -14,12 +14,12 @@ import (
 // hideSysNet).
 const hideSysNetFlag = "--hide-sys-net"
 
-// sysfsFlag is `--sysfs=NETNS`: with --userns, mount TARGET/sys for the network
-// namespace at NETNS (`mountSysfs`).
+// sysfsFlag is `--sysfs=NETNS`: mount TARGET/sys for the network namespace at NETNS
+// (`mountSysfs`): the sandbox's own, or one empty namespace every sandbox shares.
 const sysfsFlag = "--sysfs="
 
 // overlayExec is the host-side helper `sandmand overlay-exec [--hide-sys-net]
-// [--userns=BASE:SIZE:PATH [--sysfs=NETNS]] LOWER[:LOWER...] UPPER WORK TARGET -- PROG
+// [--userns=BASE:SIZE:PATH] [--sysfs=NETNS] LOWER[:LOWER...] UPPER WORK TARGET -- PROG
 // ARGS...`: it enters a new, private mount namespace, makes the sandbox's user
 // namespace there if asked (`newUserns`), mounts the overlay at TARGET (`mountLayers`:
 // its layers idmapped into that user namespace), and execs PROG (the OCI runtime's
@@ -42,11 +42,11 @@ func overlayExec(args []string) error {
 		ids, args = &r, args[1:]
 	}
 	sysfs := ""
-	if ids != nil && len(args) > 0 && strings.HasPrefix(args[0], sysfsFlag) {
+	if len(args) > 0 && strings.HasPrefix(args[0], sysfsFlag) {
 		sysfs, args = strings.TrimPrefix(args[0], sysfsFlag), args[1:]
 	}
 	if len(args) < 6 || args[4] != "--" {
-		return fmt.Errorf("usage: sandmand overlay-exec [%s] [%sBASE:SIZE:PATH [%sNETNS]] LOWER UPPER WORK TARGET -- PROG [ARGS...]", hideSysNetFlag, usernsFlag, sysfsFlag)
+		return fmt.Errorf("usage: sandmand overlay-exec [%s] [%sBASE:SIZE:PATH] [%sNETNS] LOWER UPPER WORK TARGET -- PROG [ARGS...]", hideSysNetFlag, usernsFlag, sysfsFlag)
 	}
 	// LOWER: one directory, or several joined by ':' (topmost first), as overlayfs's
 	// lowerdir; each is checked by mountLayers.

@@ -263,13 +263,21 @@ func bindIdmapped(source, point string, ns *userns) error {
 }
 
 // mountSysfs mounts, read-only at target, the sysfs of the network namespace at
-// netns. The runtime cannot: a network namespace the host made (before the
-// sandbox's user namespace existed) is not the sandbox's to mount sysfs for, and
-// crun then binds the host's /sys, which names the host's interfaces.
+// netns (ns: the sandbox's user namespace, or nil). The runtime cannot: a network
+// namespace the host made (before the sandbox's user namespace existed) is not the
+// sandbox's to mount sysfs for, and crun then binds the host's /sys, which names the
+// host's interfaces. The kernel keeps one sysfs superblock per network namespace, so
+// sandboxes given one shared namespace here share one superblock.
 func mountSysfs(netns, target string, ns *userns) error {
 	if _, err := os.Lstat(target); os.IsNotExist(err) {
 		// Made through the overlay as container root, like any mount point crun makes.
-		if err := withFsids(ns.base, func() error { return os.Mkdir(target, 0o555) }); err != nil {
+		mkdir := func() error { return os.Mkdir(target, 0o555) }
+		if ns != nil {
+			err = withFsids(ns.base, mkdir)
+		} else {
+			err = mkdir()
+		}
+		if err != nil {
 			return err
 		}
 	}

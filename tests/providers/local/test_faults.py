@@ -23,7 +23,7 @@ from sandman.providers.base import Lost, LostReports, SandboxInfo
 from sandman.providers.local import LocalProvider
 from sandman.providers.local.exits import classify
 from sandman.settings import LocalConfig
-from tests.providers.local.conftest import config_for, needs_root_and_crun, ready
+from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for, ready
 from tests.providers.local.leaks import assert_nothing_left
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
@@ -193,26 +193,30 @@ async def test_a_daemon_watched_past_descriptor_1023_is_reported_lost(
             os.close(fd)
 
 
-async def test_a_daemon_the_oom_killer_kills_is_lost_as_oom(provider: LocalProvider) -> None:
+async def test_a_daemon_the_oom_killer_kills_is_lost_as_oom(
+    state_dir: Path, busybox_tar: Path
+) -> None:
     """The daemon makes the OOM killer prefer its commands (their oom_score_adj is 1000),
     so a memory hog dies, not the sandbox. Here the daemon is made as preferred as they
     are, from the host, and the memory is taken by a tmpfs file (in no process's RSS):
-    the daemon, the largest process, is the OOM killer's choice."""
-    reports = provider.lost()
-    try:
-        info = await provider.create(SandboxSpec(image="busybox", memory="32Mi"))
-        provider.watch_lost(info)
-        async with await ready(info) as sb:
-            Path(f"/proc/{_pid(info)}/oom_score_adj").write_text("1000")
-            await sb.spawn("head -c 60000000 /dev/zero > /dev/shm/fill")
-            lost = await _next(reports)
-        assert (lost.sandbox_id, lost.reason) == (info.id, "oom"), lost
-        assert "OOM killer" in lost.detail
-        # A later look finds the same (without the wait status: from the cgroup).
-        stopped = await provider.inspect(info.id)
-        assert stopped.lost is not None and stopped.lost.reason == "oom"
-    finally:
-        await reports.aclose()
+    the daemon, the largest process, is the OOM killer's choice. /dev/shm is a tmpfs
+    only when asked (`LocalConfig.dev_tmpfs`): by default it is on the sandbox's disk."""
+    async with provider_for(config_for(state_dir, dev_tmpfs=True), busybox_tar) as provider:
+        reports = provider.lost()
+        try:
+            info = await provider.create(SandboxSpec(image="busybox", memory="32Mi"))
+            provider.watch_lost(info)
+            async with await ready(info) as sb:
+                Path(f"/proc/{_pid(info)}/oom_score_adj").write_text("1000")
+                await sb.spawn("head -c 60000000 /dev/zero > /dev/shm/fill")
+                lost = await _next(reports)
+            assert (lost.sandbox_id, lost.reason) == (info.id, "oom"), lost
+            assert "OOM killer" in lost.detail
+            # A later look finds the same (without the wait status: from the cgroup).
+            stopped = await provider.inspect(info.id)
+            assert stopped.lost is not None and stopped.lost.reason == "oom"
+        finally:
+            await reports.aclose()
 
 
 def test_why_a_daemon_died_from_the_evidence_it_left() -> None:

@@ -129,6 +129,8 @@ async def test_a_snapshot_becomes_an_image_later_creates_name(provider: LocalPro
     snapshot = await provider.snapshot(info.id)
     image = await provider.save_image(snapshot.id, "prepared:v1")
     assert image.names == ["prepared:v1"]
+    # Nothing the runtime made in the sandbox's /dev (its layer's) goes into the image.
+    assert list((image.rootfs / "dev").iterdir()) == []
     base = await provider.images.get("busybox")
     assert image.config == base.config  # env, working directory, user, command kept
     await provider.delete_snapshot(snapshot.id)

@@ -33,9 +33,13 @@ def oci_layout_of(image: Image, upper: Path, layout: Path, *, source: str) -> No
     merged = layout / "merged"
     merged.mkdir()
     tar = layout / "layer.tar"
+    # /dev's entries are the runtime's (its devices, links and mount points, made in a
+    # sandbox's layer: `views.make_dev`), and every runtime hides an image's /dev: the
+    # directory is kept, empty.
     script = (
         'mount -t overlay overlay -o "ro,lowerdir=$1:$2" "$3" && '
-        'exec tar --numeric-owner --xattrs --xattrs-include="*" --acls -C "$3" -cf "$4" .'
+        'exec tar --numeric-owner --xattrs --xattrs-include="*" --acls --exclude="./dev/*" '
+        '-C "$3" -cf "$4" .'
     )
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "commit",

@@ -48,8 +48,10 @@ FILES_PER_SANDBOX = 16
 MEMORY_PER_SANDBOX = 3 * 2**19
 # And what grows with the square of the count: every memory cgroup holds a shrinker
 # slot per superblock on the host (1 KiB per 64, kmalloc-1k), and each sandbox has a
-# memory cgroup and makes 8 superblocks (overlay, proc, sysfs, devpts, mqueue, 3 tmpfs).
-SUPERBLOCKS_PER_SANDBOX = 8
+# memory cgroup and makes 4 superblocks (overlay, proc, devpts, its IPC namespace's
+# mqueue; providers/local/views.py). The kernel sizes a new memory cgroup's slots for
+# the most superblocks the host has had at once since boot, never fewer.
+SUPERBLOCKS_PER_SANDBOX = 4
 SHRINKER_SLOTS_PER_KIB = 64
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "cgroup", "net")  # each sandbox makes one of each
 MEMCG_IDS = 65535  # cgroup v1: memory cgroups (live and dying) have 16-bit ids

@@ -26,6 +26,7 @@ LISTEN_FD = 3
 TOKEN_FD = 4
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD_US = 100_000
+CGROUP_ROOT = "/sys/fs/cgroup"
 NOFILE = 20_000  # no CAP_SYS_RESOURCE here: cannot exceed our own hard limit
 PTYS = 256
 """Pseudo-terminals a sandbox may hold at once, by default (`LocalConfig.ptys`)."""
@@ -75,9 +76,55 @@ class BundleLayout:
     """The root's mount point, relative to the bundle or absolute (`userns.ROOTFS`)."""
     userns: str | None = None
     """The sandbox's user namespace to join (bound there by ``sandmand overlay-exec
-    --userns``, see `userns`); None: none (root inside is root on the host). With
-    ``netns`` too, overlay-exec mounts /sys: the runtime cannot mount the sysfs of a
-    network namespace the sandbox's user namespace does not own."""
+    --userns``, see `userns`); None: none (root inside is root on the host)."""
+    sysfs_premounted: bool = False
+    """overlay-exec mounts /sys (``--sysfs``): the sysfs of the one empty network
+    namespace sandboxes without a network share (`views`), or, in a user namespace with
+    ``netns``, the sandbox's own (the runtime cannot mount the sysfs of a network
+    namespace the sandbox's user namespace does not own). False: the runtime mounts it."""
+    dev_tmpfs: bool = True
+    """/dev and /dev/shm are tmpfs of their own (a superblock each). False: the root's
+    own /dev, which the runtime fills, with /dev/shm a directory in it (`views.make_dev`)."""
+    cgroup_view: str | None = None
+    """A read-only host directory with an empty directory per cgroup v1 hierarchy
+    (`views.cgroup_skeleton`), bound at /sys/fs/cgroup with the sandbox's own cgroup
+    in each of ``hierarchies`` bound read-only on it; None: the runtime's cgroup mount
+    (on cgroup v1, a tmpfs holding a mount per hierarchy)."""
+    hierarchies: tuple[str, ...] = ()
+    """The cgroup v1 hierarchies of ``cgroup_view`` (`views.hierarchies`)."""
+
+
+def _cgroup_mounts(layout: BundleLayout, cgroup: str) -> list[dict[str, Any]]:
+    """/sys/fs/cgroup: the runtime's view, or the same made of binds (`BundleLayout.cgroup_view`)."""
+    if layout.cgroup_view is None:
+        return [
+            {
+                "destination": "/sys/fs/cgroup",
+                "type": "cgroup",
+                "source": "cgroup",
+                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            }
+        ]
+    ro = ["bind", "ro", "nosuid", "nodev", "noexec"]
+    return [
+        {
+            "destination": "/sys/fs/cgroup",
+            "type": "bind",
+            "source": layout.cgroup_view,
+            "options": ro,
+        },
+        *(
+            {
+                "destination": f"/sys/fs/cgroup/{name}",
+                "type": "bind",
+                # Made by the runtime before it mounts anything; seen from the sandbox's
+                # cgroup namespace, whose root it is, as "/" (as the runtime's mount).
+                "source": f"{CGROUP_ROOT}/{name}/{cgroup}",
+                "options": ro,
+            }
+            for name in layout.hierarchies
+        ),
+    ]
 
 
 def _env(image_env: list[str], spec_env: Mapping[str, str]) -> list[str]:
@@ -121,8 +168,6 @@ def config(
     if layout.netns is not None:
         namespace_net["path"] = layout.netns
     namespace_user = [{"type": "user", "path": layout.userns}] if layout.userns else []
-    # Mounted by overlay-exec for a network namespace the host made (`BundleLayout.userns`).
-    sysfs_premounted = layout.userns is not None and layout.netns is not None
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -152,12 +197,18 @@ def config(
                 "source": "proc",
                 "options": ["nosuid", "noexec", "nodev"],
             },
-            {
-                "destination": "/dev",
-                "type": "tmpfs",
-                "source": "tmpfs",
-                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-            },
+            *(
+                [
+                    {
+                        "destination": "/dev",
+                        "type": "tmpfs",
+                        "source": "tmpfs",
+                        "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+                    }
+                ]
+                if layout.dev_tmpfs
+                else []
+            ),
             {
                 "destination": "/dev/pts",
                 "type": "devpts",
@@ -174,13 +225,20 @@ def config(
                     f"max={ptys}",
                 ],
             },
+            *(
+                [
+                    {
+                        "destination": "/dev/shm",
+                        "type": "tmpfs",
+                        "source": "shm",
+                        "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+                    }
+                ]
+                if layout.dev_tmpfs
+                else []
+            ),
             {
-                "destination": "/dev/shm",
-                "type": "tmpfs",
-                "source": "shm",
-                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
-            },
-            {
+                # No superblock of its own: the IPC namespace has its mqueue already.
                 "destination": "/dev/mqueue",
                 "type": "mqueue",
                 "source": "mqueue",
@@ -188,7 +246,7 @@ def config(
             },
             *(
                 []
-                if sysfs_premounted
+                if layout.sysfs_premounted
                 else [
                     {
                         "destination": "/sys",
@@ -198,14 +256,9 @@ def config(
                     }
                 ]
             ),
-            {
-                # The sandbox's own cgroup, read-only (as in a Kubernetes pod): its
-                # OOM kill count tells an OOM kill from any other SIGKILL.
-                "destination": "/sys/fs/cgroup",
-                "type": "cgroup",
-                "source": "cgroup",
-                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
-            },
+            # The sandbox's own cgroup, read-only (as in a Kubernetes pod): its OOM
+            # kill count tells an OOM kill from any other SIGKILL.
+            *_cgroup_mounts(layout, f"{cgroup_parent.strip('/')}/{sandbox_id}"),
             {
                 "destination": DAEMON_IN_SANDBOX,
                 "type": "bind",

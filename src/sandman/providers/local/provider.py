@@ -47,7 +47,7 @@ from sandman.providers.base import (
     SandboxState,
     SnapshotInfo,
 )
-from sandman.providers.local import oci, records, seccomp, userns
+from sandman.providers.local import oci, records, seccomp, userns, views
 from sandman.providers.local.checkpoints import Checkpoints, check_memory
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
@@ -76,6 +76,7 @@ GVISOR_PIDS_HEADROOM = 256
 GVISOR_MEMORY_HEADROOM = 128 * 2**20
 _IMAGE_TTL = 2.0
 _EMPTY = "empty"  # what masked directories show (oci.MASKED_DIRS): nothing, read-only
+_CGROUP_VIEW = "cgroup"  # the skeleton of a sandbox's /sys/fs/cgroup (views.cgroup_skeleton)
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 # cgroup v1 charges a cgroup's TCP buffers to it only once this is set (v2: always).
 _KERNEL_TCP = _CGROUP_ROOT / "memory" / "memory.kmem.tcp.limit_in_bytes"
@@ -154,6 +155,12 @@ class LocalProvider:
             launch=self._launch,
         )  # fmt: skip
         self._empty = state / _EMPTY
+        # crun: what a sandbox sees of /dev, /sys and its cgroups costs no superblock of
+        # its own unless asked (`views`); runc and gVisor as they were.
+        self._views = self.config.runtime == "crun"
+        self._sysfs = views.SharedNetns()
+        self._cgroup_view = state / _CGROUP_VIEW
+        self._hierarchies: tuple[str, ...] = ()
         # Each sandbox in a user namespace of its own (crun only: `userns`).
         self._userns = self.config.userns and self.config.runtime == "crun"
         # The same kernel as the sandboxes': what exists here exists in their /proc, /sys.
@@ -185,6 +192,8 @@ class LocalProvider:
                 raise errors.ConfigError("the local provider needs root (run `sandman doctor`)")
             if self.config.runtime == "crun":
                 await anyio.to_thread.run_sync(prepare_cgroups)
+                # After prepare_cgroups: it may mount a hierarchy.
+                self._hierarchies = await anyio.to_thread.run_sync(views.hierarchies)
             await self._limit_parent()
             raise_open_files()  # a descriptor per sandbox held (`ExitWatch`)
             self._sandboxes.mkdir(parents=True, exist_ok=True)
@@ -193,6 +202,10 @@ class LocalProvider:
                 await anyio.to_thread.run_sync(userns.prepare, self._daemon, state)
             try:
                 await anyio.to_thread.run_sync(_make_empty, self._empty)
+                if self._views and self._hierarchies:
+                    await anyio.to_thread.run_sync(
+                        views.cgroup_skeleton, self._cgroup_view, self._hierarchies
+                    )
             except OSError as exc:
                 if isinstance(exc, errors.SandboxError):
                     raise
@@ -392,7 +405,11 @@ class LocalProvider:
             # kernel (no host superblock to save).
             empty=str(self._empty) if self.config.runtime == "crun" else None,
             masked=self._masked,
+            dev_tmpfs=not self._views or self.config.dev_tmpfs,
+            cgroup_view=str(self._cgroup_view) if self._views and self._hierarchies else None,
+            hierarchies=self._hierarchies if self._views else (),
         )
+        layout = replace(layout, sysfs_premounted=self._premounts_sysfs(layout.netns))
         base = None
         if self._userns:
             base = await anyio.to_thread.run_sync(userns.allocate, directory)
@@ -450,6 +467,20 @@ class LocalProvider:
             )
         return await self._launch(sid, directory, image, layer, token, layout.netns, base)
 
+    def _premounts_sysfs(self, netns: str | None) -> bool:
+        """Whether overlay-exec mounts /sys of a sandbox in ``netns`` (None: a new one the
+        runtime makes, with only a loopback): without a network, the shared view of an
+        empty namespace (crun, unless ``own_sysfs``), which shows what its own would; with
+        one, in a user namespace, its own (the runtime cannot mount the sysfs of a
+        network namespace the host made)."""
+        if netns is None:
+            return self._views and not self.config.own_sysfs
+        return self._userns
+
+    def _sysfs_netns(self, netns: str | None) -> str:
+        """The network namespace whose sysfs overlay-exec mounts (`_premounts_sysfs`)."""
+        return netns if netns is not None else self._sysfs.path()
+
     async def _layer(
         self, sid: str, directory: Path, spec: SandboxSpec, source: str | None
     ) -> Path:
@@ -485,8 +516,15 @@ class LocalProvider:
             if base is None:
                 # Adopted, or restored: the range it holds (again, after a reboot).
                 base = await anyio.to_thread.run_sync(userns.allocate, directory)
-            ids = UserNamespace(base, userns.RANGE, directory / userns.MOUNT_POINT, netns)
+            ids = UserNamespace(base, userns.RANGE, directory / userns.MOUNT_POINT)
             overlay = (*overlay[:3], userns.ROOTFS)
+        # What the bundle's config leaves to the host: a bundle outlives the provider
+        # that wrote it (a restore after a restart), so its config decides.
+        mounts = await anyio.to_thread.run_sync(_mounts_of, directory, layer)
+        # The shared namespace is made on first use (a thread of its own, joined).
+        sysfs = (
+            None if "/sys" in mounts else await anyio.to_thread.run_sync(self._sysfs_netns, netns)
+        )
         if self.config.runtime == "runsc":
             await self._runtime.create(
                 sid, directory, log=directory / "log", overlay=overlay, helper=self._daemon
@@ -512,6 +550,7 @@ class LocalProvider:
                 helper=self._daemon,
                 pass_fds=(listener.fileno(), token_read),
                 userns=ids,
+                sysfs=sysfs,
             )
         finally:
             listener.close()
@@ -546,6 +585,11 @@ class LocalProvider:
             raise errors.ProviderError(
                 f"cannot remove sandbox {sandbox_id}'s files: {exc}"
             ) from exc
+        # The shared /sys's namespace is held for the sandboxes that see it: with none
+        # left (a create in progress has its directory already), nothing of theirs
+        # stays open here; the next create makes another.
+        if not await anyio.to_thread.run_sync(_any_entry, self._sandboxes):
+            self._sysfs.close()
 
     async def _remove_cgroups(self, sandbox_id: str) -> None:
         """Remove cgroup dirs the runtime left: it gives up on one still busy
@@ -770,7 +814,27 @@ class LocalProvider:
     async def aclose(self) -> None:
         """Sandboxes live on until deleted; the disk filesystem is unmounted if none holds a layer."""
         self._exits.close()
+        self._sysfs.close()  # held on by the sysfs of each sandbox that sees it
         await anyio.to_thread.run_sync(self.disk.release)
+
+
+def _any_entry(directory: Path) -> bool:
+    """Whether ``directory`` holds anything (a sandbox's directory, or one's trash)."""
+    try:
+        with os.scandir(directory) as entries:
+            return any(True for _ in entries)
+    except FileNotFoundError:
+        return False
+
+
+def _mounts_of(directory: Path, layer: Path) -> set[str]:
+    """Where the bundle's config mounts something; without /dev, the sandbox's /dev is
+    its layer's (`views.make_dev`), made here."""
+    config = json.loads((directory / "config.json").read_bytes())
+    mounts = {str(m["destination"]) for m in config["mounts"]}
+    if "/dev" not in mounts:
+        views.make_dev(layer / "upper")
+    return mounts
 
 
 def _make_empty(path: Path) -> None:

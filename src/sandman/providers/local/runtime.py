@@ -39,12 +39,9 @@ class UserNamespace:
     base: int
     size: int
     path: Path
-    sysfs_netns: str | None = None
-    """A network namespace the host made: overlay-exec mounts its sysfs (``--sysfs``)."""
 
     def flags(self) -> list[str]:
-        ids = [f"--userns={self.base}:{self.size}:{self.path}"]
-        return ids + ([f"--sysfs={self.sysfs_netns}"] if self.sysfs_netns else [])
+        return [f"--userns={self.base}:{self.size}:{self.path}"]
 
 
 class OCIRuntime:
@@ -135,10 +132,12 @@ class OCIRuntime:
         helper: Path,
         pass_fds: Sequence[int] = (),
         userns: UserNamespace | None = None,
+        sysfs: str | None = None,
     ) -> int:
         """``create`` run through ``helper overlay-exec``, which mounts the overlay
         (lower, upper, work, target) in a private mount namespace first; with
-        ``userns``, it makes the sandbox's user namespace and idmaps the layers into it.
+        ``userns``, it makes the sandbox's user namespace and idmaps the layers into it;
+        with ``sysfs`` (a network namespace's path), it mounts that one's sysfs at /sys.
 
         ``pass_fds`` are the container process's descriptors 3, 4, ...
         Returns the pid of the container's init (on this host).
@@ -150,7 +149,7 @@ class OCIRuntime:
         ]  # fmt: skip
         return await self._overlaid(
             sandbox_id, command, log=log, overlay=overlay, helper=helper, pass_fds=pass_fds,
-            userns=userns,
+            userns=userns, sysfs=sysfs,
         )  # fmt: skip
 
     async def restore(
@@ -185,12 +184,14 @@ class OCIRuntime:
         pass_fds: Sequence[int] = (),
         slow: bool = False,
         userns: UserNamespace | None = None,
+        sysfs: str | None = None,
     ) -> int:
         what = command[0]
         bundle = Path(command[command.index("--bundle") + 1])
         pid_file = bundle / "pid"
         hide = ["--hide-sys-net"] if self._hide is not None else []
         ids = userns.flags() if userns is not None else []
+        ids += [f"--sysfs={sysfs}"] if sysfs is not None else []
         argv = [
             str(helper), "overlay-exec", *hide, *ids, *(str(p) for p in overlay), "--",
             self.binary, *self._global, *command,
