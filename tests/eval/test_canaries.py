@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import collections
+import io
 import itertools
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -236,13 +238,27 @@ def test_mutants_change_one_character_per_literal_and_keep_its_look() -> None:
         kinds=["mutant"],
     )
     rewritten = made.sources["t.py"]
-    for mutant in made.canaries:
-        body = rewritten.split(f"def {mutant.token}():\n")[1].split("\n\n")[0].rstrip()
-        original = text.split("\n", 1)[1].rstrip("\n")
-        differ = [a for a, b in zip(body, original, strict=True) if a != b]
-        assert len(differ) <= 2 and body != original, (body, original)
-        assert 'f("hello-world")' in body  # the call side is never touched
 
+    def tokens(name: str) -> list[str]:
+        body = rewritten.split(f"def {name}():\n")[1].split("\n\n")[0]
+        found = tokenize.generate_tokens(io.StringIO(body).readline)
+        return [t.string for t in found if t.type not in _LAYOUT]
+
+    original = tokens(made.listed["t.py::test_x"])
+    assert made.canaries
+    for mutant in made.canaries:
+        body = tokens(mutant.token)
+        # Only values differ (each literal and the copies `settle` makes of it), each
+        # by one character, never the call side.
+        differ = {(a, b) for a, b in zip(body, original, strict=True) if a != b}
+        assert differ
+        for a, b in differ:
+            assert a[0] in "\"'0123456789" and len(a) == len(b), (a, b)
+            assert sum(x != y for x, y in zip(a, b, strict=True)) == 1, (a, b)
+        assert '"hello-world"' in body  # the call side is never touched
+
+
+_LAYOUT = (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 
 # The shapes of the demo's FAIL_TO_PASS tests (heldout/team-h read each one's original
 # off its family), and one with more literals than the grid has axes.
@@ -306,7 +322,9 @@ def test_every_member_of_a_family_is_written_alike(shape: str) -> None:
         masked = {}
         for node in defs:
             own = [line.encode() for line in lines]
-            for side in sorted(decoys.literals(node), key=lambda n: -n.col_offset):
+            # The expected values, where the test wrote them and where `settle`
+            # copied them (as a whole and by their items).
+            for side in sorted(_copies(node), key=lambda n: (n.lineno, -n.col_offset)):
                 line = own[side.lineno - 1]
                 own[side.lineno - 1] = (
                     line[: side.col_offset] + b"VALUE" + line[side.end_col_offset :]
@@ -351,6 +369,34 @@ def test_every_member_of_a_family_is_written_alike(shape: str) -> None:
         head = defs[0].name
         assert len({gaps[n.name] for n in defs if n.name != head}) == 1, (seed, gaps)
         assert gaps[original] >= 1 or original == head, (seed, gaps)
+
+
+def _copies(node: ast.FunctionDef) -> list[ast.expr]:
+    """The outermost literals equal to an expected value or a part of one, in its
+    assertions' expected sides and in the expressions `settle` wrapped around their
+    results (never in the results: a call's inputs stay)."""
+    values: set[str] = set()
+    places: list[ast.AST] = []
+    for result, side in decoys.pairs(node):
+        for part in ast.walk(side):
+            if isinstance(part, (ast.Constant, ast.Tuple, ast.List)):
+                values.add(repr(ast.literal_eval(part)))
+        places.append(side)
+        if isinstance(result, ast.Call) and isinstance(result.func, ast.Lambda):
+            places.append(result.func)
+    found: list[ast.expr] = []
+    inside: set[int] = set()
+    for item in (item for place in places for item in ast.walk(place)):
+        if id(item) in inside or not isinstance(item, (ast.Constant, ast.Tuple, ast.List)):
+            continue
+        try:
+            value = repr(ast.literal_eval(item))
+        except ValueError:
+            continue
+        if value in values:
+            found.append(item)
+            inside.update(id(part) for part in ast.walk(item))
+    return [f for f in found if f.lineno == f.end_lineno]
 
 
 def _values(node: ast.FunctionDef) -> tuple[str, ...]:

@@ -123,3 +123,17 @@ def test_the_changed_lines_are_read_from_git_s_diff() -> None:
         "@@ -1 +0,0 @@\n-q\n"
     )
     assert _added_lines(diff) == {"x.py": [(2, 4), (12, 12)], "n.py": [(1, 1)]}
+
+
+def test_defaults_set_on_a_test_s_code_are_reported(tmp_path: Path) -> None:
+    """The helpers a family's assertions are settled by keep what they use in their
+    defaults (`sandman.eval.settle`): replacing them, from anywhere, is a forger's."""
+    witness, lib, test, records = _witness(tmp_path)
+    witness.audit("object.__setattr__", (lib["changed"], "__defaults__", (1,)))
+    assert _audits(records) == []  # the library's own function: not a test's
+    witness.audit("object.__setattr__", (test["helper"], "__defaults__", (1,)))
+    witness.audit("object.__setattr__", (test["test_x"], "__kwdefaults__", {}))
+    assert _audits(records) == [
+        "the test process replaced a test's defaults (helper) from (not on the stack)",
+        "the test process replaced a test's defaults (test_x) from (not on the stack)",
+    ]

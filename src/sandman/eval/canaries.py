@@ -50,6 +50,7 @@ from typing import Literal
 
 from sandman.eval import decoys
 from sandman.eval.parsers import TestStatus
+from sandman.eval.settle import HELPERS, helpers, settle
 from sandman.eval.verdict import lookup
 
 __all__ = ["KINDS", "Canary", "Kind", "Plan", "Target", "locate", "plan", "token"]
@@ -606,14 +607,21 @@ def _family(
         return None
     imports = _imports(tree) if "agree" in kinds else []
     grid = decoys.draw(node, lines, _source()) if "mutant" in kinds else None
+    # Each member's varied assertions are decided by plain values (`sandman.eval.settle`),
+    # with helpers bound at the top of its body under names fresh for the run.
+    names = [token("_") for _ in range(HELPERS)]
     members: list[_Member] = []
     for centre in grid.centres() if grid is not None else [()]:
-        source = grid.render(lines, centre) if grid is not None else lines
+        source, settled = (
+            settle(grid.render(lines, centre), node, names) if grid is not None else (lines, False)
+        )
         first = not any(centre)
         for reimport in (False, True) if imports else (False,):
             member = fresh if first and not reimport else name()
             segment = _copy(source, node, function, member)
             assert segment is not None  # as for the original: only names and values differ
+            if settled:
+                segment = _at_top(segment, node, source, [helpers(names)])
             if reimport:
                 segment = _reimporting(segment, node, source, imports)
             kind: Kind | None = ("agree" if reimport else None) if first else "mutant"
@@ -691,9 +699,19 @@ def _reimporting(
     """``segment`` (a copy of ``node``) with ``imports`` at the top of its body: it
     calls the library's functions even if the module's names were rebound (a fixed
     copy swapped into the test module)."""
+    return _at_top(segment, node, lines, imports)
+
+
+def _at_top(
+    segment: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    lines: list[str],
+    statements: list[str],
+) -> list[str]:
+    """``segment`` (a copy of ``node``) with ``statements`` at the top of its body."""
     body = _indent(lines[node.body[0].lineno - 1])
     at = node.body[0].lineno - _start(node)
-    return [*segment[:at], *(f"{body}{line}\n" for line in imports), *segment[at:]]
+    return [*segment[:at], *(f"{body}{line}\n" for line in statements), *segment[at:]]
 
 
 def _generic(

@@ -45,7 +45,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["AXES", "CENTRES", "CHOICES", "Grid", "draw", "literals"]
+__all__ = ["AXES", "CENTRES", "CHOICES", "Grid", "draw", "literals", "pairs"]
 
 CHOICES = 8
 """The most values one expected literal takes in a family (the original's among them)."""
@@ -193,7 +193,12 @@ def literals(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
     (either order): the side that is a constant, or a list or tuple of them,
     when the other side is not.
     """
-    found: list[ast.expr] = []
+    return [expected for _, expected in pairs(node)]
+
+
+def pairs(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[ast.expr, ast.expr]]:
+    """Each of `literals` with the side it is compared with: (result, expected)."""
+    found: list[tuple[ast.expr, ast.expr]] = []
     for item in ast.walk(node):
         pair: list[ast.expr] = []
         if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
@@ -210,7 +215,8 @@ def literals(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.expr]:
         if len(pair) == 2:
             plain = [_is_literal(side) for side in pair]
             if plain.count(True) == 1:
-                found.append(pair[plain.index(True)])
+                at = plain.index(True)
+                found.append((pair[1 - at], pair[at]))
     return found
 
 

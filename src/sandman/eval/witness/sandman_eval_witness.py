@@ -430,6 +430,18 @@ class _Witness:
                 target=str(getattr(args[0], "__qualname__", "?")),
                 patch=self.patch_frame() or "(not on the stack)",
             )
+        elif event == "object.__setattr__" and str(args[1]) in ("__defaults__", "__kwdefaults__"):
+            # A test's defaults (the helpers its equality assertions are settled by
+            # keep what they use there): no honest run sets them on a test's code.
+            code = getattr(args[0], "__code__", None)
+            if self._absolute(getattr(code, "co_filename", None)) in self.test_files:
+                self.emit(
+                    "audit",
+                    event=event,
+                    what="replaced a test's defaults",
+                    target=str(getattr(args[0], "__qualname__", "?")),
+                    patch=self.patch_frame() or "(not on the stack)",
+                )
         elif event == "object.__setattr__":
             target = args[0]
             module = getattr(target, "__module__", "") or ""

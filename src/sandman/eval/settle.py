@@ -1,0 +1,159 @@
+"""A family's equality assertions, decided by plain values the result cannot speak for.
+
+Pure: a test's ``def`` and its (rendered) lines in, the same lines out with each
+equality assertion that `sandman.eval.decoys` varies rewritten, and one line of
+helpers for the top of its body; `sandman.eval.canaries` applies both to every
+member of a family alike, the original included.
+
+``assert f(x) == 2.5`` hands ``2.5`` to the result's ``__eq__``. A result that is a
+subclass of ``float`` (or ``str``, ``list``...) from the code under test can then
+accept what is tied to its own wrong output (a value just below it, a subsequence
+of it, a constant the test module shares: round 7 of ``heldout/``) while the family's
+other values, unrelated to the bug, fail: the mutants cannot tell it from a right
+answer. So the result never decides. Rewritten as ``assert SETTLED(f(x)) == 2.5``,
+the assertion passes only if both hold:
+
+1. **The plain value agrees.** The result is turned into plain built-in values first,
+   by the expected literal's shape and without the literal: a ``str``, ``int``,
+   ``float``, ``list`` or ``tuple`` (subclasses included) is copied from its built-in
+   storage by the built-in type's own methods, so none of its methods runs; any
+   other object is converted (``float(v)``, ``str(v)``, ``list(v)``...) before
+   anything hands it the expected value, so what it commits to is blind. The plain
+   copy is compared with the literal by the built-in comparison.
+2. **The result agrees.** Only then ``result == literal``, as the test wrote it, so
+   an honest wrong answer (``5`` where ``"5"`` is expected) still fails. This part
+   can only fail an assertion, never pass one. A failing assertion shows the plain
+   copy, as the test would have shown the result.
+
+The helpers are the test's own locals (no other code can rebind a function's
+locals before Python 3.13's write-through ``frame.f_locals``), bound at the top of its
+body from literals alone (``"".__class__`` is ``str``: no name the code under test
+could rebind) under names drawn for the run, with no closure (what they use is in
+their defaults, whose replacement the witness reports); and nothing adds a constant
+a value of the grid could equal (no digits: lengths are the literal's own). Literals
+of more than `LEAVES` scalars are left as written.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+
+from sandman.eval.decoys import pairs
+
+__all__ = ["HELPERS", "LEAVES", "helpers", "settle"]
+
+LEAVES = 32
+"""The most scalars an expected literal may hold for its assertion to be rewritten."""
+HELPERS = 2
+"""How many names `helpers` binds (drawn by the caller, fresh for the run)."""
+
+# Built-in types from literals alone (``()`` and ``""`` are never a grid value: a site
+# changes a character of a non-empty literal, never its shape).
+_KINDS = {
+    str: '"".__class__',
+    int: '"".__len__().__class__',
+    float: '"".__len__().__float__().__class__',
+}
+
+
+def helpers(names: Sequence[str]) -> str:
+    """The statement binding the helpers to ``names`` (no indentation, no newline).
+
+    *plain*: a value's own str, float or int storage, else the value converted to the
+    kind it is given; *items*: a list's or tuple's own items as a plain list with its
+    kind, else the object iterated. They hold no closure: what they use is in their own
+    defaults, whose replacement the witness reports. (``isinstance`` through the
+    built-in type's own check: an object whose ``__class__`` lies passes it, then
+    fails the copy, which takes only the real thing.)"""
+    s, f, n = _KINDS[str], _KINDS[float], _KINDS[int]
+    return (
+        f"{', '.join(names)} = "
+        f"(lambda v, k, s={s}, f={f}, n={n}: "
+        "s.__add__(s(), v) if s.__instancecheck__(v) else f.__add__(f(), v) "
+        "if f.__instancecheck__(v) else n.__add__(n(), v) if n.__instancecheck__(v) "
+        "else k.__add__(k(), k(v))), "
+        "(lambda v, k, l=[].__class__, u=().__class__: (l, l.__add__([], v)) "
+        "if l.__instancecheck__(v) else (u, l(u.__add__((), v))) "
+        "if u.__instancecheck__(v) else (k, l(v)))"
+    )
+
+
+def _plain(expected: object, value: str, names: Sequence[str]) -> str:
+    """An expression making ``value`` plain by the shape of ``expected``."""
+    plain, items = names
+    if not isinstance(expected, (list, tuple)):
+        return f"{plain}({value}, {_KINDS[type(expected)]})"
+    parts = [f"x{i}" for i in range(len(expected))]
+    inner = ", ".join(_plain(e, p, names) for e, p in zip(expected, parts, strict=True))
+    kind = "[].__class__" if isinstance(expected, list) else "().__class__"
+    # A length other than the literal's keeps the raw items, which a built-in
+    # comparison then finds unequal without asking them.
+    return (
+        f"(lambda k, w: (lambda {', '.join(parts)}: k([{inner}]))(*w) "
+        f"if w.__len__() == {expected!r}.__len__() else k(w))(*{items}({value}, {kind}))"
+    )
+
+
+def _leaves(value: object) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_leaves(v) for v in value)
+    return 1
+
+
+def settle(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, names: Sequence[str]
+) -> tuple[list[str], bool]:
+    """``lines`` with each varied equality assertion of ``node`` decided by plain
+    values, using the helpers bound to ``names``; and whether any was rewritten (then
+    the body needs `helpers`).
+
+    ``node`` is the test as parsed from the original lines; ``lines`` may carry other
+    expected values at the same places (a grid's centre), which are the ones used.
+    Every edit is inside a line, so line numbers stay.
+    """
+    edits: list[tuple[int, int, str]] = []
+    for other, expected in pairs(node):
+        try:
+            value = ast.literal_eval(_text(lines, expected))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if _leaves(value) > LEAVES:
+            continue
+        literal = repr(value)
+        # ``p`` is the plain copy, made before ``v`` hears the literal. Where they
+        # disagree the assertion sees ``p`` (what a failure shows), or a fresh
+        # ``object()`` where ``p`` agrees and ``v`` does not (an honest wrong 5).
+        prefix = (
+            f"(lambda v: (lambda p: {literal} if p == {literal} and v == {literal} "
+            f'else p if p != {literal} else "".__class__.__base__())'
+            f"({_plain(value, 'v', names)}))("
+        )
+        edits.append((other.lineno - 1, other.col_offset, prefix))
+        edits.append((*_end(other), ")"))
+    out = lines[:]
+    for line, column, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        raw = out[line].encode("utf-8", errors="surrogateescape")
+        out[line] = (raw[:column] + text.encode() + raw[column:]).decode(
+            "utf-8", errors="surrogateescape"
+        )
+    return out, bool(edits)
+
+
+def _end(node: ast.expr) -> tuple[int, int]:
+    return (node.end_lineno or node.lineno) - 1, (
+        node.end_col_offset if node.end_col_offset is not None else node.col_offset
+    )
+
+
+def _text(lines: list[str], node: ast.expr) -> str:
+    """The source of ``node`` in ``lines`` (byte columns, as ast counts)."""
+    first, last = node.lineno - 1, _end(node)[0]
+    raw = [line.encode("utf-8", errors="surrogateescape") for line in lines[first : last + 1]]
+    end = _end(node)[1]
+    if first == last:
+        return raw[0][node.col_offset : end].decode("utf-8", errors="surrogateescape")
+    middle = b"".join(raw[1:-1])
+    return (raw[0][node.col_offset :] + middle + raw[-1][:end]).decode(
+        "utf-8", errors="surrogateescape"
+    )

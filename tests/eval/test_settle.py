@@ -1,0 +1,149 @@
+"""A family's equality assertions are decided by plain values (`sandman.eval.settle`).
+
+Each case runs one rewritten test against a stand-in for the code under test: a
+result that lies about its equality (round 7 of heldout/) must fail, an honest one
+must end as the assertion as written would.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from sandman.eval.settle import HELPERS, LEAVES, helpers, settle
+
+TEST = textwrap.dedent(
+    """
+    def test_x():
+        assert median([1, 2, 3, 4]) == 2.5
+        assert slug("a b") == "a-b"
+        assert merge([(1, 3), (2, 6)]) == [(1, 6)]
+        assert -2 == neg(2)
+    """
+)
+
+
+class LiarFloat(float):
+    """A wrong median whose equality accepts anything (round 7's i-10, i-13)."""
+
+    __hash__ = float.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+class LiarStr(str):
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+class LiarList(list[Any]):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+class Learner:
+    """Not a built-in: learns the expected value from ``__eq__`` and returns it when
+    converted, so it passes if the conversion comes after the comparison."""
+
+    seen: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        Learner.seen = other
+        return True
+
+    def __float__(self) -> float:
+        return float(Learner.seen) if Learner.seen is not None else 3.0
+
+    def __iter__(self) -> Any:
+        return iter(Learner.seen if Learner.seen is not None else [(1, 7)])
+
+
+RIGHT: dict[str, Callable[..., Any]] = {
+    "median": lambda v: 2.5,
+    "slug": lambda s: "a-b",
+    "merge": lambda v: [(1, 6)],
+    "neg": lambda v: -2,
+}
+CASES: dict[str, tuple[dict[str, Callable[..., Any]], bool]] = {
+    "right": ({}, True),
+    "a float subclass that lies": ({"median": lambda v: LiarFloat(3.0)}, False),
+    "a str subclass that lies": ({"slug": lambda s: LiarStr("a--b")}, False),
+    "a list subclass that lies": ({"merge": lambda v: LiarList([(1, 7)])}, False),
+    "a lying float inside a list": ({"merge": lambda v: [(1, LiarFloat(7))]}, False),
+    "a learner for a number": ({"median": lambda v: Learner()}, False),
+    "a learner for a list": ({"merge": lambda v: Learner()}, False),
+    "numbers that are not built-ins": (
+        {"median": lambda v: Fraction(5, 2), "neg": lambda v: Decimal(-2)},
+        True,
+    ),
+    "a bool where an int is expected": ({"merge": lambda v: [(True, 6)]}, True),
+    "a float subclass that does not lie": (
+        {"median": lambda v: type("F", (float,), {})(2.5)},
+        True,
+    ),
+    "a tuple where a list is expected": ({"merge": lambda v: ((1, 6),)}, False),
+    "an int where a str is expected": ({"slug": lambda s: 5}, False),
+    "another length": ({"merge": lambda v: [(1, 6), (7, 8)]}, False),
+    "a wrong value": ({"median": lambda v: 3}, False),
+}
+
+
+NAMES = [f"_h{i}" for i in range(HELPERS)]
+
+
+def _rewritten(text: str) -> str:
+    """``text``'s test with its assertions settled and the helpers atop its body."""
+    lines = text.splitlines(keepends=True)
+    node = ast.parse(text).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    out, settled = settle(lines, node, NAMES)
+    assert settled
+    assert len(out) == len(lines)  # every edit is inside a line
+    at = node.body[0].lineno - 1
+    return "".join([*out[:at], f"    {helpers(NAMES)}\n", *out[at:]])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_assertion_passes_only_on_plain_values_that_agree(case: str) -> None:
+    rewritten = _rewritten(TEST)
+    stand_in, passes = CASES[case]
+    scope: dict[str, Any] = {**RIGHT, **stand_in}
+    Learner.seen = None
+    exec(compile(rewritten, "t.py", "exec"), scope)  # noqa: S102 (the test under grading)
+    if passes:
+        scope["test_x"]()
+    else:
+        with pytest.raises(AssertionError):
+            scope["test_x"]()
+
+
+def test_the_rewrite_names_nothing_but_its_helpers_and_adds_no_digit() -> None:
+    """No name the code under test could rebind (its own locals but), no constant a
+    grid value could equal."""
+    rewritten = ast.parse(_rewritten(TEST))
+    original = ast.parse(TEST)
+    names = {n.id for n in ast.walk(rewritten) if isinstance(n, ast.Name)}
+    params = {a.arg for n in ast.walk(rewritten) if isinstance(n, ast.Lambda) for a in n.args.args}
+    before = {n.id for n in ast.walk(original) if isinstance(n, ast.Name)}
+    assert names - params - before == set(NAMES)
+    constants = {repr(n.value) for n in ast.walk(rewritten) if isinstance(n, ast.Constant)}
+    old = {repr(n.value) for n in ast.walk(original) if isinstance(n, ast.Constant)}
+    # The expected values again (as a whole and by item) and "", nothing else.
+    assert constants - old == {"''"}
+
+
+def test_a_literal_too_large_is_left_as_written() -> None:
+    text = f"def test_x():\n    assert f() == {list(range(LEAVES + 1))}\n"
+    node = ast.parse(text).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    lines = text.splitlines(keepends=True)
+    assert settle(lines, node, NAMES) == (lines, False)
