@@ -623,7 +623,9 @@ def _family(
             if settled:
                 segment = _at_top(segment, node, source, [helpers(names)])
             if reimport:
-                segment = _reimporting(segment, node, source, imports)
+                # The module's imports again: it calls the library's functions even if
+                # the module's names were rebound (a fixed copy swapped into the module).
+                segment = _at_top(segment, node, source, imports)
             kind: Kind | None = ("agree" if reimport else None) if first else "mutant"
             members.append(_Member(member, kind, "".join(segment)))
     if grid is None and "twin" in kinds and not _leaves_early(node):
@@ -688,18 +690,6 @@ def _imports(tree: ast.Module) -> list[str]:
         )
         and not any(alias.name == "*" for alias in n.names)
     ]
-
-
-def _reimporting(
-    segment: list[str],
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
-    lines: list[str],
-    imports: list[str],
-) -> list[str]:
-    """``segment`` (a copy of ``node``) with ``imports`` at the top of its body: it
-    calls the library's functions even if the module's names were rebound (a fixed
-    copy swapped into the test module)."""
-    return _at_top(segment, node, lines, imports)
 
 
 def _at_top(
