@@ -8,7 +8,8 @@ rootfs) into a tar, the same bytes every time for the same tree:
 - numeric owners only (no user or group names), each file's own mode and mtime (a
   fractional mtime as a PAX record, to the nanosecond), no atime or ctime;
 - hard links inside the tree as tar hard links to the first name (sorted order);
-- extended attributes as ``SCHILY.xattr.*`` PAX records, but overlayfs' own;
+- file capabilities and ``user.*`` extended attributes as ``SCHILY.xattr.*`` PAX
+  records (`sandman.images.overlay.kept_xattr`; never overlayfs' own);
 - overlayfs' form turned back into OCI's: a whiteout (a character device 0/0) becomes
   an empty ``.wh.<name>`` file (mode 0600, root, mtime 0: the marker's own metadata
   means nothing, so it is fixed), an opaque directory (its ``*.overlay.opaque`` xattr)
@@ -44,7 +45,7 @@ from sandman.errors import ImageError
 from sandman.images.digests import CHUNK
 from sandman.images.formats import HOST_ARCH
 from sandman.images.image import Image
-from sandman.images.overlay import is_opaque, is_whiteout
+from sandman.images.overlay import is_opaque, is_whiteout, kept_xattr
 
 __all__ = [
     "COMPRESS_LEVEL",
@@ -74,7 +75,6 @@ COMPRESS_LEVEL = 6
 
 WHITEOUT_PREFIX = ".wh."
 WHITEOUT_OPAQUE = ".wh..wh..opq"
-_OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class _Writer:
             return  # a filesystem without xattrs
         headers = dict(info.pax_headers)
         for name in names:
-            if name.startswith(_OVERLAY_XATTRS):
+            if not kept_xattr(name):
                 continue
             try:
                 value = os.getxattr(path, name, follow_symlinks=False)
@@ -519,14 +519,14 @@ def export_image(
     *,
     tag: str,
     check: Callable[[], None] | None = None,
-) -> tuple[str, int]:
+) -> tuple[str, int, list[LayerBlob]]:
     """Write `image` as an OCI image layout at `layout`, tagged `tag`: each of `trees`
     (its stored layers, bottom first) a gzipped layer blob (`export_layer`), its config
     from `stored_config` (`image_config`), a manifest. Blocking; `check` as for
-    `write_tar`. The manifest's digest and the layer blobs' bytes."""
+    `write_tar`. The manifest's digest, the layer blobs' bytes, and the blobs."""
     blobs = layout / "blobs" / "sha256"
     layers = [export_layer(tree, blobs, check=check) for tree in trees]
     config = image_config(image, stored_config, [layer.diff_id for layer in layers])
     descriptors = [layer.descriptor() for layer in layers]
     digest = write_layout(layout, config, descriptors, tag=tag, platform=True)
-    return digest, sum(layer.size for layer in layers)
+    return digest, sum(layer.size for layer in layers), layers

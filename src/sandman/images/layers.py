@@ -9,6 +9,10 @@ entries add, replace or, through whiteouts, delete paths of the layers below:
   directory merges.
 - Modes (setuid/setgid/sticky included), numeric ownership (when we are root)
   and mtimes are kept; device nodes need root and are skipped otherwise.
+- Extended attributes (``SCHILY.xattr.*`` PAX records, as docker and buildah write
+  them) are kept when they are file capabilities (``security.capability``, root only)
+  or ``user.*`` (`sandman.images.overlay.kept_xattr`); overlayfs' own are never taken
+  from a layer.
 
 With ``lower`` (the layers below, as a `MergedView`), a layer is unpacked on its own,
 as overlayfs stores it (see `sandman.images.overlay`): whiteouts become character
@@ -25,6 +29,7 @@ never followed: an existing symlink there is replaced, not written through.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import posixpath
@@ -41,7 +46,7 @@ from sandman.errors import ImageError
 from sandman.images.compression import CORRUPT, decompressed
 from sandman.images.digests import CHUNK, HashingReader, check_digest
 from sandman.images.merged import MergedView
-from sandman.images.overlay import is_whiteout, make_whiteout, set_opaque
+from sandman.images.overlay import is_whiteout, kept_xattr, make_whiteout, set_opaque
 from sandman.images.paths import MAX_SYMLINKS, clean_name, secure_join
 
 __all__ = ["apply_layer", "disk_usage", "rmtree"]
@@ -52,6 +57,9 @@ WHITEOUT_PREFIX = ".wh."
 WHITEOUT_META_PREFIX = ".wh..wh."
 WHITEOUT_OPAQUE = ".wh..wh..opq"
 BLOCKSIZE = 512
+XATTR_PAX_PREFIX = "SCHILY.xattr."
+# Not fatal: a filesystem without (user) xattrs, or not root for security.capability.
+_XATTR_UNSUPPORTED = (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP)
 _PAX_TIME = re.compile(r"(-?)(\d{1,12})(?:\.(\d{1,30}))?")
 
 
@@ -389,8 +397,27 @@ class _Applier:
             os.chown(path, member.uid, member.gid, follow_symlinks=False)
         if not member.issym():
             os.chmod(path, member.mode & 0o7777)
+            # After chown, which drops security.capability.
+            self.xattrs(path, member)
         mtime = _mtime_ns(member)
         os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+
+    def xattrs(self, path: Path, member: tarfile.TarInfo) -> None:
+        for key, value in member.pax_headers.items():
+            if not key.startswith(XATTR_PAX_PREFIX):
+                continue
+            name = key.removeprefix(XATTR_PAX_PREFIX)
+            if not kept_xattr(name):
+                logger.debug("%s: not keeping xattr %s of %s", self.what, name, member.name)
+                continue
+            # tarfile decodes PAX values with surrogateescape: this is the original bytes.
+            data = value.encode("utf-8", "surrogateescape")
+            try:
+                os.setxattr(path, name, data, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in _XATTR_UNSUPPORTED:
+                    raise
+                logger.debug("%s: cannot set xattr %s on %s: %s", self.what, name, member.name, exc)
 
 
 def _mtime_ns(member: tarfile.TarInfo) -> int:

@@ -5,11 +5,17 @@ On disk, under the store's root::
     layers/<chain>/        one layer, as overlayfs stores it (`sandman.images.overlay`)
     layers/<chain>.json    its metadata, written last: present means complete
     digests/<hex>          a layer blob's digest (as a registry has it) → its diff id
+    aliases/<hex>          a chain id → the stored layer with the same files (a push's)
 
 A layer's *chain id* is its diff id for a bottom layer, else the sha256 of
 ``"<parent chain id> <diff id>"`` (docker's ChainID): how a layer unpacks depends on
 the layers below (directories it only implies, hard links to their files, paths
 through their symlinks), so equal content over different layers is two layers.
+
+A push exports each stored layer as a new tar (other bytes than the blob it came in:
+another diff id, so another chain id); it records that chain id as an *alias* of the
+stored layer (`LayerStore.add_alias`), so that pulling the pushed image back finds its
+layers stored (`LayerStore.resolve`) and downloads and stores nothing twice.
 
 Everything here blocks and expects the caller's locks (`ImageStore` holds the layer's
 lock around `unpack` + `commit`, and ``layers.lock`` around `remove_unused`). Scratch
@@ -75,8 +81,9 @@ class LayerStore:
     def __init__(self, root: Path, tmp: Path) -> None:
         self.layers = root / "layers"
         self.digests = root / "digests"
+        self.aliases = root / "aliases"
         self.tmp = tmp
-        for directory in (self.layers, self.digests):
+        for directory in (self.layers, self.digests, self.aliases):
             directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, layer_id: str) -> Path:
@@ -116,6 +123,23 @@ class LayerStore:
         path = self.digests / hex_of(digest)
         if not path.exists():
             write_atomic(path, diff_id.encode(), self.tmp, tag)
+
+    def add_alias(self, layer_id: str, diff_id: str, target: str, tag: str) -> None:
+        """Make chain id `layer_id` (of a layer with diff id `diff_id`) stand for the
+        stored layer `target`: the same files, exported as another tar (a push)."""
+        if layer_id != target:
+            data = f"{target}\n{diff_id}\n".encode()
+            write_atomic(self.aliases / hex_of(layer_id), data, self.tmp, tag)
+
+    def resolve(self, layer_id: str) -> str:
+        """The stored layer chain id `layer_id` stands for: its alias's target when that
+        is stored, else `layer_id` itself."""
+        try:
+            target = (self.aliases / hex_of(layer_id)).read_text().split("\n")[0]
+        except FileNotFoundError:
+            return layer_id
+        hex_of(target)
+        return target if self.complete(target) else layer_id
 
     def unpack(self, layer: Layer, chain: Sequence[str], tag: str) -> tuple[Path, str]:
         """Unpack `layer` over the stored layers `chain` (bottom first) into a new
@@ -176,7 +200,7 @@ class LayerStore:
             diff_id = self.diff_of(digest)
             if diff_id is None:
                 break
-            layer_id = chain_id(parent, diff_id)
+            layer_id = self.resolve(chain_id(parent, diff_id))
             if not self.complete(layer_id):
                 break
             blobs.mkdir(parents=True, exist_ok=True)
@@ -187,8 +211,9 @@ class LayerStore:
         return count
 
     def remove_unused(self, used: set[str], only: set[str] | None, tag: str) -> PruneReport:
-        """Delete every layer (of `only`, or all) not in `used`, complete or not, and the
-        digest index entries of diff ids no layer has any more."""
+        """Delete every layer (of `only`, or all) not in `used`, complete or not, the
+        digest index entries of diff ids no layer has any more, and the aliases of
+        layers that went."""
         removed: list[str] = []
         freed = 0
         for entry in sorted(os.listdir(self.layers)):
@@ -205,7 +230,16 @@ class LayerStore:
             removed.append(layer_id)
             logger.info("removed layer %s", layer_id)
         if removed:
+            # Aliases first: the diff ids of those left keep their blobs' digests.
             diff_ids = {self.read(c).diff_id for c in self.stored()}
+            for entry in os.listdir(self.aliases):
+                path = self.aliases / entry
+                with suppress(OSError):
+                    target, _, diff_id = path.read_text().partition("\n")
+                    if target in removed:
+                        path.unlink()
+                    else:
+                        diff_ids.add(diff_id.strip())
             for entry in os.listdir(self.digests):
                 path = self.digests / entry
                 with suppress(OSError, ImageError):

@@ -31,6 +31,7 @@ __all__ = [
     "OVL_MAX_STACK",
     "is_opaque",
     "is_whiteout",
+    "kept_xattr",
     "lowerdir_fits",
     "make_whiteout",
     "set_opaque",
@@ -46,6 +47,17 @@ MOUNT_DATA_RESERVE = 1024
 """Left for ``upperdir=…,workdir=…`` and any other option beside ``lowerdir=``."""
 
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
+_OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
+
+
+def kept_xattr(name: str) -> bool:
+    """Whether an image file's extended attribute `name` goes through import and export:
+    file capabilities (``security.capability``) and ``user.*``, never overlayfs' own
+    (``trusted.overlay.*``, ``user.overlay.*``: how a stored layer marks opaque
+    directories) nor the host's labels (``security.selinux``…)."""
+    if name.startswith(_OVERLAY_XATTRS):
+        return False
+    return name == "security.capability" or name.startswith("user.")
 
 
 def is_whiteout(st: os.stat_result) -> bool:

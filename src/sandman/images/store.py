@@ -10,6 +10,7 @@ On disk, under ``root``::
     layers/<chain>/        one unpacked layer, in overlayfs' form (`sandman.images.layerstore`)
     layers/<chain>.json    its metadata, written last: present means complete
     digests/<hex>          a layer blob's digest (as a registry stores it) → its diff id
+    aliases/<hex>          a pushed layer's chain id → the stored layer it was made from
     rootfs/<hex>/          image <hex> merged into one directory, of hard links to its
                            layers' files (images of several layers only); or, for images
                            stored before layers were, their flattened copy
@@ -29,7 +30,9 @@ the layers below, as docker keys them: a layer's unpacked form depends on what i
 lies on), and an image is the list of its layers. Importing or pulling an image skips
 every layer already stored; a pull asks the registry for the manifest first and
 downloads only the blobs of missing layers. Layer blobs are checked while they stream
-and are not kept; a push (`ImageStore.push`) makes them again from the stored layers.
+and are not kept; a push (`ImageStore.push`) makes them again from the stored layers,
+and records their digests and chain ids as aliases of those layers (``aliases/``), so
+that the pushed image pulled back is not stored twice.
 `Image.lowers` are the directories to stack as overlayfs lower layers; `Image.rootfs`
 one directory with the whole tree, for callers that take one.
 Layers no image refers to go with `ImageStore.prune`, or at once with the last image
@@ -341,9 +344,19 @@ class ImageStore:
             trees = [image.rootfs]  # stored before layers were: one flattened tree
         config = self._dirs["blobs/sha256"] / hex_id  # absent for a rootfs tarball's image
         stored = config.read_bytes() if config.is_file() else None
-        return export_image(
+        digest, size, blobs = export_image(
             image, trees, stored, layout, tag=PUSH_TAG, check=anyio.from_thread.check_cancelled
         )
+        # The pushed image, pulled back, is found stored: its blobs' digests name their
+        # diff ids, and the chain ids of those stand for the stored layers (aliases).
+        chain = record.chain or []  # none for an image stored before layers were
+        for index, (layer_id, blob) in enumerate(zip(chain, blobs, strict=False)):
+            parent = chain[index - 1] if index else None
+            self._layers.add_alias(
+                chain_id(parent, blob.diff_id), blob.diff_id, layer_id, LAYERS_KEY
+            )
+            self._layers.index_digest(blob.digest, blob.diff_id, LAYERS_KEY)
+        return digest, size
 
     async def build(
         self,
@@ -637,10 +650,14 @@ class ImageStore:
         if diff_id is not None:
             layer_id = chain_id(parent, diff_id)
             async with self._lock(LAYER_LOCK_PREFIX + hex_of(layer_id)[:2]):
-                if await _run(self._layers.complete, layer_id):
+                # A layer this store pushed comes back under another chain id: its alias.
+                stored = await _run(self._layers.resolve, layer_id)
+                if await _run(self._layers.complete, stored):
                     if layer.digest is not None:
                         await _run(self._layers.index_digest, layer.digest, diff_id, hex_id)
-                    return layer_id, diff_id, False
+                    if stored != layer_id:
+                        diff_id = (await _run(self._layers.read, stored)).diff_id
+                    return stored, diff_id, False
                 work, _ = await _run(self._layers.unpack, layer, chain, hex_id)
                 await _run(self._layers.commit, work, layer_id, diff_id, layer.digest, hex_id)
                 return layer_id, diff_id, True
