@@ -14,6 +14,7 @@ import itertools
 import subprocess
 import sys
 import tokenize
+import types
 from pathlib import Path
 
 import pytest
@@ -613,3 +614,46 @@ def test_the_witness_names_test_methods_replaced_on_an_instance() -> None:
     case.assertEqual = lambda *args, **kwargs: None  # type: ignore[method-assign]
     case.failureException = unittest.case._ShouldStop  # type: ignore[attr-defined]
     assert witness._overridden(case) == ["assertEqual", "failureException"]
+
+
+def test_a_test_with_no_literal_gets_a_mutant_that_expects_nothing() -> None:
+    """``assert got == expected`` has no value to vary: a copy expecting a fresh
+    ``object()`` fails for an honest result and passes for one equal to anything."""
+    text = (
+        "from lib import f, g\n\n\ndef test_x():\n"
+        "    expected = g()\n    assert f() == expected\n    assert f() == (\n        g()\n    )\n"
+    )
+    made = plan({"t.py": text}, [Target("t.py::test_x", "t.py", (), "test_x")], ["t.py::test_x"],
+                "pytest")  # fmt: skip
+    mutants = [c.token for c in made.canaries if c.kind == "mutant"]
+    assert len(mutants) == 1
+    source = made.sources["t.py"]
+
+    class Anything:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+    def ends(result: object) -> dict[str, bool]:
+        lib = types.ModuleType("lib")
+        lib.f = lambda: result  # type: ignore[attr-defined]
+        lib.g = lambda: 3  # type: ignore[attr-defined]
+        scope: dict[str, object] = {}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(sys.modules, "lib", lib)
+            exec(compile(source, "t.py", "exec"), scope)  # noqa: S102 (the planted module)
+            return _passed(scope, [made.listed["t.py::test_x"], *mutants])
+
+    honest = ends(3)
+    assert honest[made.listed["t.py::test_x"]] and not honest[mutants[0]]
+    assert ends(Anything())[mutants[0]]  # a lie the verdict names
+
+
+def _passed(scope: dict[str, object], names: list[str]) -> dict[str, bool]:
+    passed = {}
+    for name in names:
+        try:
+            scope[name]()  # type: ignore[operator]
+            passed[name] = True
+        except AssertionError:
+            passed[name] = False
+    return passed

@@ -50,7 +50,7 @@ from typing import Literal
 
 from sandman.eval import decoys
 from sandman.eval.parsers import TestStatus
-from sandman.eval.settle import HELPERS, helpers, settle
+from sandman.eval.settle import HELPERS, expect_nothing, helpers, settle
 from sandman.eval.verdict import lookup
 
 __all__ = ["KINDS", "Canary", "Kind", "Plan", "Target", "locate", "plan", "token"]
@@ -633,6 +633,16 @@ def _family(
         segment = _copy(lines, node, function, twin)
         assert segment is not None
         members.append(_Member(twin, "twin", "".join(segment) + _failing(lines, node, mode)))
+    if grid is None and "mutant" in kinds:
+        # No literal to vary: a copy whose equality assertions expect a fresh
+        # ``object()``, which no honest result equals (a result equal to anything
+        # passes it). It reads unlike the original; see docs/evaluation.md.
+        nothing = expect_nothing(lines, node)
+        if nothing is not None:
+            mutant = name()
+            segment = _copy(nothing, node, function, mutant)
+            assert segment is not None
+            members.append(_Member(mutant, "mutant", "".join(segment)))
     return members if len(members) > 1 else None
 
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from sandman.eval.decoys import pairs
 
-__all__ = ["HELPERS", "LEAVES", "helpers", "settle"]
+__all__ = ["HELPERS", "LEAVES", "expect_nothing", "helpers", "settle"]
 
 LEAVES = 32
 """The most scalars an expected literal may hold for its assertion to be rewritten."""
@@ -131,13 +131,49 @@ def settle(
         )
         edits.append((other.lineno - 1, other.col_offset, prefix))
         edits.append((*_end(other), ")"))
+    return _edited(lines, edits), bool(edits)
+
+
+def expect_nothing(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef
+) -> list[str] | None:
+    """``lines`` with every equality assertion of ``node`` expecting a fresh
+    ``object()`` (its expected side still evaluated first), or None where it has none.
+
+    The expected side is the right one (``assert got == expected``) or
+    ``assertEqual``'s second argument. Every edit is inside a line.
+    """
+    edits: list[tuple[int, int, str]] = []
+    for item in ast.walk(node):
+        expected: ast.expr | None = None
+        if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
+            if len(item.test.ops) == 1 and isinstance(item.test.ops[0], ast.Eq):
+                expected = item.test.comparators[0]
+        elif (
+            isinstance(item, ast.Call)
+            and isinstance(item.func, ast.Attribute)
+            and item.func.attr in ("assertEqual", "assertEquals")
+            and len(item.args) >= 2
+            and not any(isinstance(a, ast.Starred) for a in item.args[:2])
+        ):
+            expected = item.args[1]
+        if expected is not None:
+            edits.append((expected.lineno - 1, expected.col_offset, "("))
+            edits.append((*_end(expected), ', "".__class__.__base__())[-1]'))
+    if not edits:
+        return None
+    return _edited(lines, edits)
+
+
+def _edited(lines: list[str], edits: list[tuple[int, int, str]]) -> list[str]:
+    """``lines`` with each text inserted at its (line, byte column), right to left."""
     out = lines[:]
     for line, column, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         raw = out[line].encode("utf-8", errors="surrogateescape")
         out[line] = (raw[:column] + text.encode() + raw[column:]).decode(
             "utf-8", errors="surrogateescape"
         )
-    return out, bool(edits)
+    return out
 
 
 def _end(node: ast.expr) -> tuple[int, int]:
