@@ -3,16 +3,41 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sandman.images import ImageStore
+from tests.images.registry_server import Registry, missing_tools, start_registry
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "store")
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A provider state directory under /tmp (short: socket paths), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    """An open registry of this test's own, logging every request."""
+    if missing_tools() is not None:
+        pytest.skip(missing_tools() or "")
+    server = start_registry(tmp_path / "registry", access_log=True)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def assert_store_empty(root: Path) -> None:

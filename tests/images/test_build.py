@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -387,15 +387,6 @@ def test_the_cli_builds(busybox_tar: Path, context: Path) -> None:
         assert "error:" in failed.output and "exit status 3" in failed.output
     finally:
         shutil.rmtree(state, ignore_errors=True)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))  # short: socket paths
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

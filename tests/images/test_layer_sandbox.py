@@ -3,9 +3,7 @@ users across layers, seen from inside (the local provider, crun)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +24,6 @@ from tests.images.builders import (
 from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for, ready
 
 pytestmark = [pytest.mark.anyio, needs_root_and_crun]
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))  # short: socket paths
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -56,16 +56,6 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="sandman")
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    """An open registry of this test's own, logging every request."""
-    server = start_registry(tmp_path / "registry", access_log=True)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def private_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """A registry with htpasswd auth."""

@@ -4,7 +4,6 @@ push records its new layer blobs as aliases of the stored layers (a real registr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,21 +11,12 @@ import pytest
 from sandman.images import ImageStore
 from sandman.images.layers import disk_usage
 from tests.images.builders import file, layer_tar, oci_layout, sample_layers
-from tests.images.registry_server import Registry, blob_fetches, missing_tools, start_registry
+from tests.images.registry_server import Registry, blob_fetches, missing_tools
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.skipif(missing_tools() is not None, reason=missing_tools() or ""),
 ]
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    server = start_registry(tmp_path / "registry", access_log=True)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def layer_dirs(store: ImageStore) -> set[str]:

@@ -10,8 +10,6 @@ import shutil
 import struct
 import subprocess
 import tarfile
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,7 @@ from tests.images.builders import (
     oci_layout,
     sha256,
 )
-from tests.images.registry_server import Registry, missing_tools, start_registry
+from tests.images.registry_server import Registry
 from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for, ready
 from tests.support import eventually
 
@@ -97,17 +95,6 @@ async def test_capabilities_survive_import_and_export(store: ImageStore, tmp_pat
         assert not any("overlay" in k for k in tar.getmember("data").pax_headers)
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    if missing_tools() is not None:
-        pytest.skip(missing_tools() or "")
-    server = start_registry(tmp_path / "registry")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @needs_root
 async def test_capabilities_survive_push_and_pull(
     store: ImageStore, registry: Registry, tmp_path: Path
@@ -118,15 +105,6 @@ async def test_capabilities_survive_push_and_pull(
     await store.push("caps:1", reference, tls_verify=False)
     fresh = await ImageStore(tmp_path / "fresh").pull(reference, tls_verify=False)
     assert_kept(fresh.rootfs)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))  # short: socket paths
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def host_pid_of(command: list[str]) -> int | None:
