@@ -6,9 +6,10 @@ run (250 pods each) and removed afterwards.
 
 ``--via pool`` (default): ``--clients`` sessions of one `Pool` in this
 process. ``--via service``: a ``sandman serve --provider kubernetes`` started
-for the run, and ``--clients`` remote clients (``sandman.connect``) in this
-process, each heartbeating its session. ``--via both`` runs one, then the
-other.
+for the run, and ``--service-clients`` remote clients in this process, each
+heartbeating its session and acquiring as the SDK does (a 30 s long poll, then
+by ticket; ``--open-requests``: each acquire's request held open until
+answered, as before tickets). ``--via both`` runs one, then the other.
 
 Phases: acquire ``--sandboxes`` at once (the pool paces them); hold them for
 ``--hold`` seconds and measure; release them all (the clients close); count
@@ -16,7 +17,10 @@ what is left by a consistent list. Printed per run:
 
 - ``acquired``: time until all were held, failures, 429s;
 - ``memory``: the pool's process RSS growth per 1,000 held (this process
-  for ``pool``, the service's for ``service``), against a warm baseline;
+  for ``pool``, the service's for ``service``), against a warm baseline: by
+  slope (half to all held) and overall; and its peak RSS (VmHWM) over the run,
+  overall (``peak_mib_per_1k``: the issue's measure), with the reconcile
+  passes' own peak;
 - ``cpu``: the pool process's CPU per sandbox acquired, and per second
   of holding (the idle cost of the count held);
 - ``reconcile``: one reconcile pass (``pool``: `Pool.reconcile`;
@@ -26,7 +30,8 @@ what is left by a consistent list. Printed per run:
 - ``service`` only: ``/v1/dashboard`` and ``/metrics`` answer time and size;
 - ``released``: time until all were gone, and ``leftover``.
 
-Last line: ``held=<n>/<N> t_all=<s> failures=<n> mib_per_1k=<x> leftover=<n>``
+Last line: ``held=<n>/<N> t_all=<s> failures=<n> mib_per_1k=<x> peak_mib_per_1k=<x>
+leftover=<n>``
 (for ``--via both``, the worst of the two).
 
     KUBECONFIG=/var/lib/sandman-kube/sandman.kubeconfig \\
@@ -83,6 +88,7 @@ from sandman.settings import KubernetesConfig
 
 SPEC = SandboxSpec(image="sandman.local/busybox:1.35", cpu=0.1, memory="64Mi", kubernetes=KWOK)
 PROBE_LABEL = "bench-probe"
+POLL = 30.0  # an acquire's long poll, as the SDK's (`sandman.client.remote`)
 TENANT = "scale"
 
 
@@ -99,6 +105,10 @@ class Run:
     t_release: float = 0.0
     leftover: int = 0
     mib_per_1k: float = 0.0
+    rss_before: float = 0.0
+    peak_per_1k: float = 0.0
+    """The process's peak RSS over the run (acquiring, holding, reconciling) above its
+    warm baseline, per 1,000 held: counted overall, as ``overall`` is, not by slope."""
     errors: dict[str, int] = field(default_factory=dict)
 
     def fail(self, exc: BaseException) -> None:
@@ -121,6 +131,20 @@ def rss_mib(pid: int | str = "self") -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def peak_mib(pid: int | str = "self") -> float:
+    """The process's peak RSS (VmHWM) since it started or since `reset_peak`."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def reset_peak(pid: int | str = "self") -> None:
+    """Start the process's peak RSS again from its RSS now (Linux 4.0+)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def cpu_seconds(pid: int | str = "self") -> float:
@@ -161,17 +185,20 @@ async def measure_acquire(
     *,
     rss: Callable[[], float],
     cpu: Callable[[], float],
+    peak: Callable[[], float],
     hold: float,
     what: str,
 ) -> list[object]:
     """Acquire ``count`` at once, then hold them ``hold`` seconds; prints what it cost.
 
     Memory per 1,000 held is the RSS slope between half and all held, so what is
-    set up once (connections, buffers, the pacer) does not count as per sandbox.
+    set up once (connections, buffers, the pacer) does not count as per sandbox; and
+    the peak RSS so far per 1,000 held, counted overall (the goal's measure).
     """
     held: list[object] = []
     half_rss: list[float] = []
     cpu_before, rss_before = cpu(), rss()
+    run.rss_before = rss_before
     started = time.monotonic()
 
     async def one(i: int) -> None:
@@ -207,6 +234,12 @@ async def measure_acquire(
         f"memory rss {rss_before:.0f} MiB before, {half_rss[0] if half_rss else 0:.0f} MiB at "
         f"half, {full_rss:.0f} MiB at all: {run.mib_per_1k:.2f} MiB per 1,000 held "
         f"(the slope), {(full_rss - rss_before) / max(1, run.held) * 1000:.2f} overall"
+    )
+    top = peak()
+    run.peak_per_1k = (top - rss_before) / max(1, run.held) * 1000
+    run.say(
+        f"peak rss {top:.0f} MiB so far: {run.peak_per_1k:.2f} MiB per 1,000 held overall "
+        f"({top / max(1, run.held) * 1000:.2f} counting the baseline)"
     )
     idle = cpu()
     await asyncio.sleep(hold)
@@ -272,14 +305,27 @@ async def via_pool(kubeconfig: Path, count: int, clients: int, hold: float) -> R
             count,
             rss=settle,
             cpu=cpu_seconds,
+            peak=peak_mib,
             hold=hold,
             what=f"{clients} sessions",
         )
+        before = peak_mib()
+        reset_peak()
+        cpu_before = cpu_seconds()
         passes = [(await timed(pool.reconcile))[0] for _ in range(3)]
+        cpu_pass = (cpu_seconds() - cpu_before) / 3
+        top = peak_mib()
+        highest = max(before, top)
+        run.peak_per_1k = (highest - run.rss_before) / max(1, run.held) * 1000
         stats = [(await timed(lambda: asyncio.sleep(0, pool.stats())))[0] for _ in range(3)]
         run.say(
-            f"reconcile pass {statistics.median(passes):.2f}s (median of 3); "
-            f"stats() {statistics.median(stats) * 1000:.1f} ms"
+            f"reconcile pass {statistics.median(passes):.2f}s (median of 3), cpu "
+            f"{cpu_pass:.2f}s each, peak rss {top:.0f} MiB during them; stats() "
+            f"{statistics.median(stats) * 1000:.1f} ms"
+        )
+        run.say(
+            f"peak rss {highest:.0f} MiB over the run: {run.peak_per_1k:.2f} MiB per 1,000 "
+            f"held overall ({highest / max(1, run.held) * 1000:.2f} counting the baseline)"
         )
         names = [record.id for record in leases[:20]]  # type: ignore[attr-defined]
         if names:
@@ -350,7 +396,7 @@ class ServiceClient:
     and sent nothing). Raw HTTP: sandboxes on KWOK nodes have no daemon, which the
     SDK's acquire requires."""
 
-    def __init__(self, url: str, key: str, connections: int) -> None:
+    def __init__(self, url: str, key: str, connections: int, *, poll: bool = True) -> None:
         # An idle connection is dropped before uvicorn's 5 s keep-alive ends it under a
         # reused request.
         headers = {"Authorization": f"Bearer {key}"}
@@ -362,6 +408,7 @@ class ServiceClient:
             base_url=url, headers=headers, limits=httpx.Limits(max_connections=2), timeout=30
         )
         self._turns = asyncio.Semaphore(connections)
+        self._poll = poll
         self.session = ""
         self._beats: asyncio.Task[None] | None = None
 
@@ -378,12 +425,23 @@ class ServiceClient:
                 await self.control.post(f"/v1/sessions/{self.session}/heartbeat")
 
     async def acquire(self) -> str:
-        body = {"spec": SPEC.model_dump(mode="json"), "session": self.session, "timeout": 7200}
-        try:
-            async with self._turns:
-                response = await self.http.post("/v1/sandboxes", json=body, timeout=7300)
-        except httpx.HTTPError as exc:
-            raise errors.ProviderError(f"acquire: {exc!r}") from exc
+        """As the SDK acquires: a long poll (``wait``), then asking again with the ticket
+        after the ``retry_after`` the service says; no request held open meanwhile."""
+        body: dict[str, Any] = {"spec": SPEC.model_dump(mode="json"), "session": self.session,
+                                "timeout": 7200}  # fmt: skip
+        if self._poll:
+            body["wait"] = POLL
+        while True:
+            try:
+                async with self._turns:
+                    response = await self.http.post("/v1/sandboxes", json=body, timeout=7300)
+            except httpx.HTTPError as exc:
+                raise errors.ProviderError(f"acquire: {exc!r}") from exc
+            if response.status_code != 202:
+                break
+            pending = response.json()
+            body["ticket"] = pending["ticket"]
+            await asyncio.sleep(pending["retry_after"])
         if response.status_code != 201:
             raise errors.ProviderError(f"acquire: {response.status_code} {response.text[:200]}")
         return str(response.json()["id"])
@@ -418,7 +476,9 @@ async def any_left(provider: KubernetesProvider, run: str) -> bool:
     return False
 
 
-async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -> Run:
+async def via_service(
+    kubeconfig: Path, count: int, clients: int, hold: float, *, poll: bool = True
+) -> Run:
     run = Run("service", count)
     name = f"scale-{secrets.token_hex(3)}"
     provider = KubernetesProvider(config_for(kubeconfig, name))  # to list and count
@@ -426,7 +486,7 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
         async with service(kubeconfig, name) as (url, key, pid):
             each = connections_each(count, clients)
             log(f"  service: {clients} clients, at most {each} acquires in flight each")
-            sessions = [ServiceClient(url, key, each) for _ in range(clients)]
+            sessions = [ServiceClient(url, key, each, poll=poll) for _ in range(clients)]
             try:
                 await asyncio.gather(*(client.open() for client in sessions))
                 await sessions[0].acquire()  # warm; released with its session
@@ -436,10 +496,13 @@ async def via_service(kubeconfig: Path, count: int, clients: int, hold: float) -
                     count,
                     rss=lambda: rss_mib(pid),
                     cpu=lambda: cpu_seconds(pid),
+                    peak=lambda: peak_mib(pid),
                     hold=hold,
                     what=f"{clients} sessions heartbeating",
                 )
                 labels = {"sandman.io/pool": name}
+                # As the service's provider lists: with its watch running (names only).
+                await provider.watch.ensure_started()
                 passes = [(await timed(lambda: provider.list(labels=labels)))[0] for _ in range(3)]
                 run.say(f"reconcile list {statistics.median(passes):.2f}s (median of 3)")
                 http = sessions[0].http
@@ -474,14 +537,17 @@ async def benchmark(args: argparse.Namespace) -> str:
             runs.append(await via_pool(args.kubeconfig, args.sandboxes, args.clients, args.hold))
         if args.via in ("service", "both"):
             log(f"service: {args.sandboxes} sandboxes from {args.service_clients} clients")
-            runs.append(
-                await via_service(args.kubeconfig, args.sandboxes, args.service_clients, args.hold)
+            poll = not args.open_requests
+            service_run = via_service(
+                args.kubeconfig, args.sandboxes, args.service_clients, args.hold, poll=poll
             )
+            runs.append(await service_run)
     worst = min(runs, key=lambda r: (r.held, -r.failures, -r.leftover))
     return (
         f"held={worst.held}/{args.sandboxes} t_all={max(r.t_all for r in runs):.1f} "
         f"failures={sum(r.failures for r in runs)} "
         f"mib_per_1k={max(r.mib_per_1k for r in runs):.2f} "
+        f"peak_mib_per_1k={max(r.peak_per_1k for r in runs):.2f} "
         f"leftover={sum(r.leftover for r in runs)}"
     )
 
@@ -495,6 +561,9 @@ def main() -> int:
                         help="remote clients, each a heartbeating session (--via service)")  # fmt: skip
     parser.add_argument("--hold", type=float, default=30.0,
                         help="seconds to hold them all while measuring the idle cost")  # fmt: skip
+    parser.add_argument("--open-requests", action="store_true",
+                        help="each acquire holds its request open until answered (no wait "
+                        "and ticket: the protocol before them)")  # fmt: skip
     parser.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"))
     parser.add_argument("--admin-kubeconfig", type=Path,
                         help="adds KWOK nodes when the sandboxes do not fit (and removes them)")  # fmt: skip

@@ -87,6 +87,11 @@ logger = logging.getLogger(__name__)
 
 # Extra seconds the HTTP request of an acquire may take past the acquire's own deadline.
 _ACQUIRE_SLACK = 30.0
+# An acquire's request waits this long for its sandbox, then asks again with its ticket
+# (`sandman.server.tickets`): thousands waiting are not thousands of open requests.
+_ACQUIRE_POLL = 30.0
+# How a service from before tickets refuses an acquire's ``wait`` (422, invalid_request).
+_TICKETLESS = "wait: Extra inputs are not permitted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +281,9 @@ class RemoteBackend:
         self._unsure: set[str] = set()
         self._acquiring: Counter[str] = Counter()
         self._acquires = 0
+        # Whether the service waits acquires by ticket (None: not known yet; False: one
+        # from before them, which refuses ``wait``, so each acquire's request is held open).
+        self._tickets: bool | None = None
 
     def _wire(self) -> _Wire:
         if self._transport is not None:
@@ -418,12 +426,45 @@ class RemoteBackend:
         return lease
 
     async def _acquire(self, spec: SandboxSpec, *, session: str, timeout: float | None) -> Lease:
-        # Cancelling this call closes the connection; the service then cancels the
-        # acquire and the pool hands the sandbox to the next waiter or deletes it.
-        read = None if timeout is None else timeout + _ACQUIRE_SLACK
-        body = {"spec": spec.model_dump(mode="json"), "session": session, "timeout": timeout}
-        response = await self._call("POST", "/v1/sandboxes", json=body, timeout=read)
-        data = response.json()
+        # Cancelling this call closes the connection, or gives up the acquire's ticket;
+        # the service then cancels the acquire and the pool hands the sandbox to the
+        # next waiter or deletes it.
+        body: dict[str, Any] = {"spec": spec.model_dump(mode="json"), "session": session,
+                                "timeout": timeout}  # fmt: skip
+        if self._tickets is not False:
+            body["wait"] = _ACQUIRE_POLL
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        ticket = None
+        try:
+            while True:
+                try:
+                    response = await self._call(
+                        "POST", "/v1/sandboxes", json=body, timeout=self._acquire_read(body)
+                    )
+                except errors.ConfigError as exc:
+                    if "wait" not in body or _TICKETLESS not in str(exc):
+                        raise
+                    # A service from before tickets: the request is held open instead.
+                    self._tickets = False
+                    del body["wait"]
+                    continue
+                if "wait" in body:
+                    self._tickets = True
+                data = response.json()
+                if response.status != 202:
+                    break
+                ticket = body["ticket"] = str(data["ticket"])
+                pause = float(data["retry_after"])
+                if deadline is not None:  # then its answer: a sandbox, or the timeout's error
+                    pause = min(pause, max(1.0, deadline - loop.time()))
+                await asyncio.sleep(pause)
+        except BaseException:
+            if ticket is not None:
+                with anyio.CancelScope(shield=True), contextlib.suppress(errors.SandboxError):
+                    path = f"/v1/sandboxes/acquires/{_segment(ticket)}"
+                    await self._call("DELETE", path, params={"session": session}, timeout=5.0)
+            raise
         where = data.get("endpoint") or {}
         endpoint = DaemonEndpoint(
             uds=where.get("uds"),
@@ -447,6 +488,13 @@ class RemoteBackend:
                 await self.release(sandbox_id)
             raise
         return Lease(sandbox_id, endpoint, float(data["expires_at"]), _timeline(data))
+
+    @staticmethod
+    def _acquire_read(body: Mapping[str, Any]) -> float | None:
+        """How long an acquire's request may take: a long poll's ``wait``, or (a service
+        without tickets) the acquire's own ``timeout``, and a slack."""
+        wait = body.get("wait", body["timeout"])
+        return None if wait is None else float(wait) + _ACQUIRE_SLACK
 
     async def _reachable(self, endpoint: DaemonEndpoint) -> bool:
         """Whether this process can reach ``endpoint`` itself: a unix socket must exist

@@ -10,6 +10,7 @@ from sandman.models import SandboxSpec, Snapshot
 from sandman.pool.records import Record, State
 
 __all__ = [
+    "AcquirePending",
     "AcquireRequest",
     "DashboardError",
     "DashboardGroup",
@@ -72,6 +73,26 @@ class AcquireRequest(_In):
     timeout: float | None = Field(default=None, gt=0, le=86400)
     """Seconds to wait for a ready sandbox (``create_timeout`` after it); None: the
     service's ``max_acquire_timeout``."""
+    wait: float | None = Field(default=None, ge=0, le=300)
+    """Answer ``202`` (`AcquirePending`) once this many seconds pass without a sandbox
+    (at once when the service holds many such requests open): the acquire keeps its
+    place, and is asked for again with its ``ticket``. None: the request waits for
+    the sandbox, however long (one open request per waiting acquire)."""
+    ticket: str | None = Field(default=None, min_length=1, max_length=64)
+    """Ask again for the acquire of an `AcquirePending` (its ``spec`` and ``timeout``
+    are the first request's)."""
+
+
+class AcquirePending(_Out):
+    """An acquire still waiting (``202``): ask again with ``ticket`` after ``retry_after``
+    seconds (also the ``Retry-After`` header), or give it up (``DELETE
+    /v1/sandboxes/acquires/{ticket}``). Unasked for ``retry_after`` and 30 s more, it
+    is given up."""
+
+    ticket: str
+    position: int
+    """About how many acquires of this service came before it and are not yet answered."""
+    retry_after: float
 
 
 class Endpoint(_Out):

@@ -26,8 +26,9 @@ from sandman.pool import Pool, PoolEvent, PoolHealth, Record, Tally
 from sandman.pool.records import LABEL_TENANT
 from sandman.providers.base import SnapshotInfo
 from sandman.server.errors import ApiError, from_exception
-from sandman.server.schemas import AcquireRequest, SandboxPage, SandboxRow
+from sandman.server.schemas import AcquirePending, AcquireRequest, SandboxPage, SandboxRow
 from sandman.server.settings import ServerSettings
+from sandman.server.tickets import Ticket, Tickets
 
 __all__ = ["LABEL_TENANT", "ClientGone", "Service", "tenant_of"]
 
@@ -62,6 +63,7 @@ class Service:
         # is checked on every acquire, and a scan of 50,000 records took 9.7 ms.
         self._held: Tally = pool.tally(tenant_of)
         self._acquires: set[asyncio.Task[Record]] = set()
+        self.tickets = Tickets(pool.release, max_attached=settings.max_waiting_requests)
         self._recent: OrderedDict[str, Record] = OrderedDict()
         self._shutdown: asyncio.Task[None] | None = None
         pool.add_hook(self._on_event)
@@ -204,10 +206,83 @@ class Service:
         Waits until the deadline, the session's end, or ``disconnected()``
         returns (the HTTP client went away: `ClientGone`). Whenever this
         gives up, the pool hands what it was making to the next waiter or
-        deletes it.
+        deletes it. (``request.wait`` is `poll`'s.)
         """
-        self._check_accepting()
+        got = await self.poll(tenant, request.model_copy(update={"wait": None}), disconnected)
+        assert isinstance(got, Record)  # without a wait, never pending
+        return got
+
+    async def poll(
+        self,
+        tenant: str,
+        request: AcquireRequest,
+        disconnected: Callable[[], Coroutine[Any, Any, None]],
+    ) -> Record | AcquirePending:
+        """`acquire`; with ``request.wait``, the request gives up after that long, not the
+        acquire: `AcquirePending`, whose ticket a later request (``request.ticket``)
+        waits on again (`sandman.server.tickets`). A client gone then leaves the ticket
+        to be asked for again, until it is dropped."""
+        if request.ticket is None:
+            self._check_accepting()
         self._own_session(tenant, request.session)
+        if request.ticket is not None:
+            ticket = self.tickets.find(tenant, request.session, request.ticket)
+            if ticket is None:
+                raise ApiError(
+                    "not_found",
+                    f"no acquire {request.ticket} of session {request.session} is waiting "
+                    "(answered, given up, or not asked for again in time)",
+                )
+        else:
+            ticket = self._start_acquire(tenant, request)
+        polled = request.wait is not None
+        wait = request.wait if not polled or self.tickets.room() else 0.0
+        task = ticket.task
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            with self.tickets.attach(ticket):
+                await asyncio.wait({task, watcher}, timeout=wait, return_when="FIRST_COMPLETED")
+        except BaseException:
+            # This handler was cancelled itself: a sandbox already handed over
+            # would otherwise stay leased to a caller who never hears of it.
+            if ticket.told:
+                self.tickets.detach(ticket)  # it may ask again, for a while
+            else:
+                await self._give_up(ticket)
+            raise
+        finally:
+            watcher.cancel()
+        gone = watcher.done() and not watcher.cancelled()
+        if not task.done():
+            if not polled or (gone and not ticket.told):
+                await self._give_up(ticket)  # nobody knows its ticket: nobody will ask
+            else:
+                position, retry_after = self.tickets.detach(ticket)
+                if gone:
+                    raise ClientGone(request.session)  # it may ask again, for a while
+                ticket.told = True
+                return AcquirePending(ticket=ticket.id, position=position, retry_after=retry_after)
+        self.tickets.close(ticket)
+        if task.cancelled():
+            if gone:
+                raise ClientGone(request.session)
+            self._check_accepting()
+            raise ApiError("session_expired", f"session {request.session} ended while waiting")
+        exc = task.exception()
+        if isinstance(exc, errors.SandboxError):
+            raise from_exception(exc) from exc
+        if exc is not None:
+            raise exc
+        record = task.result()
+        if gone:
+            self.pool.release(record.id)
+            raise ClientGone(request.session)
+        self._remember(record)
+        return record
+
+    def _start_acquire(self, tenant: str, request: AcquireRequest) -> Ticket:
+        """The pool's acquire for ``request``, under a new ticket, once it passes the
+        tenant's limits."""
         limits = self.settings.limits(tenant)
         pending = self._pending[tenant]
         if limits.max_pending is not None and pending >= limits.max_pending:
@@ -232,52 +307,43 @@ class Service:
         spec = request.spec.model_copy(
             update={"labels": {**request.spec.labels, LABEL_TENANT: tenant}}
         )
-
         cap = self.settings.max_acquire_timeout
         timeout = cap if request.timeout is None else min(request.timeout, cap)
         task = asyncio.ensure_future(
             self.pool.acquire(spec, session=request.session, timeout=timeout)
         )
-        watcher = asyncio.ensure_future(disconnected())
         self._acquires.add(task)
         self._pending[tenant] += 1
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            # This handler was cancelled itself: a sandbox already handed over
-            # would otherwise stay leased to a caller who never hears of it.
-            if task.done() and not task.cancelled() and task.exception() is None:
-                self.pool.release(task.result().id)
-            raise
-        finally:
+
+        def done(task: asyncio.Task[Record]) -> None:
+            self._acquires.discard(task)
             self._pending[tenant] -= 1
             if not self._pending[tenant]:
                 del self._pending[tenant]  # no entry for a tenant that waits for none
-            self._acquires.discard(task)
-            watcher.cancel()
-            if not task.done():
-                # Cancelled in the pool's acquire: queued work is dropped, a
-                # sandbox in the making goes to the next waiter or is deleted.
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        gone = watcher.done() and not watcher.cancelled()
-        if task.cancelled():
-            if gone:
-                raise ClientGone(request.session)
-            self._check_accepting()
-            raise ApiError("session_expired", f"session {request.session} ended while waiting")
-        exc = task.exception()
-        if isinstance(exc, errors.SandboxError):
-            raise from_exception(exc) from exc
-        if exc is not None:
-            raise exc
-        record = task.result()
-        if gone:
-            self.pool.release(record.id)
-            raise ClientGone(request.session)
-        self._remember(record)
-        return record
+
+        task.add_done_callback(done)
+        return self.tickets.open(tenant, request.session, task)
+
+    async def _give_up(self, ticket: Ticket) -> None:
+        """Nobody will take this acquire's answer: cancelled in the pool (queued work is
+        dropped, a sandbox in the making goes to the next waiter or is deleted), or
+        its sandbox released."""
+        self.tickets.close(ticket)
+        task = ticket.task
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        elif not task.cancelled() and task.exception() is None:
+            self.pool.release(task.result().id)
+
+    async def forget_acquire(self, tenant: str, session: str, ticket_id: str) -> None:
+        """Give up a waiting acquire by its ticket (its caller no longer wants it); a
+        ticket already answered or given up is fine."""
+        self._own_session(tenant, session)
+        ticket = self.tickets.find(tenant, session, ticket_id)
+        if ticket is not None:
+            await self._give_up(ticket)
 
     def _check_spec(self, tenant: str, spec: SandboxSpec) -> None:
         """The pod settings and seccomp the spec asks for are the tenant's to choose."""
@@ -528,6 +594,7 @@ class Service:
 
     async def _shut_down(self) -> None:
         self.stop_accepting()
+        await self.tickets.aclose()
         if self._acquires:
             logger.info("shutdown: waiting for %d acquires in flight", len(self._acquires))
             _, late = await asyncio.wait(set(self._acquires), timeout=self.settings.shutdown_grace)

@@ -158,6 +158,10 @@ class ServerSettings(BaseModel):
     max_acquire_timeout: float = Field(default=600.0, gt=0)
     """An acquire waits at most this long, whatever the caller asks (and this long
     when it asks for no limit)."""
+    max_waiting_requests: int = Field(default=1024, ge=0)
+    """Acquire requests with a ``wait`` held open at once; beyond them such an acquire
+    is answered ``202`` at once, and asked for again later (`sandman.server.tickets`):
+    each open request costs the service about 37 KiB while it waits."""
     max_lease: float = Field(default=600.0, gt=0)
     """The longest session lease a client may ask for."""
     proxy_connect_timeout: float = Field(default=10.0, gt=0)

@@ -341,3 +341,93 @@ async def test_a_lease_renewal_does_not_queue_behind_a_pools_deletes() -> None:
         finally:
             answer.set()
             await api.aclose()
+
+
+def _at(pod: dict[str, Any], version: str, **labels: str) -> dict[str, Any]:
+    metadata = {**pod["metadata"], "resourceVersion": version}
+    metadata["labels"] = {**metadata["labels"], **labels}
+    return {**pod, "metadata": metadata}
+
+
+async def test_the_watch_keeps_each_pods_facts_and_never_goes_back(
+    server: PodServer, api: KubeAPI
+) -> None:
+    """What a list takes from the watch (`PodWatch.facts`): each pod as its latest event
+    says, none once deleted; a write's answer (`saw`) at once, and an event older than
+    it (sent before the write) does not undo it."""
+    oom = {"containerStatuses": [
+        {"name": "sandbox", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    ]}  # fmt: skip
+    a, b = _sandbox_pod("sb-a", "Running"), _sandbox_pod("sb-b", "Running")
+    server.listed = [a, b]
+    server.scripts = [[
+        {"type": "MODIFIED", "object": _at(_sandbox_pod("sb-a", "Failed", **oom), "12")},
+        {"type": "DELETED", "object": _at(b, "13")},
+    ]]  # fmt: skip
+    watch = PodWatch(api, "sandman.io/pool=p", keep_facts=True)
+    try:
+        await watch.ensure_started()
+        assert watch.current
+
+        async def told() -> None:
+            while "sb-b" in watch.facts or watch.facts["sb-a"].state != "stopped":
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(told(), 10)
+        facts = watch.facts["sb-a"]
+        assert (facts.version, facts.image, facts.lost and facts.lost.reason) == (12, "x", "oom")
+        watch.saw(_at(a, "11", n="old"))  # older than what the watch told: ignored
+        assert watch.facts["sb-a"] is facts
+        watch.saw(_at(a, "14", n="new"))
+        assert watch.facts["sb-a"].labels == {"sandman.io/pool": "p", "n": "new"}
+    finally:
+        await watch.aclose()
+    # Without keep_facts (the pull pods' watch) nothing is kept.
+    bare = PodWatch(api, "sandman.io/pool=p")
+    try:
+        await bare.ensure_started()
+        assert bare.facts == {}
+    finally:
+        await bare.aclose()
+
+
+async def test_facts_are_not_current_after_a_failed_stream_until_it_is_heard_from(
+    server: PodServer, api: KubeAPI
+) -> None:
+    """Events may have been missed while the stream was down: a list reads whole pods
+    until the resumed stream says something (every minute at least: a bookmark)."""
+    server.listed = [_sandbox_pod("sb-a", "Running")]
+    server.scripts = ["garbage", "hang"]
+    watch = PodWatch(api, "sandman.io/pool=p", keep_facts=True)
+    try:
+        await watch.ensure_started()
+        assert watch.current
+
+        async def resumed() -> None:
+            while len(server.watched_from) < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(resumed(), 10)
+        assert not watch.current
+        assert set(watch.facts) == {"sb-a"}
+    finally:
+        await watch.aclose()
+    assert not watch.current
+
+
+async def test_pod_names_read_a_table_or_a_plain_list(server: PodServer, api: KubeAPI) -> None:
+    """A server (or proxy) that cannot answer a table answers the pods: the names read
+    the same."""
+    server.listed = [pod("a", "9"), pod("b", "9")]
+    assert [names async for names in api.pod_names("x=y")] == [["a", "b"]]
+
+    async def table(request: web.Request) -> web.StreamResponse:
+        assert "as=Table" in request.headers["Accept"]
+        assert request.query["includeObject"] == "None"
+        columns = [{"name": "Ready", "format": ""}, {"name": "Name", "format": "name"}]
+        rows = [{"cells": ["1/1", "c"], "object": None}, {"cells": ["0/1", "d"], "object": None}]
+        body = {"kind": "Table", "columnDefinitions": columns, "rows": rows, "metadata": {}}
+        return web.json_response(body)
+
+    async with loopback({"/api/v1/namespaces/ns/pods": table}) as url, kube_api(url) as client:
+        assert [names async for names in client.pod_names("x=y")] == [["c", "d"]]

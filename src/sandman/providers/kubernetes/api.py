@@ -60,6 +60,10 @@ _THROTTLED_WAIT_MAX = 10.0
 _LINE_LIMIT = 2**22  # one watch event is one line; a pod is a few KB, allow far more
 _RETIRED_FOR = 900.0  # a session left for a new client certificate closes after (> a watch)
 
+# A list as a table of names (`KubeAPI.pod_names`); a server or proxy that cannot
+# answers the whole objects, which read as well.
+_TABLE = "application/json;as=Table;g=meta.k8s.io;v=v1, application/json"
+
 
 class Forbidden(errors.ConfigError):
     """403: the identity lacks the permission (not a quota refusal)."""
@@ -235,16 +239,20 @@ class KubeAPI:
         missing_ok: bool = False,
         wait_throttled: bool = True,
         urgent: bool = False,
+        accept: str | None = None,
     ) -> dict[str, Any]:
         """One API call; its JSON answer, or the Sandman error for its failure. With
         ``wait_throttled``, a 429 is waited out (its Retry-After) a few times first.
         ``merge_patch`` sends ``body`` as a JSON merge patch. An ``urgent`` call (a
         Lease's renewal) does not queue for a slot behind a pool's worth of deletes: it
-        takes one of the connections kept outside them."""
+        takes one of the connections kept outside them. ``accept`` replaces the
+        ``Accept`` header (the answer's form)."""
         send: dict[str, Any] = {"json": body}
         if merge_patch:
             send = {"data": json.dumps(body).encode(),
                     "headers": {"Content-Type": "application/merge-patch+json"}}  # fmt: skip
+        if accept is not None:
+            send["headers"] = {**send.get("headers", {}), "Accept": accept}
         for attempt in range(_THROTTLED_RETRIES + 1):
             async with contextlib.nullcontext() if urgent else self._slots:
                 with _transport_errors(what):
@@ -308,11 +316,12 @@ class KubeAPI:
             missing_ok=True,
         )  # fmt: skip
 
-    async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
-        """Merge ``labels`` into the pod's (JSON merge patch: None removes a label)."""
+    async def patch_pod_labels(self, name: str, labels: Mapping[str, str | None]) -> dict[str, Any]:
+        """Merge ``labels`` into the pod's (JSON merge patch: None removes a label); the
+        pod as patched."""
         patch = {"metadata": {"labels": dict(labels)}}
         url, what = f"{self._pods}/{name}", f"relabel pod {name}"
-        await self.request("PATCH", url, what, body=patch, merge_patch=True)
+        return await self.request("PATCH", url, what, body=patch, merge_patch=True)
 
     async def delete_pod(self, name: str) -> None:
         """Delete at once (grace 0); a missing pod is fine."""
@@ -344,8 +353,30 @@ class KubeAPI:
             metadata = body.get("metadata") or {}
             yield body.get("items") or [], str(metadata.get("resourceVersion", ""))
 
+    async def pod_names(
+        self, selector: str, *, page: int = _PAGE
+    ) -> AsyncGenerator[list[str], None]:
+        """The names of the pods matching the label selector, ``page`` at a time (a
+        consistent, paged list: see `_pages`), for a caller that knows the rest of each
+        pod (`PodWatch.facts`).
+
+        Asked for as a table without objects (``as=Table``, ``includeObject=None``):
+        about 150 bytes a pod. A ``PartialObjectMetadataList`` is no answer here: a
+        pod's metadata is most of the pod (a KWOK pod's 4.6 of 7.9 KB, 3.6 of them
+        ``managedFields``): parsing it took 7.6 s per 50,000 here, the table 0.1 s.
+        """
+        params = {"labelSelector": selector, "includeObject": "None"}
+        async for body in self._pages(self._pods, "list pods", params, page=page, accept=_TABLE):
+            yield _names(body)
+
     async def _pages(
-        self, url: str, what: str, params: Mapping[str, str], *, page: int = _PAGE
+        self,
+        url: str,
+        what: str,
+        params: Mapping[str, str],
+        *,
+        page: int = _PAGE,
+        accept: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Each page of a list, ``page`` items at a time, following continue tokens.
 
@@ -358,7 +389,7 @@ class KubeAPI:
         """
         query: dict[str, str | int] = {**params, "limit": page}
         while True:
-            body = await self.request("GET", url, what, params=query)
+            body = await self.request("GET", url, what, params=query, accept=accept)
             yield body
             token = (body.get("metadata") or {}).get("continue")
             if not token:
@@ -413,6 +444,16 @@ class KubeAPI:
                     transport = response.connection and response.connection.transport
                     if transport is not None and not response.content.at_eof():
                         transport.abort()
+
+
+def _names(body: Mapping[str, Any]) -> list[str]:
+    """The names in a list's page: a Table's name column, or a list's items' names."""
+    if body.get("kind") != "Table":
+        items = body.get("items") or []
+        return [str((item.get("metadata") or {}).get("name", "")) for item in items]
+    columns = body.get("columnDefinitions") or []
+    at = next((i for i, c in enumerate(columns) if c.get("format") == "name"), 0)
+    return [str(row["cells"][at]) for row in body.get("rows") or []]
 
 
 def _event(line: bytes, resource_version: str) -> dict[str, Any]:

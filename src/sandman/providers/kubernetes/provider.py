@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import secrets
 import time
@@ -48,7 +49,7 @@ from sandman.providers.kubernetes.api import Forbidden, KubeAPI
 from sandman.providers.kubernetes.credentials import load_credentials
 from sandman.providers.kubernetes.snapshots import PodSnapshots, SnapshotStore
 from sandman.providers.kubernetes.steering import NodeImages
-from sandman.providers.kubernetes.watch import PodWatch
+from sandman.providers.kubernetes.watch import PodFacts, PodWatch
 from sandman.providers.losses import LossFeed
 from sandman.settings import KubernetesConfig
 
@@ -59,6 +60,10 @@ logger = logging.getLogger(__name__)
 SECRET_SYNC_GRACE = 20.0
 """Seconds after a create in which an unauthorized pull of a pod naming pull secrets
 is waited on: the kubelet's first retry comes 10 s after its first try."""
+
+
+_UNSEEN_MAX = 500
+"""Listed pods the watch has not seen (created a moment ago) read one by one, at most."""
 
 
 def new_sandbox_id() -> str:
@@ -81,7 +86,7 @@ class KubernetesProvider:
             max_connections=self.config.max_connections,
         )
         self._selector = "=".join(pods.MANAGED_BY)
-        self.watch = PodWatch(self.api, self._selector)
+        self.watch = PodWatch(self.api, self._selector, keep_facts=True)
         self.watch.others = self._on_pod
         self._watched: set[str] = set()  # pods whose loss `lost` reports
         self._losses = LossFeed(start=self.watch.ensure_started)
@@ -229,7 +234,11 @@ class KubernetesProvider:
 
     def lost(self) -> LostReports:
         """Each watched sandbox whose pod stopped (evicted, OOM-killed...) or was deleted
-        behind our back, from the namespace's pod watch, as it happens."""
+        behind our back, from the namespace's pod watch, as it happens. Asking starts
+        the watch (a pool asks before its first `list`, which then waits for the
+        watch's read of every pod rather than making one of its own)."""
+        with contextlib.suppress(RuntimeError):  # no event loop: the first read starts it
+            self.watch.start()
         return self._losses.reader()
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
@@ -243,19 +252,71 @@ class KubernetesProvider:
             self._losses.report(lost)
 
     async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
-        """Every Sandman pod of the namespace whose labels include ``labels`` (paged)."""
+        """Every Sandman pod of the namespace whose labels include ``labels`` (a
+        consistent, paged list).
+
+        While the namespace's watch is current (a pool's), the API server is asked for
+        the pods' names only and the rest is the watch's (`PodWatch.facts`): at 50,000
+        pods, not 400 MB of pods to read and parse. A pod the watch has not seen yet is
+        read whole. Without a current watch (`sandman gc`, the exit sweep, a pool's
+        first pass) the pods are listed whole: their status is where states come from.
+        """
         wanted = dict(labels or {})
         pods.validate_labels(wanted)
         selector = ",".join([self._selector, *(f"{k}={v}" for k, v in wanted.items())])
-        infos: builtins.list[SandboxInfo] = []
-        async for chunk, _ in self.api.pod_pages(selector):
-            infos.extend(self._info(pod) for pod in chunk)
+        if self.watch.started and not self.watch.current:
+            # Started by `lost` for a pool: its list is the one read of whole pods.
+            with contextlib.suppress(errors.SandboxError, TimeoutError):
+                async with asyncio.timeout(self.config.start_timeout):
+                    await self.watch.ensure_started()
+        infos = await self._list_watched(selector) if self.watch.current else None
+        if infos is None:
+            infos = []
+            async for chunk, _ in self.api.pod_pages(selector):
+                infos.extend(self._info(pod) for pod in chunk)
         return sorted(infos, key=lambda info: info.created_at)
+
+    async def _list_watched(self, selector: str) -> builtins.list[SandboxInfo] | None:
+        """The pods' names listed, the rest from the watch; None when the watch knows too
+        few of them (behind: a whole list is cheaper than reading them one by one)."""
+        infos: builtins.list[SandboxInfo] = []
+        unseen: builtins.list[str] = []
+        facts = self.watch.facts
+        async for names in self.api.pod_names(selector):
+            facts = self.watch.facts  # a relist replaces them
+            for name in names:
+                known = facts.get(name)
+                if known is None:
+                    unseen.append(name)
+                else:
+                    infos.append(self._listed(name, known))
+            if len(unseen) > _UNSEEN_MAX:
+                return None
+        gate = asyncio.Semaphore(32)
+
+        async def read(name: str) -> None:
+            async with gate:
+                with contextlib.suppress(errors.SandboxNotFound):  # gone since: not listed
+                    infos.append(self._info(await self.api.get_pod(name)))
+
+        await asyncio.gather(*(read(name) for name in unseen))
+        return infos
+
+    def _listed(self, name: str, facts: PodFacts) -> SandboxInfo:
+        endpoint = None
+        if self.config.readiness == "daemon" and facts.ip and facts.token:
+            endpoint = DaemonEndpoint(
+                host=facts.ip, port=self.config.daemon_port, token=facts.token
+            )
+        return SandboxInfo(
+            id=name, provider=self.name, state=facts.state, labels=facts.labels,
+            created_at=facts.created_at, image=facts.image, endpoint=endpoint, lost=facts.lost,
+        )  # fmt: skip
 
     async def relabel(self, sandbox_id: str, labels: Mapping[str, str | None]) -> None:
         """Merge ``labels`` into the pod's labels (one PATCH)."""
         pods.validate_labels({k: v for k, v in labels.items() if v is not None})
-        await self.api.patch_pod_labels(sandbox_id, labels)
+        self.watch.saw(await self.api.patch_pod_labels(sandbox_id, labels))
 
     async def inspect(self, sandbox_id: str) -> SandboxInfo:
         """One sandbox; SandboxNotFound when its pod is gone. A pod that was evicted,

@@ -13,7 +13,13 @@ from sandman.models import Usage
 from sandman.pool.records import State
 from sandman.server.errors import ApiError
 from sandman.server.routes._deps import Tenant, errors, metrics, sampler, service
-from sandman.server.schemas import AcquireRequest, SandboxList, SandboxOut, sandbox_out
+from sandman.server.schemas import (
+    AcquirePending,
+    AcquireRequest,
+    SandboxList,
+    SandboxOut,
+    sandbox_out,
+)
 from sandman.server.service import ClientGone
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -27,30 +33,39 @@ convention); nobody reads it."""
     "",
     status_code=201,
     response_model=SandboxOut,
-    responses=errors(
-        "session_expired",
-        "image_not_found",
-        "image_error",
-        "tenant_sandbox_limit",
-        "tenant_pending_limit",
-        "provider_error",
-        "capacity",
-        "throttled",
-        "pool_closed",
-        "shutting_down",
-        "create_timeout",
-    ),
+    responses={
+        202: {"model": AcquirePending, "description": "With ``wait``: not yet; ask again."},
+        **errors(
+            "not_found",
+            "session_expired",
+            "image_not_found",
+            "image_error",
+            "tenant_sandbox_limit",
+            "tenant_pending_limit",
+            "provider_error",
+            "capacity",
+            "throttled",
+            "pool_closed",
+            "shutting_down",
+            "create_timeout",
+        ),
+    },
 )
 async def acquire(tenant: Tenant, body: AcquireRequest, request: Request) -> Any:
     """Acquire a ready sandbox for a session: waits up to ``timeout`` seconds.
 
     The answer holds the daemon's endpoint and token. If the HTTP client
     goes away while waiting, the acquire is cancelled and the pool hands
-    the sandbox to the next waiter, or deletes it.
+    the sandbox to the next waiter, or deletes it. With ``wait``, the
+    request is answered ``202`` after that long with a ticket to ask again
+    with; the acquire keeps its place meanwhile (one open request per
+    waiting acquire costs the service memory: a long poll bounds it).
     """
-    started = time.monotonic()
+    # Across a ticket's requests, from the first: what the caller waited.
+    tickets = service(request).tickets
+    started = tickets.opened(tenant, body.session, body.ticket) or time.monotonic()
     try:
-        record = await service(request).acquire(tenant, body, lambda: _disconnected(request))
+        got = await service(request).poll(tenant, body, lambda: _disconnected(request))
     except ApiError as exc:
         metrics(request).observe_acquire(started, exc.code)
         sampler(request).refused(tenant, exc.code, exc.message, image=body.spec.image)
@@ -58,8 +73,28 @@ async def acquire(tenant: Tenant, body: AcquireRequest, request: Request) -> Any
     except ClientGone:
         metrics(request).observe_acquire(started, "client_gone")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if isinstance(got, AcquirePending):
+        retry = {"Retry-After": str(max(1, round(got.retry_after)))}
+        return Response(got.model_dump_json(), 202, retry, media_type="application/json")
     metrics(request).observe_acquire(started, "ok")
-    return sandbox_out(record, endpoint=True)
+    return sandbox_out(got, endpoint=True)
+
+
+@router.delete(
+    "/acquires/{ticket}",
+    status_code=204,
+    responses=errors("session_expired"),
+)
+async def give_up_acquire(
+    tenant: Tenant,
+    ticket: str,
+    request: Request,
+    session: Annotated[str, Query(min_length=1, max_length=128)],
+) -> Response:
+    """Give up a waiting acquire by its ticket (``202`` of an acquire with ``wait``): the
+    pool hands what it was making to the next waiter, or deletes it. Idempotent."""
+    await service(request).forget_acquire(tenant, session, ticket)
+    return Response(status_code=204)
 
 
 @router.get("", response_model=SandboxList, responses=errors())
