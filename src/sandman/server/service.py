@@ -6,6 +6,10 @@ carries its tenant as the label ``sandman.io/tenant`` (in its spec, so the
 backend keeps it), which survives a restart of the service and an adoption by
 the next instance. Sessions are mapped to tenants here; a session the pool
 adopted is mapped back through the labels of its sandboxes.
+
+(About 600 lines, one piece: a tenant's counts, its sessions' holdings and the
+acquires it has in flight change together under one lock; the waiting by ticket
+is apart in `sandman.server.tickets`.)
 """
 
 from __future__ import annotations

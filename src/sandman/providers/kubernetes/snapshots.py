@@ -28,6 +28,10 @@ the changes as one more layer (`sandman.providers.kubernetes.commit`), pushed wi
 skopeo, which uploads only the blobs the registry lacks. It works in a scratch
 directory beside the snapshots (``.image-*``), flocked while its maker lives, so
 ``sandman gc`` removes one whose maker was killed.
+
+(About 700 lines, one piece: the record store and the pod steps that fill and use
+it must agree on one on-disk layout and one lock order; the image push is apart in
+`sandman.providers.kubernetes.commit`.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LocalProvider: sandboxes as crun (or runc) containers on this machine.
 
-(About 780 lines: the create, delete and list sequences, whose order is the
+(About 850 lines: the create, delete and list sequences, whose order is the
 leak-freedom argument; records, checkpoints, host, disk, network and userns live
 apart, and the `Snapshots` methods here only hand over to `checkpoints`.)
 
