@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,21 +10,12 @@ import pytest
 
 from sandman.images import ImageStore
 from tests.images.registry_server import Registry, missing_tools, start_registry
+from tests.providers.local.conftest import state_dir  # noqa: F401 (a fixture, shared)
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "store")
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    """A provider state directory under /tmp (short: socket paths), removed after."""
-    path = Path(tempfile.mkdtemp(prefix="sm-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
