@@ -9,8 +9,9 @@ The pool runs in a process of its own (``python -m tests.kube.snapshot_kills
 ``ready`` and, told ``go``, starts the step. The parent watches for the step under way
 (``snapshot``: the stream arriving in the snapshot directory; ``fork``: the fork's
 create started, as the pool process tells; ``restore``: the pod deleted or made again;
-``save-image``: the scratch directory of the image), waits ``delay`` seconds (drawn up to 1.5 s: the pod starting,
-then its files applied) and kills the process. The reaper then runs (``gc``: the
+``save-image``: the scratch directory of the image), waits, if the plan says so, for the
+step's new pod on the API server, then ``delay`` seconds (drawn up to 1.5 s: the pod
+starting, then its files applied) and kills the process. The reaper then runs (``gc``: the
 command, as the operator would, until it has nothing left to do; ``pool``: a pool of
 the same name started, whose reconcile passes, one after another, adopt the dead
 owner's snapshots and reap its pods and Lease, then closed), and the inventory must be
@@ -155,14 +156,21 @@ async def child_main(child: ChildConfig) -> None:
 
 @dataclass(frozen=True)
 class KillPlan:
-    """One run: the step, who reaps, seconds between the step seen under way and the kill."""
+    """One run: the step, who reaps, seconds between the step seen under way and the kill.
+
+    ``pod_started``: wait first until the step's new pod is seen on the API server (a
+    fork's, or the restored sandbox's made again), a point the step always passes with
+    its files still to apply; a test's kill point is that condition, not a delay the step
+    may outrun."""
 
     op: str
     reaper: str
     delay: float = 0.0
+    pod_started: bool = False
 
     def describe(self) -> str:
-        return f"kill-during-{self.op} reaper={self.reaper} delay={self.delay:.2f}"
+        at = " at=pod-started" if self.pod_started else ""
+        return f"kill-during-{self.op} reaper={self.reaper}{at} delay={self.delay:.2f}"
 
 
 def plan_for(
@@ -283,6 +291,9 @@ async def run_kill(
             outcome.notes.append("the step finished before it was seen under way")
         else:
             outcome.notes.append(f"under way: {under_way}")
+            if plan.pod_started:
+                started_pod = await _wait_pod_started(plan.op, sandbox, uid, admin, done, creating)
+                outcome.notes.append(f"pod started: {started_pod}")
             await asyncio.sleep(plan.delay)
         if done.done():
             outcome.missed = True
@@ -378,6 +389,28 @@ async def _wait_under_way(
                 return f"pod {sandbox} deleted, to be made again"
             if pod["metadata"]["uid"] != uid:
                 return f"pod {sandbox} made again ({(pod.get('status') or {}).get('phase')})"
+        await asyncio.sleep(0.02)
+    return None
+
+
+async def _wait_pod_started(
+    op: str,
+    sandbox: str,
+    uid: str,
+    admin: Any,
+    done: asyncio.Future[None],
+    creating: list[str],
+) -> str | None:
+    """Until the step's new pod is on the API server (its name), or the step finished."""
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while not done.done():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        names = [name for name in creating if name != sandbox] if op == "fork" else [sandbox]
+        for name in names:
+            pod = await admin.pod(name)
+            if pod is not None and pod["metadata"]["uid"] != uid:
+                return name
         await asyncio.sleep(0.02)
     return None
 

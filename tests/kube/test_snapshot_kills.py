@@ -60,10 +60,11 @@ def registry_image(
     [
         pytest.param(KillPlan("snapshot", "gc"), id="snapshot-gc"),
         pytest.param(KillPlan("snapshot", "pool"), id="snapshot-pool"),
-        # At the create's start (its intent recorded), and a second on: the pod starting.
+        # At the create's start (its intent recorded), and at its pod seen: the pod
+        # starting, its files not yet applied (a condition, not a delay it may outrun).
         pytest.param(KillPlan("fork", "pool"), id="fork-pool"),
-        pytest.param(KillPlan("fork", "gc", delay=1.0), id="fork-gc"),
-        pytest.param(KillPlan("restore", "gc", delay=0.5), id="restore-gc"),
+        pytest.param(KillPlan("fork", "gc", pod_started=True), id="fork-gc"),
+        pytest.param(KillPlan("restore", "gc", pod_started=True), id="restore-gc"),
         pytest.param(KillPlan("save-image", "gc"), id="save-image-gc"),
     ],
 )
