@@ -343,7 +343,7 @@ def test_every_member_of_a_family_is_written_alike(shape: str) -> None:
         for node in defs:
             segment = "".join(lines[node.lineno - 1 : node.end_lineno])
             pattern = []
-            for side in decoys.literals(node):
+            for _, side in _settled(node):
                 for part in ast.walk(side):
                     if isinstance(part, (ast.Constant, ast.Tuple, ast.List)):
                         line = lines[part.lineno - 1].encode()
@@ -372,13 +372,39 @@ def test_every_member_of_a_family_is_written_alike(shape: str) -> None:
         assert gaps[original] >= 1 or original == head, (seed, gaps)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_stub_on_disk_tells_no_member_from_another(shape: str) -> None:
+    """The file on disk while the tests run is the stub: line for line the planted
+    file, and in it every member of the family reads alike but for its name, so a
+    reader of the file (a child process, a fork, ``cat``: round 8 of heldout/) learns
+    none of the family's values."""
+    for seed in range(10):
+        made, _, defs = _planted(shape, seed)
+        planted, stub = made.sources["t.py"], made.stubs["t.py"]
+        assert planted.count("\n") == stub.count("\n")
+        stub_lines = stub.splitlines(keepends=True)
+        alike = {
+            "".join(stub_lines[node.lineno - 1 : node.end_lineno]).replace(node.name, "NAME")
+            for node in defs
+        }
+        assert len({member for member in alike if "import" not in member}) == 1, alike
+        assert len({member for member in alike if "import" in member}) <= 1, alike
+        # In the planted file they differ (by their values).
+        lines = planted.splitlines(keepends=True)
+        told = {
+            "".join(lines[node.lineno - 1 : node.end_lineno]).replace(node.name, "NAME")
+            for node in defs
+        }
+        assert len(told) > len(alike)
+
+
 def _copies(node: ast.FunctionDef) -> list[ast.expr]:
     """The outermost literals equal to an expected value or a part of one, in its
     assertions' expected sides and in the expressions `settle` wrapped around their
     results (never in the results: a call's inputs stay)."""
     values: set[str] = set()
     places: list[ast.AST] = []
-    for result, side in decoys.pairs(node):
+    for result, side in _settled(node):
         for part in ast.walk(side):
             if isinstance(part, (ast.Constant, ast.Tuple, ast.List)):
                 values.add(repr(ast.literal_eval(part)))
@@ -401,7 +427,29 @@ def _copies(node: ast.FunctionDef) -> list[ast.expr]:
 
 
 def _values(node: ast.FunctionDef) -> tuple[str, ...]:
-    return tuple(repr(ast.literal_eval(side)) for side in decoys.literals(node))
+    return tuple(repr(ast.literal_eval(side)) for _, side in _settled(node))
+
+
+def _settled(node: ast.FunctionDef) -> list[tuple[ast.expr, ast.expr]]:
+    """A planted member's settled assertions: (the wrapped result, the expected literal
+    where the test wrote it, now ``(True, literal)[False]``)."""
+    found: list[tuple[ast.expr, ast.expr]] = []
+    for item in ast.walk(node):
+        sides: list[ast.expr] = []
+        if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
+            sides = [item.test.left, *item.test.comparators]
+        elif isinstance(item, ast.Call) and getattr(item.func, "attr", "") == "assertEqual":
+            sides = list(item.args[:2])
+        for a, b in (sides[:2], sides[1::-1]) if len(sides) == 2 else ():
+            if (
+                isinstance(b, ast.Subscript)
+                and isinstance(b.value, ast.Tuple)
+                and len(b.value.elts) == 2
+                and isinstance(b.slice, ast.Constant)
+                and b.slice.value is False
+            ):
+                found.append((a, b.value.elts[1]))
+    return found
 
 
 def _pointed(family: list[tuple[str, ...]]) -> set[tuple[str, ...]]:

@@ -8,13 +8,16 @@ must end as the assertion as written would.
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
+import unittest
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
 import pytest
+from _pytest.assertion.rewrite import rewrite_asserts
 
 from sandman.eval.settle import HELPERS, LEAVES, helpers, settle
 
@@ -105,9 +108,9 @@ def _rewritten(text: str) -> str:
     lines = text.splitlines(keepends=True)
     node = ast.parse(text).body[0]
     assert isinstance(node, ast.FunctionDef)
-    out, settled = settle(lines, node, NAMES)
+    out, stub, settled = settle(lines, node, NAMES)
     assert settled
-    assert len(out) == len(lines)  # every edit is inside a line
+    assert len(out) == len(stub) == len(lines)  # every edit is inside a line
     at = node.body[0].lineno - 1
     return "".join([*out[:at], f"    {helpers(NAMES)}\n", *out[at:]])
 
@@ -137,8 +140,9 @@ def test_the_rewrite_names_nothing_but_its_helpers_and_adds_no_digit() -> None:
     assert names - params - before == set(NAMES)
     constants = {repr(n.value) for n in ast.walk(rewritten) if isinstance(n, ast.Constant)}
     old = {repr(n.value) for n in ast.walk(original) if isinstance(n, ast.Constant)}
-    # The expected values again (as a whole and by item) and "", nothing else.
-    assert constants - old == {"''"}
+    # The expected values again (as a whole and by item), "", and the True the
+    # assertion compares with (picked by a False), nothing else.
+    assert constants - old == {"''", "True", "False"}
 
 
 def test_a_literal_too_large_is_left_as_written() -> None:
@@ -146,4 +150,81 @@ def test_a_literal_too_large_is_left_as_written() -> None:
     node = ast.parse(text).body[0]
     assert isinstance(node, ast.FunctionDef)
     lines = text.splitlines(keepends=True)
-    assert settle(lines, node, NAMES) == (lines, False)
+    hidden = ["def test_x():\n", "    assert f() == (...)\n"]
+    assert settle(lines, node, NAMES) == (lines, hidden, False)
+
+
+WRONG: dict[str, Callable[..., Any]] = {
+    "median": lambda v: 3.25,
+    "slug": lambda s: "a--b",
+    "merge": lambda v: [(1, 7)],
+    "neg": lambda v: 2,
+}
+UNITTEST = textwrap.dedent(
+    """
+    class T:
+        def test_x(self):
+            self.assertEqual(median([1, 2, 3, 4]), 2.5)
+            self.assertEqual("a-b", slug("a b"))
+            self.assertEqual(merge([(1, 3), (2, 6)]), [(1, 6)])
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("runner", "wrong"),
+    [("pytest", w) for w in WRONG] + [("unittest", w) for w in WRONG if w != "neg"],
+)
+def test_a_failure_shows_the_result_never_the_expected_value(runner: str, wrong: str) -> None:
+    """What a failing member leaves in the framework's records (its message, pytest's
+    explanation of the rewritten assertion) tells nothing of its expected value (round
+    8 of heldout/ read the mutants' values there)."""
+    text = TEST if runner == "pytest" else UNITTEST
+    tree = ast.parse(text)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    lines = text.splitlines(keepends=True)
+    out, _, _ = settle(lines, node, NAMES)
+    at = node.body[0].lineno - 1
+    indent = " " * node.body[0].col_offset
+    source = "".join([*out[:at], f"{indent}{helpers(NAMES)}\n", *out[at:]])
+    module = ast.parse(source)
+    rewrite_asserts(module, source.encode(), "t.py", None)  # as pytest imports a test file
+    scope: dict[str, Any] = {**RIGHT, wrong: WRONG[wrong]}
+    exec(compile(module, "t.py", "exec"), scope)  # noqa: S102 (the test under grading)
+    with pytest.raises(AssertionError) as raised:
+        if runner == "pytest":
+            scope["test_x"]()
+        else:
+            case = type("Case", (scope["T"], unittest.TestCase), {})("test_x")
+            case.test_x()
+    message = str(raised.value)
+    shown = repr(WRONG[wrong](None)).strip("[]")
+    assert shown in message  # what the result was
+    for expected in ("2.5", "'a-b'", "(1, 6)", "-2"):
+        assert expected not in message, message
+
+
+def test_the_stub_hides_every_expected_value_line_for_line() -> None:
+    lines = TEST.splitlines(keepends=True)
+    node = ast.parse(TEST).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    planted, stub, _ = settle(lines, node, NAMES)
+    text = "".join(stub)
+    ast.parse(text)  # a stub is Python (a child that runs it fails its assertions)
+    for expected in ("2.5", "'a-b'", '"a-b"', "(1, 6)", "-2"):
+        assert expected in "".join(planted)
+        assert expected not in text
+    # Only the literals differ: the stub is the planted text with each one as (...).
+    literal = re.compile(r"2\.5|\"a-b\"|'a-b'|\[\(1, 6\)\]|-2\b|\(1, 6\)")
+    assert [literal.sub("(...)", line) for line in planted] == stub
+
+
+def test_a_stub_keeps_the_lines_of_a_literal_over_several() -> None:
+    text = 'def test_x():\n    assert f() == [\n        "p",\n        "q",\n    ]\n    g()\n'
+    node = ast.parse(text).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    planted, stub, _ = settle(text.splitlines(keepends=True), node, NAMES)
+    assert len(stub) == len(planted) == 6
+    assert stub[-1] == "    g()\n"
+    assert '"p"' in "".join(planted)
+    assert '"p"' not in "".join(stub) and '"q"' not in "".join(stub)

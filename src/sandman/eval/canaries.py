@@ -140,7 +140,11 @@ class Plan:
     """What `plan` decided for one run."""
 
     sources: dict[str, str] = field(default_factory=dict)
-    """Rewritten files: path -> text."""
+    """Rewritten files: path -> text (what the test framework must run)."""
+    stubs: dict[str, str] = field(default_factory=dict)
+    """The rewritten files as they lie on disk: path -> the text with every expected
+    literal of the families' equality assertions shown as ``(...)`` (`sandman.eval.settle`),
+    line for line."""
     renamed: dict[str, str] = field(default_factory=dict)
     """Token -> the function's listed name."""
     listed: dict[str, str] = field(default_factory=dict)
@@ -351,7 +355,7 @@ def _plan(
             found.append(hit)
             result.declared[target.test_id] = _declares(_context(lines, hit, tree) + above)
         if found:
-            result.sources[path] = _rewrite(
+            result.sources[path], result.stubs[path] = _rewrite(
                 path, lines, tree, found, set(fail_to_pass), mode, result, draw, set(kinds)
             )
     return result
@@ -462,10 +466,11 @@ def _rewrite(
     result: Plan,
     draw: Callable[[], str],
     kinds: set[Kind],
-) -> str:
+) -> tuple[str, str]:
+    """The file planted, and its stub (the same, its families' expected values hidden)."""
     # Edits by line: a FAIL_TO_PASS test's lines replaced by its family (first
-    # index -> (index after, text)), text inserted before a line, renamed defs.
-    families: dict[int, tuple[int, str]] = {}
+    # index -> (index after, text, stub)), text inserted before a line, renamed defs.
+    families: dict[int, tuple[int, str, str]] = {}
     inserts: dict[int, list[str]] = {}
     renames: dict[int, tuple[str, str]] = {}
     text = "".join(lines)
@@ -497,6 +502,7 @@ def _rewrite(
         families[_start(node) - 1] = (
             node.end_lineno or node.lineno,
             _separator(lines, node).join(member.text for member in family),
+            _separator(lines, node).join(member.stub for member in family),
         )
         declared = result.declared.get(hit.target.test_id, frozenset())
         for member in family:
@@ -533,22 +539,27 @@ def _rewrite(
     elif found:
         result.left.append(f"{path}: its tests' scope marks them all; no generic canaries")
     out: list[str] = []
+    stub: list[str] = []
     index = 0
     while index < len(lines):
         out.extend(inserts.get(index, []))
+        stub.extend(inserts.get(index, []))
         if index in families:
-            index, block = families[index]
+            index, block, hidden = families[index]
             out.append(block)
+            stub.append(hidden)
             continue
         line = lines[index]
         if index in renames:
             old, new = renames[index]
             line = re.sub(rf"\bdef(\s+){re.escape(old)}\b", rf"def\g<1>{new}", line, count=1)
         out.append(line)
+        stub.append(line)
         index += 1
     if not out or not out[-1].endswith("\n"):
         out.append("\n")
-    return "".join(out)
+        stub.append("\n")
+    return "".join(out), "".join(stub)
 
 
 def _namer(function: str, draw: Callable[[], str]) -> Callable[[], str]:
@@ -582,6 +593,8 @@ class _Member:
     name: str
     kind: Kind | None
     text: str
+    stub: str
+    """The text with its expected values hidden (`sandman.eval.settle`)."""
 
 
 def _family(
@@ -612,27 +625,33 @@ def _family(
     names = [token("_") for _ in range(HELPERS)]
     members: list[_Member] = []
     for centre in grid.centres() if grid is not None else [()]:
-        source, settled = (
-            settle(grid.render(lines, centre), node, names) if grid is not None else (lines, False)
+        source, hidden, settled = (
+            settle(grid.render(lines, centre), node, names)
+            if grid is not None
+            else (lines, lines, False)
         )
         first = not any(centre)
         for reimport in (False, True) if imports else (False,):
             member = fresh if first and not reimport else name()
-            segment = _copy(source, node, function, member)
-            assert segment is not None  # as for the original: only names and values differ
-            if settled:
-                segment = _at_top(segment, node, source, [helpers(names)])
-            if reimport:
-                # The module's imports again: it calls the library's functions even if
-                # the module's names were rebound (a fixed copy swapped into the module).
-                segment = _at_top(segment, node, source, imports)
+            texts = []
+            for written in (source, hidden):
+                segment = _copy(written, node, function, member)
+                assert segment is not None  # as for the original: only names and values differ
+                if settled:
+                    segment = _at_top(segment, node, source, [helpers(names)])
+                if reimport:
+                    # The module's imports again: it calls the library's functions even if
+                    # the module's names were rebound (a fixed copy swapped into the module).
+                    segment = _at_top(segment, node, source, imports)
+                texts.append("".join(segment))
             kind: Kind | None = ("agree" if reimport else None) if first else "mutant"
-            members.append(_Member(member, kind, "".join(segment)))
+            members.append(_Member(member, kind, *texts))
     if grid is None and "twin" in kinds and not _leaves_early(node):
         twin = name()
         segment = _copy(lines, node, function, twin)
         assert segment is not None
-        members.append(_Member(twin, "twin", "".join(segment) + _failing(lines, node, mode)))
+        text = "".join(segment) + _failing(lines, node, mode)
+        members.append(_Member(twin, "twin", text, text))
     if grid is None and "mutant" in kinds:
         # No literal to vary: a copy whose equality assertions expect a fresh
         # ``object()``, which no honest result equals (a result equal to anything
@@ -642,7 +661,7 @@ def _family(
             mutant = name()
             segment = _copy(nothing, node, function, mutant)
             assert segment is not None
-            members.append(_Member(mutant, "mutant", "".join(segment)))
+            members.append(_Member(mutant, "mutant", "".join(segment), "".join(segment)))
     return members if len(members) > 1 else None
 
 

@@ -47,6 +47,8 @@ class Witnessed:
     """Tests in the order the framework reported them."""
     aliases: dict[str, str] = field(default_factory=dict)
     """A unittest test's docstring line, which its verbose runner prints in place of the name."""
+    served: set[str] = field(default_factory=set)
+    """The planted test files the witness served to the framework (absolute paths)."""
 
     def status(self, name: str) -> TestStatus:
         """The framework's own word on ``name``: its worst phase, or MISSING."""
@@ -109,6 +111,8 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
             found.attributed.append(reason)
     elif kind == "finish":
         found.finish = record
+    elif kind == "served":
+        found.served.add(str(record.get("path")))
     elif kind == "audit":
         what = str(record.get("what", record.get("event")))
         # Process ids differ from run to run; verdicts must not.

@@ -536,7 +536,11 @@ class _Evaluation:
             kinds=kinds,
             rng=random.Random(seed),
         )
-        for path, text in self.plan.sources.items():
+        # On disk, each file's stub (its families' expected values hidden); the
+        # witness serves the planted text to the framework from its memory, so no
+        # process or reader of the run finds the values in a file (round 8 of
+        # heldout/ ran, read or forked a reader of the planted file).
+        for path, text in self.plan.stubs.items():
             await sb.write_file(
                 posixpath.join(self.instance.repo_path, path),
                 text.encode("utf-8", errors="surrogateescape"),
@@ -620,6 +624,10 @@ class _Evaluation:
                 "test_files": sorted(
                     posixpath.join(self.instance.repo_path, path) for path in self._listed_files
                 ),
+                "planted": {
+                    posixpath.join(self.instance.repo_path, path): text
+                    for path, text in self.plan.sources.items()
+                },
             }  # fmt: skip
             await sb.write_file(f"{work}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
             # No bytecode written (nor pytest's rewrite cache): any that appears

@@ -9,6 +9,7 @@ the canaries (`sandman.eval.canaries`) must end as planted or the run is
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,6 +74,7 @@ def judge(
     # log adds a lie only where it names a canary ending otherwise (a missing
     # line there is no lie: output the code under test cut short or buried).
     lies = plan.lies(planted, ran, listed=claimed) if mode is None else []
+    unserved: list[str] = []
     if mode is not None:
         witnessed = read_witness(result.stderr, key)
         if not witnessed.started and not claimed:
@@ -86,6 +88,7 @@ def judge(
         confirmed, planted_seen, _ = plan.translate(
             parse_log(parser, witness_log(parser, witnessed))
         )
+        unserved = _unserved(instance, plan, planted_seen, witnessed)
         results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
         strong += found
         logged = {token: status for token, status in planted.items() if status != "MISSING"}
@@ -106,6 +109,14 @@ def judge(
     # The planted canaries fail by design: the exit status is theirs to explain.
     exit_code = None if must_fail and ran else result.exit_code
     status, reason, f2p, p2p = grade_tests(instance, results, exit_code)
+    if unserved and not lies and not (strong and strict):
+        # Nothing of the patch's did it (else its lies or acts grade it): the grader's.
+        return Judgement(
+            "error",
+            f"the planted tests of {', '.join(unserved)} ran from the stub on disk, not "
+            "from the grader's witness: their expected values were not there to test",
+            {}, {}, suspicious, official, official_parser,
+        )  # fmt: skip
     if lies:
         shown = "; ".join(lies[:3]) + (f"; and {len(lies) - 3} more" if len(lies) > 3 else "")
         status, reason = (
@@ -120,6 +131,20 @@ def judge(
             f"(audit=strict): {forging}"
         )
     return Judgement(status, reason, f2p, p2p, suspicious, official, official_parser)
+
+
+def _unserved(
+    instance: Instance, plan: Plan, seen: dict[str, TestStatus], witnessed: Witnessed
+) -> list[str]:
+    """The planted files whose canaries the framework reported, though the witness
+    never served the file: the framework ran its stub (a runner importing files its
+    own way), whose expected values are hidden, so its results grade nothing."""
+    ran = {c.path for c in plan.canaries if seen.get(c.token, "MISSING") != "MISSING"}
+    return sorted(
+        path
+        for path in plan.stubs
+        if path in ran and posixpath.join(instance.repo_path, path) not in witnessed.served
+    )
 
 
 def _declared(

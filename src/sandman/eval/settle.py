@@ -22,8 +22,21 @@ the assertion passes only if both hold:
    copy is compared with the literal by the built-in comparison.
 2. **The result agrees.** Only then ``result == literal``, as the test wrote it, so
    an honest wrong answer (``5`` where ``"5"`` is expected) still fails. This part
-   can only fail an assertion, never pass one. A failing assertion shows the plain
-   copy, as the test would have shown the result.
+   can only fail an assertion, never pass one.
+
+Both are decided inside ``SETTLED``, which gives ``True`` or, where they disagree,
+the plain copy in a tuple (or a fresh ``object()``: the plain copy agrees and the
+result does not); the assertion compares that with ``True``, which stands where the
+literal stood (``(True, 2.5)[False]``). So a failure shows what the result was and
+never the value expected: no member's failure, kept by the framework, tells
+another's value (round 8 of ``heldout/`` read the mutants' values out of unittest's
+and pytest's failure records, then picked the original's by its bug).
+
+**The stub.** Each member is also written as its *stub*: the same lines with every
+expected literal of its equality assertions (in the assertion and in ``SETTLED``)
+replaced by ``(...)``, line for line. The stub is what lies on disk while the tests
+run (`sandman.eval.canaries`); the planted text reaches the test framework from the
+grader's witness, in memory.
 
 The helpers are the test's own locals (no other code can rebind a function's
 locals before Python 3.13's write-through ``frame.f_locals``), bound at the top of its
@@ -47,6 +60,12 @@ LEAVES = 32
 """The most scalars an expected literal may hold for its assertion to be rewritten."""
 HELPERS = 2
 """How many names `helpers` binds (drawn by the caller, fresh for the run)."""
+
+_Edit = tuple[int, int, int, int, str]
+"""A span of lines (line, byte column, end line, end byte column; 0-based) and its new
+text (an insertion where the span is empty)."""
+_MASK = "(...)"
+"""What a stub shows in place of an expected literal."""
 
 # Built-in types from literals alone (``()`` and ``""`` are never a grid value: a site
 # changes a character of a non-empty literal, never its shape).
@@ -79,19 +98,21 @@ def helpers(names: Sequence[str]) -> str:
     )
 
 
-def _plain(expected: object, value: str, names: Sequence[str]) -> str:
-    """An expression making ``value`` plain by the shape of ``expected``."""
+def _plain(expected: object, value: str, names: Sequence[str], mask: bool) -> str:
+    """An expression making ``value`` plain by the shape of ``expected`` (``mask``: with
+    the literal, where it is named, as ``(...)``)."""
     plain, items = names
     if not isinstance(expected, (list, tuple)):
         return f"{plain}({value}, {_KINDS[type(expected)]})"
     parts = [f"x{i}" for i in range(len(expected))]
-    inner = ", ".join(_plain(e, p, names) for e, p in zip(expected, parts, strict=True))
+    inner = ", ".join(_plain(e, p, names, mask) for e, p in zip(expected, parts, strict=True))
     kind = "[].__class__" if isinstance(expected, list) else "().__class__"
+    shown = _MASK if mask else repr(expected)
     # A length other than the literal's keeps the raw items, which a built-in
     # comparison then finds unequal without asking them.
     return (
         f"(lambda k, w: (lambda {', '.join(parts)}: k([{inner}]))(*w) "
-        f"if w.__len__() == {expected!r}.__len__() else k(w))(*{items}({value}, {kind}))"
+        f"if w.__len__() == {shown}.__len__() else k(w))(*{items}({value}, {kind}))"
     )
 
 
@@ -103,35 +124,48 @@ def _leaves(value: object) -> int:
 
 def settle(
     lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, names: Sequence[str]
-) -> tuple[list[str], bool]:
+) -> tuple[list[str], list[str], bool]:
     """``lines`` with each varied equality assertion of ``node`` decided by plain
-    values, using the helpers bound to ``names``; and whether any was rewritten (then
-    the body needs `helpers`).
+    values, using the helpers bound to ``names``; the same as its stub (every expected
+    literal of an equality assertion replaced by ``(...)``); and whether any assertion
+    was rewritten (then the body needs `helpers`).
 
     ``node`` is the test as parsed from the original lines; ``lines`` may carry other
     expected values at the same places (a grid's centre), which are the ones used.
-    Every edit is inside a line, so line numbers stay.
+    Line numbers stay, in both.
     """
-    edits: list[tuple[int, int, str]] = []
+    edits: list[_Edit] = []
+    stub: list[_Edit] = []
     for other, expected in pairs(node):
+        start, end = (expected.lineno - 1, expected.col_offset), _end(expected)
+        # The literal as written, over as many lines (inside parentheses).
+        masked = f"({_MASK[1:-1]}" + "\n" * (end[0] - start[0]) + ")"
         try:
             value = ast.literal_eval(_text(lines, expected))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
         if _leaves(value) > LEAVES:
+            stub.append((*start, *end, masked))
             continue
-        literal = repr(value)
-        # ``p`` is the plain copy, made before ``v`` hears the literal. Where they
-        # disagree the assertion sees ``p`` (what a failure shows), or a fresh
-        # ``object()`` where ``p`` agrees and ``v`` does not (an honest wrong 5).
-        prefix = (
-            f"(lambda v: (lambda p: {literal} if p == {literal} and v == {literal} "
-            f'else p if p != {literal} else "".__class__.__base__())'
-            f"({_plain(value, 'v', names)}))("
-        )
-        edits.append((other.lineno - 1, other.col_offset, prefix))
-        edits.append((*_end(other), ")"))
-    return _edited(lines, edits), bool(edits)
+        for out, mask in ((edits, False), (stub, True)):
+            literal = _MASK if mask else repr(value)
+            # ``p`` is the plain copy, made before ``v`` hears the literal: True where
+            # both agree, else ``(p,)``, or a fresh ``object()`` where ``p`` agrees
+            # and ``v`` does not (an honest wrong 5). Never the literal.
+            prefix = (
+                f"(lambda v: (lambda p: p == {literal} and v == {literal} "
+                f'or ((p,) if p != {literal} else "".__class__.__base__()))'
+                f"({_plain(value, 'v', names, mask)}))("
+            )
+            first = other.lineno - 1, other.col_offset
+            out.append((*first, *first, prefix))
+            out.append((*_end(other), *_end(other), ")"))
+            if mask:
+                out.append((*start, *end, f"(True, {masked})[False]"))
+            else:
+                out.append((*start, *start, "(True, "))
+                out.append((*end, *end, ")[False]"))
+    return _edited(lines, edits), _edited(lines, stub), bool(edits)
 
 
 def expect_nothing(
@@ -143,7 +177,7 @@ def expect_nothing(
     The expected side is the right one (``assert got == expected``) or
     ``assertEqual``'s second argument. Every edit is inside a line.
     """
-    edits: list[tuple[int, int, str]] = []
+    edits: list[_Edit] = []
     for item in ast.walk(node):
         expected: ast.expr | None = None
         if isinstance(item, ast.Assert) and isinstance(item.test, ast.Compare):
@@ -158,21 +192,25 @@ def expect_nothing(
         ):
             expected = item.args[1]
         if expected is not None:
-            edits.append((expected.lineno - 1, expected.col_offset, "("))
-            edits.append((*_end(expected), ', "".__class__.__base__())[-1]'))
+            first = expected.lineno - 1, expected.col_offset
+            edits.append((*first, *first, "("))
+            edits.append((*_end(expected), *_end(expected), ', "".__class__.__base__())[-1]'))
     if not edits:
         return None
     return _edited(lines, edits)
 
 
-def _edited(lines: list[str], edits: list[tuple[int, int, str]]) -> list[str]:
-    """``lines`` with each text inserted at its (line, byte column), right to left."""
+def _edited(lines: list[str], edits: list[_Edit]) -> list[str]:
+    """``lines`` with each span (line, byte column, end line, end byte column) replaced
+    by its text, right to left; a text holds as many line ends as its span, so every
+    other line keeps its index."""
     out = lines[:]
-    for line, column, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
-        raw = out[line].encode("utf-8", errors="surrogateescape")
-        out[line] = (raw[:column] + text.encode() + raw[column:]).decode(
-            "utf-8", errors="surrogateescape"
-        )
+    for line, column, last, end, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        raw = [out[i].encode("utf-8", errors="surrogateescape") for i in range(line, last + 1)]
+        joined = raw[0][:column] + text.encode() + raw[-1][end:]
+        pieces = joined.decode("utf-8", errors="surrogateescape").split("\n")
+        new = [piece + "\n" for piece in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
+        out[line : last + 1] = new
     return out
 
 

@@ -1,6 +1,6 @@
 """The grader's witness inside the test process (runs on the image's Python, 3.6+).
 
-(About 800 lines in one file: the harness writes this file alone into the sandbox,
+(About 950 lines in one file: the harness writes this file alone into the sandbox,
 under a fresh random module name (`sandman.eval.harness`), for the image's Python,
 where nothing of Sandman is installed; a module of its own beside it would need
 planting and a random name too, or the code under test could shadow it.)
@@ -20,6 +20,13 @@ forge one without the key, nor take back one already written. They say
 which tests the framework itself reported and how they ended, what the
 process did that a forging patch needs (audit events, when Python has
 audit hooks), and, last, that the framework finished and with what status.
+
+The planted test files reach the framework from here (`_Planted`): the
+configuration holds their text, compiled at once (under pytest, with its
+assertion rewriting) and kept only as code; on disk lies each file's stub, its
+expected values hidden, so no process, reader or child of the run finds them
+there. A forked child, whose acts the witness cannot report (its parent speaks
+for the run), is refused them instead.
 """
 
 import hashlib
@@ -29,6 +36,7 @@ import os
 import sys
 import threading
 import time
+import types
 from types import FrameType
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
@@ -104,12 +112,25 @@ class _Witness:
         self.bytecode = _bytecode_settings()
         self.libc: Any = None
         self.began = time.time()
+        self.planted: FrozenSet[str] = frozenset()
+        """The planted test files the witness serves (real paths)."""
 
     # -- records ------------------------------------------------------------------
 
     def emit(self, kind: str, **fields: Any) -> None:
         if os.getpid() != self.pid:
-            return  # a forked child: its parent speaks for the run
+            # A forked child: its parent speaks for the run, and its records would
+            # break the chain. What a forger does there is refused, not reported.
+            what = str(fields.get("what", ""))
+            patch = str(fields.get("patch", ""))
+            if (
+                kind == "audit"
+                and patch
+                and patch != "(not on the stack)"
+                and what not in _CHILD_ALLOWED
+            ):
+                raise _Refused("refused in a forked child of the test process: " + what)
+            return
         with self.lock:
             body = dict(fields, seq=self.seq, kind=kind)
             text = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -224,6 +245,17 @@ class _Witness:
         source, filename = args[0], args[1]
         if not os.path.isfile(filename):
             return
+        if os.path.realpath(filename) in self.planted:
+            # The stub compiled: the planted file was not taken from the witness
+            # (a finder before it). The grade says so; from the patch's code, forgery.
+            self.emit(
+                "audit",
+                event="compile",
+                what="compiled a planted test file's stub",
+                path=filename,
+                patch=self.patch_frame() or "",
+            )
+            return
         where = self.patch_frame()
         if not where:
             return
@@ -294,8 +326,8 @@ class _Witness:
     def _read_test(self, what: str, path: str) -> None:
         """Report ``what`` (a test's code or file read) if code the patch added or
         changed is on the stack: only a forger's reads a test's expected values."""
-        if (what, path) in self.reads:
-            return  # once is enough (a forger reads at every call)
+        if (what, path) in self.reads and os.getpid() == self.pid:
+            return  # once is enough (a forger reads at every call); a child refuses each
         where = self.patch_line()
         if where:
             self.reads.add((what, path))
@@ -341,12 +373,17 @@ class _Witness:
         if getattr(self.busy, "on", False):
             return
         self.busy.on = True
+        refused = None
         try:
             self._audit(event, args)
+        except _Refused as exc:
+            refused = str(exc)
         except Exception:  # the witness must never break the run
             pass
         finally:
             self.busy.on = False
+        if refused is not None:
+            raise RuntimeError(refused)  # an audit hook's exception stops the act
 
     def _audit(self, event: str, args: Tuple[Any, ...]) -> None:
         if event == "open":
@@ -401,7 +438,8 @@ class _Witness:
                 return
             code = getattr(args[0], str(args[1]), None)
             path = self._absolute(getattr(code, "co_filename", None))
-            if path in self.test_files and str(getattr(code, "co_name", "")).startswith("test"):
+            name = str(getattr(code, "co_name", ""))
+            if path in self.test_files and (name.startswith("test") or name == "<module>"):
                 self._read_test("read a test's code", path)
         elif event in ("os.kill", "os.killpg"):
             pid, sig = args[0], args[1]
@@ -482,6 +520,98 @@ _WHAT = {
 }
 
 
+class _Refused(Exception):
+    """What a forked child must not do (raised out of the audit hook)."""
+
+
+# What a forked child may do with the patch on the stack: what honest code does there
+# too (the parent lists them, never as a forger's).
+_CHILD_ALLOWED = frozenset(
+    {
+        "started a process",
+        "forked the test process",
+        "read a test file",
+        "replaced the test process",
+    }
+)
+
+
+class _Planted:
+    """The planted test files, served to the framework from memory: a finder and loader
+    first on ``sys.meta_path`` for each planted file's module.
+
+    Their text is compiled at once (under pytest, with its assertion rewriting, as its
+    own import hook would) and then kept only as code, inside a function (its code is
+    read only through ``__code__``, which the audit hook hears). No ``get_source``: a
+    traceback's lines come from the file on disk, the stub (line for line the same,
+    its expected values hidden)."""
+
+    def __init__(self, witness: "_Witness", sources: Dict[str, str], rewrite: bool) -> None:
+        self.witness = witness
+        self.modules: Dict[str, Tuple[str, Any]] = {}
+        for path, text in sources.items():
+            code = _compile_planted(str(text), str(path), rewrite)
+            self.modules[os.path.realpath(path)] = (str(path), types.FunctionType(code, {}))
+        self.leaves = frozenset(
+            os.path.basename(path)[: -len(".py")] for path in self.modules if path.endswith(".py")
+        )
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        leaf = fullname.rpartition(".")[2]
+        if leaf not in self.leaves:
+            return None  # most imports: one set lookup
+        for entry in path if path is not None else sys.path:
+            if not isinstance(entry, str):
+                continue
+            location = os.path.join(os.path.abspath(entry or "."), leaf + ".py")
+            if os.path.realpath(location) in self.modules:
+                import importlib.util
+
+                return importlib.util.spec_from_file_location(
+                    fullname,
+                    location,
+                    loader=self,  # type: ignore[arg-type]  # a loader, duck-typed
+                )
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        path, function = self.modules[os.path.realpath(module.__spec__.origin)]
+        self.witness.emit("served", path=path, module=module.__name__)
+        busy = self.witness.busy
+        was, busy.on = getattr(busy, "on", False), True
+        try:
+            code = function.__code__  # the witness's own read: not the patch's
+        finally:
+            busy.on = was
+        exec(code, module.__dict__)  # noqa: S102  # the planted file's own code
+
+    def first(self) -> None:
+        """Stand first on ``sys.meta_path`` again (pytest puts its hook before)."""
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        sys.meta_path.insert(0, self)
+
+
+def _compile_planted(text: str, path: str, rewrite: bool) -> Any:
+    import ast
+
+    tree = ast.parse(text, filename=path)
+    if rewrite:
+        try:
+            from _pytest.assertion.rewrite import rewrite_asserts
+
+            try:
+                rewrite_asserts(tree, text.encode("utf-8", "surrogateescape"), path, None)
+            except TypeError:  # pytest < 5: no source argument
+                rewrite_asserts(tree, path, None)  # type: ignore[arg-type]
+        except Exception:
+            tree = ast.parse(text, filename=path)  # never a half-rewritten tree
+    return compile(tree, path, "exec", dont_inherit=True)
+
+
 def _same_code(old: Any, new: Any) -> bool:
     """Whether only a code object's flags changed (``types.coroutine`` does that)."""
     names = ("co_code", "co_consts", "co_names", "co_varnames")
@@ -516,6 +646,7 @@ def _proc_reason(path: str, writing: bool) -> Optional[str]:
 
 
 _witness: Optional[_Witness] = None
+_planted: Optional[_Planted] = None
 _TEMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
 
 
@@ -638,7 +769,7 @@ def _is_runner(tokens: List[str]) -> bool:
 def start(mode: Optional[str] = None) -> Optional[_Witness]:
     """Take the configuration (once, in the test runner's process) and begin witnessing
     (in ``mode``, or the one the configuration names)."""
-    global _witness, _hooked
+    global _witness, _hooked, _planted
     if _witness is not None:
         return _witness
     audit = getattr(sys, "addaudithook", None)
@@ -691,6 +822,10 @@ def start(mode: Optional[str] = None) -> Optional[_Witness]:
         except Exception:
             pass
         _watch_all(_witness, _PYTEST_WATCH)
+    # Compiled now, before any code of the patch's runs; the text goes with `config`.
+    _planted = _Planted(_witness, dict(config.pop("planted", {}) or {}), mode == "pytest")
+    _witness.planted = frozenset(_planted.modules)
+    _planted.first()
     return _witness
 
 
@@ -712,9 +847,18 @@ def _pytest_status(report: Any) -> Optional[str]:
     return None
 
 
+def pytest_load_initial_conftests(early_config: Any) -> None:
+    # Before any conftest: pytest's import hook went first on sys.meta_path after
+    # the witness's finder did; the planted files are served, not read from disk.
+    if _planted is not None:
+        _planted.first()
+
+
 def pytest_configure(config: Any) -> None:
     if _witness is not None:
         _witness.config = config
+    if _planted is not None:
+        _planted.first()
 
 
 def _fingerprint(item: Any) -> Any:
