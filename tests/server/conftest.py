@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from sandman.pool import Pool, PoolConfig
+from sandman.pool import PacingConfig, Pool, PoolConfig
 from sandman.server import ApiKey, ServerSettings, create_app
 from sandman.testing import FakeProvider
 
@@ -48,6 +48,15 @@ async def fake() -> AsyncIterator[FakeProvider]:
 @pytest.fixture
 async def pool(fake: FakeProvider) -> AsyncIterator[Pool]:
     async with Pool(fake, PoolConfig(name="t")) as pool:
+        yield pool
+
+
+@pytest.fixture
+async def serial_pool(fake: FakeProvider) -> AsyncIterator[Pool]:
+    """A pool that makes one sandbox at a time, each taking 0.3 s: waiters queue up."""
+    fake.faults.create_latency = 0.3
+    pacing = PacingConfig(window=1, min_window=1, rate=100.0)
+    async with Pool(fake, PoolConfig(name="t", pacing=pacing)) as pool:
         yield pool
 
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from sandman.models import SandboxSpec
-from sandman.pool import PacingConfig, Pool, PoolConfig
+from sandman.pool import Pool, PoolConfig
 from sandman.server import LABEL_TENANT, ServerSettings, TenantLimits, create_app, service_of
 from sandman.testing import FakeProvider
 from tests.server.conftest import AUTH_A, AUTH_B, settings
@@ -413,26 +413,21 @@ async def test_a_session_a_live_predecessor_still_holds_is_moving_not_expired() 
 
 
 async def test_a_cancelled_acquire_hands_its_sandbox_to_the_next_waiter(
-    fake: FakeProvider,
+    fake: FakeProvider, serial_pool: Pool
 ) -> None:
-    fake.faults.create_latency = 0.3
-    pacing = PacingConfig(window=1, min_window=1, rate=100.0)
-    async with Pool(fake, PoolConfig(name="t", pacing=pacing)) as pool:
-        app = create_app(pool, settings())
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", headers=AUTH_A
-        ) as api:
-            session = await open_session(api)
-            impatient = asyncio.ensure_future(acquire(api, session))
-            await eventually(lambda: fake.creating == 1)
-            patient = asyncio.ensure_future(acquire(api, session, timeout=5))
-            await eventually(lambda: service_of(app).queue_depths() == {"a": 2})
-            impatient.cancel()
-            response = await patient
-            assert response.status_code == 201
-            assert fake.created_total == 1  # handed over, not made again
-            await eventually(lambda: service_of(app).queue_depths() == {})
+    app = create_app(serial_pool, settings())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://x", headers=AUTH_A) as api:
+        session = await open_session(api)
+        impatient = asyncio.ensure_future(acquire(api, session))
+        await eventually(lambda: fake.creating == 1)
+        patient = asyncio.ensure_future(acquire(api, session, timeout=5))
+        await eventually(lambda: service_of(app).queue_depths() == {"a": 2})
+        impatient.cancel()
+        response = await patient
+        assert response.status_code == 201
+        assert fake.created_total == 1  # handed over, not made again
+        await eventually(lambda: service_of(app).queue_depths() == {})
 
 
 async def test_metrics(api: httpx.AsyncClient, fake: FakeProvider, pool: Pool) -> None:

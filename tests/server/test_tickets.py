@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import sandman
 from sandman.client import remote
-from sandman.pool import PacingConfig, Pool, PoolConfig
+from sandman.pool import Pool, PoolConfig
 from sandman.server import create_app, service_of
 from sandman.server.tickets import Tickets
 from sandman.testing import FakeProvider
@@ -97,29 +97,27 @@ async def test_past_the_open_requests_allowed_an_acquire_is_answered_at_once(
 
 
 async def test_a_ticket_given_up_or_not_asked_for_again_leaves_nothing(
-    fake: FakeProvider,
+    fake: FakeProvider, serial_pool: Pool
 ) -> None:
-    fake.faults.create_latency = 0.3
-    pacing = PacingConfig(window=1, min_window=1, rate=100.0)
-    async with Pool(fake, PoolConfig(name="t", pacing=pacing)) as pool:
-        app = create_app(pool, settings())
-        service = service_of(app)
-        async with _client(app) as api:
-            session = await _session(api)
-            # Given up by its caller: the pool drops it.
-            first = (await _acquire(api, session, wait=0)).json()["ticket"]
-            path = f"/v1/sandboxes/acquires/{first}"
-            assert (await api.delete(path, params={"session": session})).status_code == 204
-            assert (await api.delete(path, params={"session": session})).status_code == 204
-            assert len(service.tickets) == 0
-            # Never asked for again: dropped once past its time, its sandbox released.
-            (await _acquire(api, session, wait=0)).json()
-            await eventually(lambda: pool.stats().get("leased") == 1, timeout=10)
-            assert len(service.tickets) == 1
-            assert service.tickets.sweep(now=time.monotonic() + 3600) == 1
-            assert len(service.tickets) == 0
-            await eventually(lambda: fake.live == 0 and not pool.list(), timeout=10)
-            assert service.queue_depths() == {}
+    pool = serial_pool
+    app = create_app(pool, settings())
+    service = service_of(app)
+    async with _client(app) as api:
+        session = await _session(api)
+        # Given up by its caller: the pool drops it.
+        first = (await _acquire(api, session, wait=0)).json()["ticket"]
+        path = f"/v1/sandboxes/acquires/{first}"
+        assert (await api.delete(path, params={"session": session})).status_code == 204
+        assert (await api.delete(path, params={"session": session})).status_code == 204
+        assert len(service.tickets) == 0
+        # Never asked for again: dropped once past its time, its sandbox released.
+        (await _acquire(api, session, wait=0)).json()
+        await eventually(lambda: pool.stats().get("leased") == 1, timeout=10)
+        assert len(service.tickets) == 1
+        assert service.tickets.sweep(now=time.monotonic() + 3600) == 1
+        assert len(service.tickets) == 0
+        await eventually(lambda: fake.live == 0 and not pool.list(), timeout=10)
+        assert service.queue_depths() == {}
 
 
 async def test_a_client_gone_before_it_heard_of_its_ticket_gives_the_acquire_up(

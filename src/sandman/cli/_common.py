@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
@@ -14,11 +14,13 @@ from pydantic import ValidationError
 
 from sandman import errors
 from sandman.models import SandboxSpec, explain, parse_bytes
-from sandman.settings import LocalConfig
+from sandman.settings import KubernetesConfig, LocalConfig
 
 if TYPE_CHECKING:
     from sandman.client import AsyncClient, RemoteBackend
     from sandman.daemon import DaemonClient
+    from sandman.providers.kubernetes import KubernetesProvider
+    from sandman.providers.local import LocalProvider
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -133,6 +135,67 @@ def client_options(command: F) -> F:
     return click.option(
         "--url", envvar="SANDMAN_URL", help="A Sandman service instead of the local pool."
     )(command)
+
+
+def service_or_local(
+    ctx: click.Context,
+    url: str | None,
+    api_key: str | None,
+    remote: Callable[[RemoteBackend], Awaitable[T]],
+    local: Callable[[LocalProvider], Awaitable[T]],
+) -> T:
+    """``remote`` against the service at ``url``, else ``local`` against this machine's
+    provider; either closed after (the provider unmounts its disk filesystem if no
+    sandbox is left)."""
+    from sandman.providers.local import LocalProvider
+
+    async def go() -> T:
+        if url:
+            backend = remote_backend(url, api_key)
+            try:
+                return await remote(backend)
+            finally:
+                await backend.aclose()
+        provider = LocalProvider(local_config(ctx))
+        try:
+            return await local(provider)
+        finally:
+            await provider.aclose()
+
+    return run_async(ctx, go())
+
+
+def kubernetes_options(namespace_help: str) -> Callable[[F], F]:
+    """Add --kubeconfig, --context and --namespace (``namespace_help``): the cluster and
+    namespace of a command's --kubernetes (`kubernetes_provider`)."""
+
+    def add(command: F) -> F:
+        command = click.option("--namespace", help=namespace_help)(command)
+        command = click.option("--context", help="With --kubernetes: the kubeconfig context.")(
+            command
+        )
+        return click.option(
+            "--kubeconfig",
+            envvar="KUBECONFIG",
+            type=click.Path(path_type=Path),
+            help="With --kubernetes. Default: $KUBECONFIG, else the pod's service account.",
+        )(command)
+
+    return add
+
+
+def kubernetes_provider(
+    kubeconfig: Path | None, context: str | None, namespace: str | None
+) -> KubernetesProvider:
+    """The provider of the namespace that `kubernetes_options` name; BadParameter for a
+    namespace Kubernetes would refuse."""
+    from sandman.providers.kubernetes import KubernetesProvider  # its HTTP stack, on demand
+
+    try:
+        config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)
+    except ValidationError as exc:
+        raise click.BadParameter(exc.errors()[0]["msg"], param_hint="--namespace") from None
+    return KubernetesProvider(config)
 
 
 def open_client(

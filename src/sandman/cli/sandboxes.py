@@ -1,7 +1,7 @@
 """Sandbox commands: ``run``, ``create``, ``exec``, ``cp``, ``ls``, ``rm``, ``gc``.
 
-(About 600 lines, one command group: each command is short, and they share the
-options, the local-or-service choice and the error printing below.)
+(One command group: each command is short; the options, the local-or-service choice
+and the error printing they share with the other groups are `sandman.cli._common`'s.)
 
 ``create`` makes a sandbox of the local provider that outlives the command
 (until ``rm``, or ``gc`` past its ``--ttl``).
@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import anyio
 import click
@@ -34,11 +35,14 @@ from sandman.cli._common import (
     client_options,
     daemon_client,
     echo_table,
+    kubernetes_options,
+    kubernetes_provider,
     limit_options,
     local_config,
     open_client,
     remote_backend,
     run_async,
+    service_or_local,
     spec_of,
     via_proxy_option,
 )
@@ -56,7 +60,9 @@ from sandman.providers.base import (
     Snapshots,
 )
 from sandman.providers.local import LocalProvider
-from sandman.settings import KubernetesConfig
+
+if TYPE_CHECKING:
+    from sandman.client.remote import RemoteBackend
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -389,35 +395,27 @@ def list_sandboxes(ctx: click.Context, url: str | None, api_key: str | None) -> 
 def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: str | None) -> None:
     """Delete sandboxes by id (local provider), or with --url release the tenant's."""
 
-    async def go() -> None:
-        if url:
-            backend = remote_backend(url, api_key)
-            try:
-                for sandbox_id in ids:
-                    # An unknown id is an error here; one released is listed a while.
-                    state = (await backend.describe(sandbox_id)).get("state")
-                    if state in _ENDED:
-                        click.echo(f"{sandbox_id} was already gone ({state})")
-                        continue
-                    await backend.release(sandbox_id)
-                    click.echo(f"released {sandbox_id}")
-            finally:
-                await backend.aclose()
-            return
-        provider = LocalProvider(local_config(ctx))
-        try:
-            for sandbox_id in ids:
-                try:
-                    await provider.inspect(sandbox_id)
-                    there = True
-                except errors.SandboxNotFound:
-                    there = False
-                await provider.delete(sandbox_id)  # also what a half-made one left
-                click.echo(f"deleted {sandbox_id}" if there else f"{sandbox_id} was already gone")
-        finally:
-            await provider.aclose()  # unmounts the disk filesystem if no sandbox is left
+    async def remote(backend: RemoteBackend) -> None:
+        for sandbox_id in ids:
+            # An unknown id is an error here; one released is listed a while.
+            state = (await backend.describe(sandbox_id)).get("state")
+            if state in _ENDED:
+                click.echo(f"{sandbox_id} was already gone ({state})")
+                continue
+            await backend.release(sandbox_id)
+            click.echo(f"released {sandbox_id}")
 
-    run_async(ctx, go())
+    async def local(provider: LocalProvider) -> None:
+        for sandbox_id in ids:
+            try:
+                await provider.inspect(sandbox_id)
+                there = True
+            except errors.SandboxNotFound:
+                there = False
+            await provider.delete(sandbox_id)  # also what a half-made one left
+            click.echo(f"deleted {sandbox_id}" if there else f"{sandbox_id} was already gone")
+
+    service_or_local(ctx, url, api_key, remote, local)
 
 
 _ENDED = ("releasing", "gone", "failed", "lost")
@@ -446,14 +444,7 @@ _ENDED = ("releasing", "gone", "failed", "lost")
     is_flag=True,
     help="Reap the pods of a namespace instead: owners are pool processes' Leases there.",
 )
-@click.option(
-    "--kubeconfig",
-    envvar="KUBECONFIG",
-    type=click.Path(path_type=Path),
-    help="With --kubernetes. Default: $KUBECONFIG, else the pod's service account.",
-)
-@click.option("--context", help="With --kubernetes: the kubeconfig context.")
-@click.option("--namespace", help="With --kubernetes: the sandboxes' (default: the context's).")
+@kubernetes_options("With --kubernetes: the sandboxes' (default: the context's).")
 @click.pass_context
 def gc(
     ctx: click.Context,
@@ -479,7 +470,7 @@ def gc(
     async def go() -> tuple[list[tuple[str, str]], list[str]]:
         provider: Provider
         if on_kubernetes:
-            provider = _kubernetes_provider(kubeconfig, context, namespace)
+            provider = kubernetes_provider(kubeconfig, context, namespace)
         else:
             provider = LocalProvider(local_config(ctx))
         reaped: list[tuple[str, str]] = []
@@ -533,22 +524,6 @@ def gc(
     click.echo(f"reaped {len(reaped)} sandbox(es)" + (f" ({summary})" if summary else ""))
     if failed:
         sys.exit(1)
-
-
-def _kubernetes_provider(
-    kubeconfig: Path | None, context: str | None, namespace: str | None
-) -> Provider:
-    from pydantic import ValidationError
-
-    from sandman.providers.kubernetes import KubernetesProvider  # its HTTP stack, on demand
-
-    try:
-        config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)
-    except ValidationError as exc:
-        raise errors.ConfigError(
-            f"bad --namespace {namespace!r}: {exc.errors()[0]['msg']}"
-        ) from None
-    return KubernetesProvider(config)
 
 
 async def _judge_owners(provider: Provider, infos: list[SandboxInfo]) -> BackendOwners | None:

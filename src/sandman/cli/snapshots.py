@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,9 +21,11 @@ from sandman.cli._common import (
     age,
     client_options,
     echo_table,
+    kubernetes_options,
+    kubernetes_provider,
     local_config,
-    remote_backend,
     run_async,
+    service_or_local,
 )
 from sandman.cli.images import credentials, in_cli_terms, registry_options
 from sandman.cli.sandboxes import create_ready
@@ -38,33 +39,6 @@ if TYPE_CHECKING:
     from sandman.providers.kubernetes import KubernetesProvider
 
 __all__ = ["COMMANDS"]
-
-T = TypeVar("T")
-
-
-def _on(
-    ctx: click.Context,
-    url: str | None,
-    api_key: str | None,
-    remote: Callable[[RemoteBackend], Awaitable[T]],
-    local: Callable[[LocalProvider], Awaitable[T]],
-) -> T:
-    """``remote`` against the service at ``url``, else ``local`` against this machine."""
-
-    async def go() -> T:
-        if url:
-            backend = remote_backend(url, api_key)
-            try:
-                return await remote(backend)
-            finally:
-                await backend.aclose()
-        provider = LocalProvider(local_config(ctx))
-        try:
-            return await local(provider)
-        finally:
-            await provider.aclose()
-
-    return run_async(ctx, go())
 
 
 def _size(n: int) -> str:
@@ -96,14 +70,7 @@ def snapshot() -> None:
     is_flag=True,
     help="With --as-image: ID is a pod of a namespace (its daemon reachable from here).",
 )
-@click.option(
-    "--kubeconfig",
-    envvar="KUBECONFIG",
-    type=click.Path(path_type=Path),
-    help="With --kubernetes. Default: $KUBECONFIG, else the pod's service account.",
-)
-@click.option("--context", help="With --kubernetes: the kubeconfig context.")
-@click.option("--namespace", help="With --kubernetes: the pod's (default: the context's).")
+@kubernetes_options("With --kubernetes: the pod's (default: the context's).")
 @registry_options
 @client_options
 @click.pass_context
@@ -146,7 +113,7 @@ def save(
             )
         if on_kubernetes:
             auth = credentials(creds, authfile, as_image)
-            kube = _kube_provider(kubeconfig, context, namespace)
+            kube = kubernetes_provider(kubeconfig, context, namespace)
             call = _push_image(kube, sandbox_id, as_image, auth, not insecure)
             pushed = run_async(ctx, in_cli_terms(call))
             click.echo(pushed)
@@ -164,7 +131,7 @@ def save(
         labels = {LABEL_EXPIRES: f"{time.time() + ttl:.0f}"}
         return (await provider.snapshot(sandbox_id, labels=labels, memory=memory)).id
 
-    snapshot_id = _on(ctx, url, api_key, remote, local)
+    snapshot_id = service_or_local(ctx, url, api_key, remote, local)
     click.echo(snapshot_id)
     click.echo(
         f"`sandman fork {snapshot_id}` makes a sandbox of it; it is deleted in {age(ttl)}",
@@ -183,21 +150,6 @@ async def _as_image(ctx: click.Context, sandbox_id: str, name: str) -> None:
             await provider.delete_snapshot(snap.id)
     finally:
         await provider.aclose()
-
-
-def _kube_provider(
-    kubeconfig: Path | None, context: str | None, namespace: str | None
-) -> KubernetesProvider:
-    from pydantic import ValidationError
-
-    from sandman.providers.kubernetes import KubernetesProvider  # its HTTP stack, on demand
-    from sandman.settings import KubernetesConfig
-
-    try:
-        config = KubernetesConfig(kubeconfig=kubeconfig, context=context, namespace=namespace)
-    except ValidationError as exc:
-        raise click.BadParameter(exc.errors()[0]["msg"], param_hint="--namespace") from None
-    return KubernetesProvider(config)
 
 
 async def _push_image(
@@ -252,7 +204,7 @@ def list_snapshots(ctx: click.Context, url: str | None, api_key: str | None) -> 
             for s in await provider.snapshots()
         ]  # fmt: skip
 
-    rows = _on(ctx, url, api_key, remote, local)
+    rows = service_or_local(ctx, url, api_key, remote, local)
     header = ("ID", "IMAGE", "SIZE", "AGE", "EXPIRES IN", "SOURCE")
     echo_table(header, rows, empty="no snapshots (`sandman snapshot save ID` makes one)")
 
@@ -276,7 +228,7 @@ def remove(ctx: click.Context, ids: tuple[str, ...], url: str | None, api_key: s
             there = snapshot_id in known
             click.echo(f"deleted {snapshot_id}" if there else f"{snapshot_id} was already gone")
 
-    _on(ctx, url, api_key, remote, local)
+    service_or_local(ctx, url, api_key, remote, local)
 
 
 @click.command()
@@ -315,7 +267,7 @@ def fork(ctx: click.Context, source: str, count: int, ttl: float, timeout: float
     async def refuse(backend: RemoteBackend) -> list[str]:
         raise AssertionError("unreachable")  # pragma: no cover
 
-    for sandbox_id in _on(ctx, None, None, refuse, go):
+    for sandbox_id in service_or_local(ctx, None, None, refuse, go):
         click.echo(sandbox_id)
 
 
@@ -338,7 +290,7 @@ def restore(
             async with info.endpoint.client() as daemon:
                 await daemon.wait_ready(60)
 
-    _on(ctx, url, api_key, remote, local)
+    service_or_local(ctx, url, api_key, remote, local)
     click.echo(f"restored {sandbox_id} to {snapshot_id}")
 
 
@@ -359,7 +311,7 @@ def pause(
     async def local(provider: LocalProvider) -> None:
         await provider.pause(sandbox_id, memory=memory)
 
-    _on(ctx, url, api_key, remote, local)
+    service_or_local(ctx, url, api_key, remote, local)
     click.echo(f"paused {sandbox_id}")
 
 
@@ -376,7 +328,7 @@ def resume(ctx: click.Context, sandbox_id: str, url: str | None, api_key: str | 
     async def local(provider: LocalProvider) -> None:
         await provider.resume(sandbox_id)
 
-    _on(ctx, url, api_key, remote, local)
+    service_or_local(ctx, url, api_key, remote, local)
     click.echo(f"resumed {sandbox_id}")
 
 

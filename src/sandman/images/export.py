@@ -361,31 +361,12 @@ def export_layer(
     `compress` (one gzip member; its 1 MiB pieces deflated on all CPUs, as pigz does,
     the same bytes on any machine with this zlib). Blocking (for a worker thread);
     `check` as for `write_tar`."""
-    blobs.mkdir(parents=True, exist_ok=True)
-    part = blobs / f".{secrets.token_hex(8)}.part"
-    threads = os.cpu_count() or 1
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="gzip") if compress else None
-    try:
-        with open(part, "wb") as file:
-            sink = _BlobSink(file, pool, level, ahead=2 * threads)
-            write_tar(root, sink, check=check)
-            sink.close()
-        digest = sink.blob.hexdigest()
-        os.replace(part, blobs / digest)
-    except OSError as exc:
-        part.unlink(missing_ok=True)
-        raise ImageError(f"cannot export the layer {root}: {exc}") from exc
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    return LayerBlob(
-        digest=f"sha256:{digest}",
-        diff_id=f"sha256:{sink.diff.hexdigest()}",
-        size=sink.size,
-        media_type=MEDIA_LAYER_GZIP if compress else MEDIA_LAYER,
+    return export_stream(
+        lambda sink: write_tar(root, sink, check=check),
+        blobs,
+        what=f"the layer {root}",
+        compress=compress,
+        level=level,
     )
 
 

@@ -227,18 +227,19 @@ class Service:
         waits on again (`sandman.server.tickets`). A client gone then leaves the ticket
         to be asked for again, until it is dropped."""
         if request.ticket is None:
-            self._check_accepting()
-        self._own_session(tenant, request.session)
-        if request.ticket is not None:
-            ticket = self.tickets.find(tenant, request.session, request.ticket)
-            if ticket is None:
+            self._check_accepting()  # a draining service says so before the session
+            self._own_session(tenant, request.session)
+            ticket = self._start_acquire(tenant, request)
+        else:
+            self._own_session(tenant, request.session)
+            found = self.tickets.find(tenant, request.session, request.ticket)
+            if found is None:
                 raise ApiError(
                     "not_found",
                     f"no acquire {request.ticket} of session {request.session} is waiting "
                     "(answered, given up, or not asked for again in time)",
                 )
-        else:
-            ticket = self._start_acquire(tenant, request)
+            ticket = found
         polled = request.wait is not None
         wait = request.wait if not polled or self.tickets.room() else 0.0
         task = ticket.task

@@ -29,9 +29,9 @@ skopeo, which uploads only the blobs the registry lacks. It works in a scratch
 directory beside the snapshots (``.image-*``), flocked while its maker lives, so
 ``sandman gc`` removes one whose maker was killed.
 
-(About 700 lines, one piece: the record store and the pod steps that fill and use
-it must agree on one on-disk layout and one lock order; the image push is apart in
-`sandman.providers.kubernetes.commit`.)
+The records, their lock and their listing are `sandman.providers.snapshot_records`'s,
+shared with the local provider's store; the image push is apart in
+`sandman.providers.kubernetes.commit`.
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ import builtins
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
-import re
-import secrets
 import shutil
 import tempfile
 import time
@@ -71,6 +68,7 @@ from sandman.images.registry import (
 from sandman.models import SandboxSpec
 from sandman.providers.base import SandboxInfo, SnapshotInfo
 from sandman.providers.kubernetes import commit, pods
+from sandman.providers.snapshot_records import SnapshotRecords, new_snapshot_id, snapshot_id_of
 
 if TYPE_CHECKING:
     from sandman.providers.kubernetes.provider import KubernetesProvider
@@ -79,14 +77,9 @@ __all__ = ["PodSnapshots", "SnapshotStore", "new_snapshot_id", "spec_of"]
 
 logger = logging.getLogger(__name__)
 
-_ID = re.compile(r"^sn-[a-z0-9]{1,60}$")
-_META = "meta.json"
 _FILES = "files.tar"
 _PARTIAL = ".files.tar.part"
-_STAGING = ".new-"
-_TRASH = ".old-"
 _SCRATCH = ".image-"
-_STRAY_GRACE = 60.0
 # A scratch directory is flocked a moment after it is made; one older than this and
 # not locked is a dead maker's.
 _SCRATCH_GRACE = 10.0
@@ -106,18 +99,6 @@ PAUSE_UNSUPPORTED = (
     "(files), fork and restore; to free a sandbox while the model thinks, snapshot it, "
     "release it, and acquire(snapshot=...) later"
 )
-
-
-def new_snapshot_id() -> str:
-    """A fresh snapshot id."""
-    return f"sn-{secrets.token_hex(6)}"
-
-
-def check_id(snapshot_id: str) -> str:
-    """``snapshot_id`` if it is of a snapshot's form; else SnapshotNotFound (never a path)."""
-    if not _ID.match(snapshot_id):
-        raise errors.SnapshotNotFound(f"no snapshot {snapshot_id!r}: not a snapshot id")
-    return snapshot_id
 
 
 def spec_of(pod: Mapping[str, Any]) -> SandboxSpec:
@@ -153,16 +134,12 @@ def _image_id(pod: Mapping[str, Any]) -> str:
     return ""
 
 
-class SnapshotStore:
+class SnapshotStore(SnapshotRecords):
     """The snapshots of one namespace of one cluster, on this host. Methods block: call
     them in a thread."""
 
     def __init__(self, root: Path, provider: str = "kubernetes") -> None:
-        self.root = root
-        self._provider = provider
-
-    def _dir(self, snapshot_id: str) -> Path:
-        return self.root / check_id(snapshot_id)
+        super().__init__(root, provider, "the snapshot directory")
 
     def files(self, snapshot_id: str) -> Path:
         """The snapshot's checked stream of changes."""
@@ -172,78 +149,11 @@ class SnapshotStore:
         """Where the stream is written while it arrives."""
         return self._dir(snapshot_id) / _PARTIAL
 
-    def record(self, snapshot_id: str, meta: dict[str, Any]) -> None:
-        """The snapshot's record, whole or not at all (before any file is kept)."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        staging = self.root / f"{_STAGING}{snapshot_id}.{secrets.token_hex(4)}"
-        staging.mkdir(mode=0o700)
-        try:
-            (staging / _META).write_text(json.dumps(meta))
-            staging.rename(self._dir(snapshot_id))
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
     def complete(self, snapshot_id: str) -> None:
         """The stream is whole: put it in place and mark the snapshot usable."""
         directory = self._dir(snapshot_id)
         os.replace(directory / _PARTIAL, directory / _FILES)
-        size = (directory / _FILES).stat().st_size
-        meta = json.loads((directory / _META).read_text())
-        meta.update(size=size, complete=True)
-        staged = directory / f".{_META}.{secrets.token_hex(4)}"
-        staged.write_text(json.dumps(meta))
-        os.replace(staged, directory / _META)
-
-    def get(self, snapshot_id: str) -> SnapshotInfo:
-        """The snapshot, complete; SnapshotNotFound otherwise."""
-        read = self._read(self._dir(snapshot_id))
-        if read is None or not read[1]:
-            raise errors.SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}")
-        return read[0]
-
-    @contextlib.contextmanager
-    def using(self, snapshot_id: str) -> Iterator[SnapshotInfo]:
-        """The snapshot, held (a delete waits) while the block makes a sandbox from it."""
-        try:
-            fd = os.open(self._dir(snapshot_id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise errors.SnapshotNotFound(f"no snapshot {snapshot_id} in {self.root}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            yield self.get(snapshot_id)  # after the lock: not half-deleted
-        finally:
-            os.close(fd)
-
-    def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[SnapshotInfo]:
-        """Every snapshot, half-made ones too (to be deleted), whose labels include ``labels``."""
-        found = []
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as entries:
-            for entry in entries:
-                if _ID.match(entry.name):
-                    read = self._read(Path(entry.path))
-                    found.append(read[0] if read else self._orphan(entry.name))
-        wanted = dict(labels or {}).items()
-        return sorted(
-            (info for info in found if wanted <= info.labels.items()),
-            key=lambda info: info.created_at,
-        )
-
-    def delete(self, snapshot_id: str) -> None:
-        """Its files and record; waits for creates from it in flight. Idempotent."""
-        directory = self._dir(snapshot_id)
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            trash = self.root / f"{_TRASH}{snapshot_id}.{secrets.token_hex(4)}"
-            with contextlib.suppress(FileNotFoundError):
-                directory.rename(trash)
-                shutil.rmtree(trash)
-        finally:
-            os.close(fd)
+        self._update(snapshot_id, {"size": (directory / _FILES).stat().st_size, "complete": True})
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[Path]:
@@ -259,49 +169,17 @@ class SnapshotStore:
             shutil.rmtree(path, ignore_errors=True)
             os.close(fd)
 
-    def remove_strays(self) -> builtins.list[str]:
-        """What a make or a delete killed half-way left under a staging or trash name, and
-        the scratch directories of image makers that died."""
-        removed = []
-        deadline = time.time() - _STRAY_GRACE
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as entries:
-            for entry in entries:
-                if entry.name.startswith(_SCRATCH):
-                    if _remove_dead_scratch(entry.path, time.time() - _SCRATCH_GRACE):
-                        removed.append(entry.name)
-                    continue
-                trash = entry.name.startswith(_TRASH)
-                if trash or entry.name.startswith(_STAGING):
-                    with contextlib.suppress(FileNotFoundError):
-                        if trash or entry.stat(follow_symlinks=False).st_mtime < deadline:
-                            shutil.rmtree(entry.path)
-                            removed.append(entry.name)
-        return removed
+    def _remove_stray(self, entry: os.DirEntry[str], deadline: float) -> bool:
+        # Also the scratch directories of image makers that died.
+        if entry.name.startswith(_SCRATCH):
+            return _remove_dead_scratch(entry.path, time.time() - _SCRATCH_GRACE)
+        return super()._remove_stray(entry, deadline)
 
     def _read(self, directory: Path) -> tuple[SnapshotInfo, bool] | None:
         try:
-            meta = json.loads((directory / _META).read_text())
-            spec = meta.get("spec")
-            info = SnapshotInfo(
-                id=directory.name,
-                provider=self._provider,
-                labels=meta.get("labels", {}),
-                created_at=meta.get("created_at", 0.0),
-                image=meta.get("image", ""),
-                image_id=meta.get("image_id", ""),
-                size=meta.get("size", 0),
-                source=meta.get("source"),
-                spec=SandboxSpec.model_validate(spec) if spec else None,
-            )
-        except (OSError, ValueError):
+            return super()._read(directory)
+        except ValueError:  # a record this Sandman cannot read: found, as a half-made one
             return None
-        return info, bool(meta.get("complete"))
-
-    def _orphan(self, snapshot_id: str) -> SnapshotInfo:
-        return SnapshotInfo(
-            id=snapshot_id, provider=self._provider, labels={}, created_at=0.0,
-            image="", image_id="", size=0,
-        )  # fmt: skip
 
 
 def _remove_dead_scratch(path: str, deadline: float) -> bool:
@@ -371,22 +249,14 @@ class PodSnapshots:
         if info.state != "running" or info.endpoint is None:
             raise self._lost(sandbox_id, info)
         spec = spec_of(pod).model_copy(update={"snapshot": None})
-        sid = check_id(snapshot_id) if snapshot_id else new_snapshot_id()
+        sid = snapshot_id_of(snapshot_id)
         record = {
             "id": sid, "labels": dict(labels or {}), "image": spec.image,
             "image_id": _image_id(pod), "created_at": time.time(), "source": sandbox_id,
             "spec": spec.model_dump(mode="json"), "memory": False,
         }  # fmt: skip
         store = self.store
-        try:
-            await anyio.to_thread.run_sync(store.record, sid, record)
-        except FileExistsError:
-            raise errors.ConfigError(f"snapshot {sid} already exists") from None
-        except OSError as exc:
-            raise errors.ProviderError(
-                f"cannot record snapshot {sid}: the snapshot directory failed at "
-                f"{exc.filename or store.root}: {exc.strerror or exc}"
-            ) from exc
+        await store.add(sid, record)
         config = provider.config
         try:
             async with info.endpoint.client(request_timeout=config.request_timeout) as daemon:
@@ -436,16 +306,11 @@ class PodSnapshots:
         self, *, labels: Mapping[str, str] | None = None
     ) -> builtins.list[SnapshotInfo]:
         """Every snapshot of this namespace kept on this host (half-made ones too)."""
-        return await anyio.to_thread.run_sync(self.store.list, labels)
+        return await self.store.find(labels)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove the snapshot's files and record; waits for creates from it in flight."""
-        try:
-            await anyio.to_thread.run_sync(self.store.delete, snapshot_id)
-        except OSError as exc:
-            if isinstance(exc, errors.SandboxError):
-                raise
-            raise errors.ProviderError(f"cannot delete snapshot {snapshot_id}: {exc}") from exc
+        await self.store.drop(snapshot_id)
 
     # -- using ----------------------------------------------------------------------
 

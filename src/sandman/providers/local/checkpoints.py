@@ -40,8 +40,9 @@ from sandman.providers.local.commit import oci_layout_of
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.network import NETNS_DIR, NetworkManager, names
 from sandman.providers.local.runtime import OCIRuntime
-from sandman.providers.local.snapshots import SnapshotStore, check_id, new_snapshot_id, tree_size
+from sandman.providers.local.snapshots import SnapshotStore, tree_size
 from sandman.providers.local.trees import remove_tree
+from sandman.providers.snapshot_records import snapshot_id_of
 from sandman.settings import LocalConfig
 
 __all__ = ["Checkpoints", "check_memory"]
@@ -140,25 +141,14 @@ class Checkpoints:
         status = await self._running(sandbox_id)
         if memory and status != "running":
             raise errors.SandboxPaused(f"sandbox {sandbox_id} is paused: resume it first")
-        sid = check_id(snapshot_id) if snapshot_id else new_snapshot_id()
+        sid = snapshot_id_of(snapshot_id)
         record = {
             "id": sid, "labels": dict(labels or {}), "image": meta.get("image", ""),
             "image_id": meta.get("image_id", ""), "created_at": time.time(),
             "source": sandbox_id, "spec": _own_spec(meta.get("spec")), "memory": memory,
         }  # fmt: skip
         store = self._store
-        try:
-            await anyio.to_thread.run_sync(store.record, sid, record)
-        except FileExistsError:
-            raise errors.ConfigError(f"snapshot {sid} already exists") from None
-        except OSError as exc:
-            if isinstance(exc, errors.SandboxError):
-                raise
-            # The state directory read-only or full: typed, as a create's is.
-            raise errors.ProviderError(
-                f"cannot record snapshot {sid}: the state directory failed at "
-                f"{exc.filename or store.root}: {exc.strerror or exc}"
-            ) from exc
+        await store.add(sid, record)  # typed, as a create's failures are
         if memory:
             try:
                 await self._checkpoint(sandbox_id, sid)
@@ -188,16 +178,11 @@ class Checkpoints:
         self, *, labels: Mapping[str, str] | None = None
     ) -> builtins.list[SnapshotInfo]:
         """`LocalProvider.snapshots`."""
-        return await anyio.to_thread.run_sync(self._store.list, labels)
+        return await self._store.find(labels)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """`LocalProvider.delete_snapshot`."""
-        try:
-            await anyio.to_thread.run_sync(self._store.delete, snapshot_id)
-        except OSError as exc:
-            if isinstance(exc, errors.SandboxError):
-                raise
-            raise errors.ProviderError(f"cannot delete snapshot {snapshot_id}: {exc}") from exc
+        await self._store.drop(snapshot_id)
 
     async def save_image(self, snapshot_id: str, name: str) -> Image:
         """`LocalProvider.save_image`."""
