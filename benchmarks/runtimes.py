@@ -27,11 +27,11 @@ One line per variant, then the ratios to the base, then all figures on one line:
     crun_create_ms=<x> crun_exec_ms=<y> crun_mem_mib=<m> runsc_systrap_create_ms=<x> ...
 
 ``leftover`` counts what the variant left behind (mounts, processes, files in the
-state directory): 0 expected. The built runsc runs with
-``--gofer-network-namespace=new``, as ``LocalConfig.runsc_args`` advises.
+state directory): 0 expected. Each runsc runs with the provider's default flags
+(the built one gets ``--gofer-network-namespace=new``, which Debian's refuses).
 
 Run as root: ``.venv/bin/python benchmarks/runtimes.py [-n 20] [-e 500] [-m 5]
-[--runtimes crun,runsc_ptrace,runsc_systrap] [--built-runsc PATH]``
+[--runtimes crun,runsc_ptrace,runsc_systrap] [--built-runsc PATH] [--compare-runsc PATH]``
 (``hack/gvisor/build`` first).
 """
 
@@ -58,13 +58,7 @@ from sandman.settings import LocalConfig
 SPEC = SandboxSpec(image="busybox", memory="64Mi", pids=64, cpu=1)
 BUILT_RUNSC = Path(__file__).resolve().parents[1] / "hack" / "gvisor" / ".bin" / "runsc"
 RUNSC_PTRACE: dict[str, Any] = {"runtime": "runsc"}
-# A gofer network namespace of its own (runsc >= 2025): else each create leaves an empty
-# ``null-netns`` file in the runtime's state directory (LocalConfig.runsc_args).
-BUILT: dict[str, Any] = {
-    "runtime": "runsc",
-    "runtime_path": str(BUILT_RUNSC),
-    "runsc_args": ["--gofer-network-namespace=new"],
-}
+BUILT: dict[str, Any] = {"runtime": "runsc", "runtime_path": str(BUILT_RUNSC)}
 VARIANTS: dict[str, dict[str, Any]] = {
     "crun": {"runtime": "crun"},
     "crun_nouserns": {"runtime": "crun", "userns": False},
@@ -215,6 +209,12 @@ def main() -> int:
         default=BUILT_RUNSC,
         help="the runsc the built variants run (to compare another build)",
     )
+    parser.add_argument(
+        "--compare-runsc",
+        type=Path,
+        help="another runsc: each built variant also runs with it, as <variant>_cmp, "
+        "interleaved with the rest (before and after a change to the build)",
+    )
     args = parser.parse_args()
     variants = args.runtimes.split(",")
     unknown = [name for name in variants if name not in VARIANTS]
@@ -226,6 +226,17 @@ def main() -> int:
     for settings in VARIANTS.values():
         if settings.get("runtime_path"):
             settings["runtime_path"] = str(built)
+    if args.compare_runsc is not None:
+        other = args.compare_runsc.resolve()
+        if not other.exists():
+            parser.error(f"{other} is missing")
+        paired = []
+        for name in variants:
+            paired.append(name)
+            if VARIANTS[name].get("runtime_path"):
+                VARIANTS[f"{name}_cmp"] = {**VARIANTS[name], "runtime_path": str(other)}
+                paired.append(f"{name}_cmp")
+        variants = paired
     with tempfile.TemporaryDirectory(prefix="sm-rt-", dir="/tmp") as tmp:
         print(asyncio.run(run(variants, args.n, args.e, args.m, Path(tmp))))
     return 0

@@ -43,9 +43,10 @@ class LocalConfig(BaseModel):
     12's runsc mistakes every namespace for the root one on kernels >= 6.x; the
     provider hides ``/proc/sys/net`` from it (``sandmand hide-sys-net``)."""
     runsc_args: list[str] = Field(default_factory=list)
-    """More runsc global flags, after the provider's own. For runsc >= 2025
-    (``hack/gvisor/build``): ``["--gofer-network-namespace=new"]``, else each create
-    leaves an empty ``<state_dir>/runtime/runsc/null-netns`` (Debian's refuses it)."""
+    """More runsc global flags, after the provider's own (so they win). The provider's:
+    ``--platform``, ``--network``, ``--overlay2=none``, and, where the binary accepts it
+    (runsc >= 2025, ``hack/gvisor/build``; probed once with ``runsc flags``),
+    ``--gofer-network-namespace=new``."""
     runtime_path: str | None = None
     """The runtime binary; default: ``runtime`` looked up on PATH."""
     userns: bool = True

@@ -21,15 +21,18 @@ import anyio
 import pytest
 
 import sandman
-from sandman.providers.local import LocalProvider
+from sandman.models import SandboxSpec
+from sandman.providers.local import LocalProvider, runsc
 from sandman.providers.local.host import remove_cgroup_parent
 from sandman.settings import LocalConfig
-from tests.providers.local.conftest import config_for, needs_root_and_crun
+from tests.providers.local.conftest import config_for, needs_root_and_crun, provider_for
 from tests.providers.local.leaks import leftovers
 
 REPO = Path(__file__).resolve().parents[3]
 GVISOR = REPO / "hack" / "gvisor"
 RUNSC = GVISOR / ".bin" / "runsc"
+# Debian 12's runsc (2022), if installed.
+DEBIAN_RUNSC = shutil.which("runsc")
 # A cold build of runsc and its shim: about 3-6 minutes on two cores.
 BUILD_TIMEOUT = 1200
 
@@ -68,9 +71,6 @@ async def systrap(
         runtime_path=str(built_runsc),
         runsc_platform="systrap",
         runsc_network="sandbox",
-        # Else each create leaves an empty <state_dir>/runtime/runsc/null-netns: runsc
-        # pins the gofers' namespace inside the private mount namespace it runs in.
-        runsc_args=["--gofer-network-namespace=new"],
     )
     provider = LocalProvider(config)
     await provider.images.import_archive(busybox_tar, name="busybox")
@@ -127,3 +127,110 @@ async def test_nothing_is_left_in_the_runtimes_state_directory(systrap: LocalCon
         assert (await sb.exec("true")).exit_code == 0
     root = systrap.state_dir / "runtime" / "runsc"
     assert sorted(p.name for p in root.iterdir()) == []
+
+
+async def _create_warnings(config: LocalConfig, logs: Path, count: int) -> list[str]:
+    """The warnings runsc logged in the creates of ``count`` sandboxes made one after
+    the other (each used, then deleted). runsc logs nothing unless given a debug log:
+    one file per command in ``logs``, its warnings the lines that start with ``W``."""
+    config = config.model_copy(
+        update={
+            "runsc_args": [*config.runsc_args, f"--debug-log={logs}/", "--debug-command=create"]
+        }
+    )
+    async with sandman.local(config) as client:
+        for _ in range(count):
+            async with client.sandbox("busybox", memory="256Mi", pids=128) as sb:
+                assert (await sb.exec("true")).exit_code == 0
+    files = sorted(logs.iterdir())
+    assert len(files) == count, files  # one per create: so the logs were written
+    return [line for f in files for line in f.read_text().splitlines() if line.startswith("W")]
+
+
+async def test_a_current_runsc_gets_a_gofer_network_namespace_of_its_own_by_default(
+    systrap: LocalConfig, tmp_path: Path
+) -> None:
+    """Default settings: the provider finds that this runsc takes
+    ``--gofer-network-namespace=new`` and gives it; nothing is pinned, nothing warned."""
+    root = systrap.state_dir / "runtime" / "runsc"
+    # (Other warnings stay, the host's or the build's: cgroup v1, no sidecar binaries.)
+    warnings = await _create_warnings(systrap, tmp_path / "new", 2)
+    assert not [w for w in warnings if "network namespace" in w], warnings
+    assert not (root / "null-netns").exists()
+    # runsc's own default, asked for in runsc_args (which come last, so they win): the
+    # gofers' namespace is pinned in overlay-exec's mount namespace, which ends with the
+    # create; an empty null-netns is left, and the next create warns. So the checks
+    # above can fail, and the flag is what makes the difference.
+    pinned = systrap.model_copy(update={"runsc_args": ["--gofer-network-namespace=null"]})
+    try:
+        warnings = await _create_warnings(pinned, tmp_path / "null", 2)
+        assert (root / "null-netns").exists()
+        assert any("No usable null network namespace" in w for w in warnings), warnings
+    finally:
+        (root / "null-netns").unlink(missing_ok=True)
+
+
+async def test_each_runsc_binary_is_asked_for_its_flags_once(built_runsc: Path) -> None:
+    """``runsc flags``, run once per binary file: the built runsc has the flag, Debian's
+    (when on PATH) has not; asked again, the answer is the one kept."""
+    flags = runsc.known_flags(str(built_runsc))
+    assert {"platform", "network", "overlay2", runsc.GOFER_NETNS} <= flags, flags
+    assert runsc.known_flags(str(built_runsc)) is flags
+    if DEBIAN_RUNSC is not None:
+        debian = runsc.known_flags(DEBIAN_RUNSC)
+        assert "platform" in debian and runsc.GOFER_NETNS not in debian, debian
+
+
+@pytest.mark.parametrize(
+    ("platform", "network"),
+    [("systrap", "sandbox"), ("systrap", "host"), ("ptrace", "sandbox"), ("ptrace", "host")],
+)
+async def test_the_sentry_loads_its_precompiled_seccomp_program(
+    systrap: LocalConfig, tmp_path: Path, platform: str, network: str
+) -> None:
+    """hack/gvisor/build precompiles the sentry's seccomp programs for the settings
+    Sandman runs: the sentry loads one instead of compiling 2,000-4,000 rules at start."""
+    logs = tmp_path / "boot"
+    config = systrap.model_copy(
+        update={
+            "runsc_platform": platform,
+            "runsc_network": network,
+            "runsc_args": ["--debug", f"--debug-log={logs}/", "--debug-command=boot"],
+        }
+    )
+    async with (
+        sandman.local(config) as client,
+        client.sandbox("busybox", memory="256Mi", pids=128) as sb,
+    ):
+        assert (await sb.exec("true")).exit_code == 0
+    (boot,) = logs.iterdir()  # the sentry's (`runsc boot`)
+    loaded = [line for line in boot.read_text().splitlines() if "precompiled seccomp" in line]
+    assert loaded and "Loaded precompiled seccomp instructions" in loaded[0], loaded
+    assert f'Platform="{platform}" HostNetwork={network == "host"}'.lower() in loaded[0].lower()
+
+
+@pytest.mark.skipif(
+    DEBIAN_RUNSC is None, reason="no runsc on PATH (Debian's: apt-get install runsc)"
+)
+async def test_debians_runsc_is_not_given_the_flag_it_refuses(
+    state_dir: Path, busybox_tar: Path
+) -> None:
+    """The runsc on PATH (Debian 12's, 2022) refuses ``--gofer-network-namespace``: the
+    provider leaves it out, and creates work as they did."""
+    assert DEBIAN_RUNSC is not None
+    version = (await anyio.run_process([DEBIAN_RUNSC, "--version"])).stdout.decode()
+    if "0.0~2022" not in version:
+        pytest.skip(f"the runsc on PATH is not Debian 12's: {version!r}")
+    config = config_for(state_dir, runtime="runsc")
+    async with provider_for(config, busybox_tar) as provider:
+        info = await provider.create(SandboxSpec(image="busybox", memory="256Mi", pids=128))
+        assert info.endpoint is not None
+        async with info.endpoint.client() as sb:
+            await sb.wait_ready(timeout=30)
+            assert (await sb.exec("echo hi")).stdout == "hi\n"
+        pid = (state_dir / "sandboxes" / info.id / "pid").read_text().strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        # runsc hands its sandbox process the flags that differ from its defaults:
+        assert b"--network=host" in argv, argv  # the provider's flags reach it...
+        assert not any(b"gofer-network-namespace" in arg for arg in argv), argv  # ...not this
+        await provider.delete(info.id)

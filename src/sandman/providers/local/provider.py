@@ -47,7 +47,7 @@ from sandman.providers.base import (
     SandboxState,
     SnapshotInfo,
 )
-from sandman.providers.local import oci, records, seccomp, userns, views
+from sandman.providers.local import oci, records, runsc, seccomp, userns, views
 from sandman.providers.local.checkpoints import Checkpoints, check_memory
 from sandman.providers.local.disk import DiskPool
 from sandman.providers.local.exits import ExitWatch, classify, in_cgroup, log_tail, oom_kills
@@ -114,16 +114,13 @@ class LocalProvider:
         self._daemon = (self.config.daemon_path or daemon_path()).resolve()
         netstack = self.config.runtime == "runsc" and self.config.runsc_network == "sandbox"
         if self.config.runtime == "runsc":
-            global_args = [
-                f"--platform={self.config.runsc_platform}",
-                f"--network={self.config.runsc_network}",
-                # The workload's files in the sandbox's layer, as under crun: runsc
-                # >= 2023 defaults to root:self, one opaque .gvisor.filestore.<id> file
-                # (nothing for a snapshot to keep; a restore refuses it). Debian's
-                # runsc's default, which it accepts too.
-                "--overlay2=none",
-                *self.config.runsc_args,
-            ]
+            # Probed once per binary (`runsc flags`): Debian's runsc or a current one.
+            global_args = runsc.global_args(
+                binary,
+                self.config.runsc_platform,
+                self.config.runsc_network,
+                self.config.runsc_args,
+            )
         self._runtime = OCIRuntime(
             binary,
             state / "runtime" / self.config.runtime,
