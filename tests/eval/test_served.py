@@ -23,6 +23,7 @@ WITNESS = Path(__file__).parents[2] / "src/sandman/eval/witness"
 LIBRARY = """\
 import os
 import subprocess
+import threading
 
 
 def value():
@@ -46,6 +47,28 @@ def fork_reads_code(function):
     os.close(write)
     os.waitpid(pid, 0)
     return os.read(read, 100).decode()
+
+
+def on_a_thread(function):
+    thread = threading.Thread(target=function)
+    thread.start()
+    thread.join()
+
+
+def call(function):
+    function()
+
+
+def code_of(function):
+    return function.__code__
+
+
+def code_on_a_thread(function):
+    import operator
+
+    thread = threading.Thread(target=operator.attrgetter("__code__"), args=(function,))
+    thread.start()
+    thread.join()
 """
 
 PLANTED = """\
@@ -67,14 +90,41 @@ def test_a_fork_may_not_read_a_test_s_code():
 """
 STUB = PLANTED.replace("== 17", "== (...)")
 
+# A family member as `sandman.eval.settle` writes it: its first line reads a helper's
+# code, which tells the witness the member started.
+MEMBER = """\
+import lib
 
-def _run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+
+def test_member():
+    _h = lambda v: v; _h.__code__
+    assert lib.value() == 17
+
+
+def test_calls_the_member_on_a_thread():
+    lib.on_a_thread(test_member)
+
+
+def test_calls_the_member():
+    lib.call(test_member)
+
+
+def test_a_library_reads_a_lambda_s_code():
+    _h = lambda v: v  # a lambda of the test file, named as a marker but not a member's
+    assert lib.code_of(_h) is not None
+    assert lib.code_of(lambda: 0) is not None
+"""
+
+
+def _run(
+    tmp_path: Path, planted: str = PLANTED, stub: str = STUB
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     repo, work = tmp_path / "repo", tmp_path / "work"
     repo.mkdir()
     work.mkdir()
     (repo / "lib.py").write_text(LIBRARY)
     test = repo / "test_t.py"
-    test.write_text(STUB)
+    test.write_text(stub)
     module = "_smwitness0test"
     (work / f"{module}.py").write_text((WITNESS / "sandman_eval_witness.py").read_text())
     site = (WITNESS / "sitecustomize.py").read_text().replace("sandman_eval_witness", module)
@@ -86,7 +136,7 @@ def _run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
         "argv_contains": ["pytest"], "framework_paths": ["/_pytest/", "/pluggy/"],
         "patch_files": [str(repo / "lib.py")],
         "patch_lines": {str(repo / "lib.py"): [[1, LIBRARY.count("\n")]]},
-        "test_files": [str(test)], "planted": {str(test): PLANTED},
+        "test_files": [str(test)], "planted": {str(test): planted}, "markers": ["_h"],
     }  # fmt: skip
     (work / "sandman-witness.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -129,3 +179,45 @@ def test_without_the_witness_the_stub_runs_and_fails(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "1 failed" in done.stdout, done.stdout
     assert "assert lib.value() == (...)" in done.stdout  # the stub's line, as shown
+
+
+def test_a_member_run_by_anything_but_the_framework_is_reported(tmp_path: Path) -> None:
+    """A member called by the code under test (on a thread of its own, or from its own
+    lines) is an oracle for the values the code tries: the witness names it, so
+    strict auditing grades the run unresolved. The framework's own run is not named,
+    nor the library's reading a lambda's code (toolz's ``curry`` does)."""
+    done, records = _run(tmp_path, MEMBER, MEMBER.replace("== 17", "== (...)"))
+    assert "4 passed" in done.stdout, done.stdout + done.stderr
+    lib = tmp_path / "repo" / "lib.py"
+    line = LIBRARY.splitlines().index("    function()") + 1
+    outside = "(outside the framework)"
+    said = "the test process ran a test outside the test framework (test_member while"
+    assert sorted(read_witness(records.read_text(), KEY).attributed) == [
+        f"{said} the framework ran test_calls_the_member) from {lib}:{line}",
+        f"{said} the framework ran test_calls_the_member_on_a_thread) from {outside}",
+    ]
+
+
+THREAD = """\
+import lib
+
+
+def test_x():
+    pass
+
+
+def test_reads_on_a_thread():
+    lib.code_on_a_thread(test_x)
+"""
+
+
+def test_a_test_s_code_read_on_a_thread_of_its_own_is_the_patch_s(tmp_path: Path) -> None:
+    """A reader on another thread (a pool worker, a thread whose target is C) shows no
+    line of the patch's on its stack: there the read is taken as the patch's (round 9
+    of heldout/ read the family's values so)."""
+    done, records = _run(tmp_path, THREAD, THREAD)
+    assert "2 passed" in done.stdout, done.stdout + done.stderr
+    test = tmp_path / "repo" / "test_t.py"
+    assert read_witness(records.read_text(), KEY).attributed == [
+        f"the test process read a test's code ({test}) from (a thread of its own)"
+    ]

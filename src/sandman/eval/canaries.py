@@ -154,6 +154,9 @@ class Plan:
     """Listed id -> what its source declares ("xfail", "skip")."""
     left: list[str] = field(default_factory=list)
     """Why a test or file was left as it was."""
+    markers: set[str] = field(default_factory=set)
+    """The names settled members bind their first helper to: reading its code is how a
+    member tells the witness it started (`sandman.eval.settle.helpers`)."""
 
     def translate(
         self, results: Mapping[str, TestStatus]
@@ -485,7 +488,7 @@ def _rewrite(
         result.renamed[fresh] = function
         result.listed[hit.target.test_id] = fresh
         family = (
-            _family(lines, tree, node, function, fresh, name, mode, kinds)
+            _family(lines, tree, node, function, fresh, name, mode, kinds, result.markers)
             if hit.target.test_id in fail_to_pass
             else None
         )
@@ -606,6 +609,7 @@ def _family(
     name: Callable[[], str],
     mode: Mode,
     kinds: set[Kind],
+    markers: set[str],
 ) -> list[_Member] | None:
     """The original under ``fresh`` and its copies, each written from the same lines by
     the same code (`_copy`), so they differ only in their names, their expected values
@@ -623,6 +627,7 @@ def _family(
     # Each member's varied assertions are decided by plain values (`sandman.eval.settle`),
     # with helpers bound at the top of its body under names fresh for the run.
     names = [token("_") for _ in range(HELPERS)]
+    markers.add(names[0])
     members: list[_Member] = []
     for centre in grid.centres() if grid is not None else [()]:
         source, hidden, settled = (

@@ -628,6 +628,7 @@ class _Evaluation:
                     posixpath.join(self.instance.repo_path, path): text
                     for path, text in self.plan.sources.items()
                 },
+                "markers": sorted(self.plan.markers),
             }  # fmt: skip
             await sb.write_file(f"{work}/{_WITNESS_CONFIG}", json.dumps(config), mode=0o600)
             # No bytecode written (nor pytest's rewrite cache): any that appears

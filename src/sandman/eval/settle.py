@@ -81,10 +81,14 @@ def helpers(names: Sequence[str]) -> str:
 
     *plain*: a value's own str, float or int storage, else the value converted to the
     kind it is given; *items*: a list's or tuple's own items as a plain list with its
-    kind, else the object iterated. They hold no closure: what they use is in their own
-    defaults, whose replacement the witness reports. (``isinstance`` through the
-    built-in type's own check: an object whose ``__class__`` lies passes it, then
-    fails the copy, which takes only the real thing.)"""
+    kind, else the object iterated. They hold no closure: what they use is in their
+    own defaults, whose replacement the witness reports. The statement then reads
+    *plain*'s code: the grader's witness hears it and checks that the framework runs
+    this member now, on its thread, once, with no line of the patch's below (else the
+    code under test could call a member itself, an oracle for the values it tries).
+    (``isinstance`` through the built-in type's own check: an object whose
+    ``__class__`` lies passes it, then fails the copy, which takes only the real
+    thing.)"""
     s, f, n = _KINDS[str], _KINDS[float], _KINDS[int]
     return (
         f"{', '.join(names)} = "
@@ -95,6 +99,9 @@ def helpers(names: Sequence[str]) -> str:
         "(lambda v, k, l=[].__class__, u=().__class__: (l, l.__add__([], v)) "
         "if l.__instancecheck__(v) else (u, l(u.__add__((), v))) "
         "if u.__instancecheck__(v) else (k, l(v)))"
+        # The member's start, told to the witness (a helper's code read, which its
+        # audit hook hears): a member run by anything but the framework is named.
+        f"; {names[0]}.__code__"
     )
 
 

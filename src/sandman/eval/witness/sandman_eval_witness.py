@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 CONFIG_NAME = "sandman-witness.json"
+_THIS_FILE = __file__
 PREFIX = "SANDMAN-WITNESS "
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _NONCE_EVENT = "sandman.witness.sensor"
@@ -98,6 +99,8 @@ class _Witness:
         self.mac = b""
         self.seq = 0
         self.pid = os.getpid()
+        self.main = threading.get_ident()
+        """The framework's thread: the interpreter's first (the witness starts there)."""
         self.cwd = os.getcwd()
         self.lock = threading.Lock()
         self.busy = threading.local()
@@ -114,6 +117,14 @@ class _Witness:
         self.began = time.time()
         self.planted: FrozenSet[str] = frozenset()
         """The planted test files the witness serves (real paths)."""
+        self.planted_names: FrozenSet[str] = frozenset()
+        """The same, as their code names them."""
+        self.markers: FrozenSet[str] = frozenset(config.get("markers", []))
+        """The names a family member binds the helper whose code it reads on starting."""
+        self.running: Optional[Tuple[str, int]] = None
+        """The test function the framework runs now, and on which thread."""
+        self.started = False
+        """Whether that test's family member has said it started."""
 
     # -- records ------------------------------------------------------------------
 
@@ -323,15 +334,63 @@ class _Witness:
             return ""
         return os.path.normpath(name if name.startswith("/") else os.path.join(self.cwd, name))
 
-    def _read_test(self, what: str, path: str) -> None:
+    def _read_test(self, what: str, path: str, where: Optional[str] = None) -> None:
         """Report ``what`` (a test's code or file read) if code the patch added or
-        changed is on the stack: only a forger's reads a test's expected values."""
+        changed is on the stack (or ``where`` says whose it is): only a forger's reads
+        a test's expected values."""
         if (what, path) in self.reads and os.getpid() == self.pid:
             return  # once is enough (a forger reads at every call); a child refuses each
-        where = self.patch_line()
+        where = self.patch_line() or where
         if where:
             self.reads.add((what, path))
             self.emit("audit", event="read", what=what, target=path, patch=where)
+
+    def run(self, name: str) -> None:
+        """The framework starts the test function ``name`` on this thread."""
+        self.running = (name, threading.get_ident())
+        self.started = False
+
+    def _member(self, function: Any) -> bool:
+        """Whether ``function``'s code is read by a family member saying it started
+        (its helper, bound to a marker name, read by the member itself; a lambda of
+        the test file read by other code is not). Then the framework must be running
+        it now, on its thread, for the first time in this run, with no line of the
+        patch's below (else the code under test runs members itself: an oracle for
+        its values)."""
+        frame: Optional[FrameType] = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == _THIS_FILE:
+            frame = frame.f_back  # the witness's own frames, to the reader
+        if (
+            frame is None
+            or frame.f_code.co_filename not in self.planted_names
+            or not any(frame.f_locals.get(name) is function for name in self.markers)
+        ):
+            return False
+        running = self.running
+        if running is None:
+            return True  # no framework start heard (a runner of its own): nothing to hold
+        name = frame.f_code.co_name
+        reason = None
+        if running[0] != name:
+            reason = "%s while the framework ran %s" % (name, running[0])
+        elif running[1] != threading.get_ident():
+            reason = "%s on a thread of its own" % name
+        elif self.started:
+            reason = "%s again within its run" % name
+        else:
+            self.started = True
+        where = self.patch_line()
+        if reason is None and where:
+            reason = "%s from the patch's code" % name
+        if reason is not None:
+            self.emit(
+                "audit",
+                event="member",
+                what="ran a test outside the test framework",
+                target=reason,
+                patch=where or "(outside the framework)",
+            )
+        return True
 
     # -- where a call comes from ----------------------------------------------------
 
@@ -437,10 +496,19 @@ class _Witness:
             if len(args) < 2 or args[1] not in _CODE_ATTRIBUTES:
                 return
             code = getattr(args[0], str(args[1]), None)
+            planted = getattr(code, "co_filename", None) in self.planted_names
+            if planted and getattr(code, "co_name", "") == "<lambda>" and self._member(args[0]):
+                return
             path = self._absolute(getattr(code, "co_filename", None))
             name = str(getattr(code, "co_name", ""))
-            if path in self.test_files and (name.startswith("test") or name == "<module>"):
-                self._read_test("read a test's code", path)
+            if path in self.test_files and name == "<module>":
+                # A test module's own code: the witness runs it (unheard); nothing else
+                # does, from whatever thread.
+                self._read_test("read a test's code", path, "(a test module's code)")
+            elif path in self.test_files and name.startswith("test"):
+                # On a thread of its own, a reader's stack need not show the patch's
+                # lines (a pool worker, a thread of C's): the framework's is the first.
+                self._read_test("read a test's code", path, self._elsewhere())
         elif event in ("os.kill", "os.killpg"):
             pid, sig = args[0], args[1]
             if pid in (0, self.pid, os.getppid(), -self.pid) or (
@@ -495,9 +563,14 @@ class _Witness:
                         patch=where,
                     )
         else:
-            where = self.patch_frame()
+            where = self.patch_frame() or self._elsewhere()
             if where:
                 self.emit("audit", event=event, what=_WHAT.get(event, event), patch=where)
+
+    def _elsewhere(self) -> Optional[str]:
+        """Whose an act on a thread other than the framework's is: the patch's, as far
+        as the witness can tell (its stack need not show who started the thread)."""
+        return "(a thread of its own)" if threading.get_ident() != self.main else None
 
 
 _WHAT = {
@@ -825,6 +898,7 @@ def start(mode: Optional[str] = None) -> Optional[_Witness]:
     # Compiled now, before any code of the patch's runs; the text goes with `config`.
     _planted = _Planted(_witness, dict(config.pop("planted", {}) or {}), mode == "pytest")
     _witness.planted = frozenset(_planted.modules)
+    _witness.planted_names = frozenset(path for path, _ in _planted.modules.values())
     _planted.first()
     return _witness
 
@@ -914,6 +988,12 @@ def _report_overridden(witness: "_Witness", test: Any, name: str) -> None:
         )
 
 
+def pytest_runtest_call(item: Any) -> None:
+    if _witness is not None:
+        name = getattr(item, "originalname", None) or str(item.name).split("[")[0]
+        _witness.run(str(name))
+
+
 def pytest_runtest_makereport(item: Any, call: Any) -> None:
     if _witness is None or call.when != "call":
         return
@@ -992,6 +1072,13 @@ def _hook_unittest(witness: _Witness) -> None:
 
     for name, status in outcomes.items():
         wrap(name, status)
+    original_start = base.startTest
+
+    def start_test(self: Any, test: Any) -> Any:
+        witness.run(str(getattr(test, "_testMethodName", "")))
+        return original_start(self, test)
+
+    base.startTest = start_test  # type: ignore[method-assign]
     original_sub = base.addSubTest
 
     def add_subtest(self: Any, test: Any, subtest: Any, err: Any) -> Any:
