@@ -330,6 +330,13 @@ func (m *ShellManager) Start(shell, dir string, env map[string]string, user stri
 	if m.r.devNull == nil {
 		s.stdinRedir = "<&-"
 	}
+	// Named before anything runs: a shell that dies at once says so by its id.
+	m.mu.Lock()
+	m.seq++
+	s.seq = m.seq
+	s.ID = fmt.Sprintf("s-%d", m.seq)
+	m.shells[s.ID] = s
+	m.mu.Unlock()
 	go s.pump(st.stdout, Stdout)
 	go s.pump(st.stderr, Stderr)
 	s.runMu.Lock()
@@ -340,12 +347,6 @@ func (m *ShellManager) Start(shell, dir string, env map[string]string, user stri
 		// false, as one that exits on its own.
 		_, _ = s.run(context.Background(), RunOptions{Cmd: interruptTrap, Timeout: shellInitTimeout})
 	}()
-	m.mu.Lock()
-	m.seq++
-	s.seq = m.seq
-	s.ID = fmt.Sprintf("s-%d", m.seq)
-	m.shells[s.ID] = s
-	m.mu.Unlock()
 	return s, nil
 }
 
