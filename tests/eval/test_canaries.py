@@ -705,3 +705,53 @@ def _passed(scope: dict[str, object], names: list[str]) -> dict[str, bool]:
         except AssertionError:
             passed[name] = False
     return passed
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_recorded_members_are_decided_by_their_records(shape: str) -> None:
+    """With a recorder, no member holds an expected value (planted and stub alike but
+    for names); the grader holds each member's values (`Plan.recorded`), and a member
+    the framework passed stays passed only where every site recorded its value."""
+    import random
+
+    text = SHAPES[shape]
+    test = "t.py::T::test_x" if "class T" in text else "t.py::test_x"
+    scope = ("T",) if "class T" in text else ()
+    mode = "unittest" if "unittest" in text else "pytest"
+    targets = [Target(test, "t.py", scope, "test_x")]
+    made = plan(
+        {"t.py": text},
+        targets,
+        [test],
+        mode,  # type: ignore[arg-type]
+        rng=random.Random(3),
+        recorder="witness_mod",
+    )
+    assert "witness_mod" in made.sources["t.py"]
+    original = made.listed[test]
+    members = [c.token for c in made.canaries if c.of == test and c.kind in ("mutant", "agree")]
+    assert set(made.recorded) == {original, *members}
+    values = made.recorded[original]
+    assert len({repr(made.recorded[m]) for m in members}) > 1  # a grid
+    # What an honest fix records in every member: the original's values.
+    records = {
+        name: {site: [(repr(v), True)] for site, v in enumerate(values, start=1)}
+        for name in made.recorded
+    }
+    results: dict[str, TestStatus] = {f"t.py::{name}": "PASSED" for name in made.recorded}
+    decided = made.recorded_outcomes(results, records)
+    assert decided[f"t.py::{original}"] == "PASSED"
+    for name in made.recorded:
+        want = "PASSED" if made.recorded[name] == values else "FAILED"
+        assert decided[f"t.py::{name}"] == want, name
+    # A site with no record (swallowed), or one that does not agree, fails it.
+    first = {site: seen for site, seen in records[original].items() if site != 1}
+    assert made.recorded_outcomes({"x": "PASSED", f"t.py::{original}": "PASSED"}, {original: first}) == {
+        "x": "PASSED", f"t.py::{original}": "FAILED"
+    }  # fmt: skip
+    disagree = {
+        site: [(text, False) for text, _ in seen] for site, seen in records[original].items()
+    }
+    assert made.recorded_outcomes({original: "PASSED"}, {original: disagree}) == {
+        original: "FAILED"
+    }

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 import textwrap
 import unittest
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from _pytest.assertion.rewrite import rewrite_asserts
 
-from sandman.eval.settle import HELPERS, LEAVES, helpers, settle
+from sandman.eval.settle import HELPERS, LEAVES, helpers, settle, settled_values
 
 TEST = textwrap.dedent(
     """
@@ -137,7 +139,7 @@ def test_the_rewrite_names_nothing_but_its_helpers_and_adds_no_digit() -> None:
     names = {n.id for n in ast.walk(rewritten) if isinstance(n, ast.Name)}
     params = {a.arg for n in ast.walk(rewritten) if isinstance(n, ast.Lambda) for a in n.args.args}
     before = {n.id for n in ast.walk(original) if isinstance(n, ast.Name)}
-    assert names - params - before == set(NAMES)
+    assert names - params - before == set(NAMES[:2])  # no recorder: two helpers
     constants = {repr(n.value) for n in ast.walk(rewritten) if isinstance(n, ast.Constant)}
     old = {repr(n.value) for n in ast.walk(original) if isinstance(n, ast.Constant)}
     # The expected values again (as a whole and by item), "", and the True the
@@ -228,3 +230,45 @@ def test_a_stub_keeps_the_lines_of_a_literal_over_several() -> None:
     assert stub[-1] == "    g()\n"
     assert '"p"' in "".join(planted)
     assert '"p"' not in "".join(stub) and '"q"' not in "".join(stub)
+
+
+def _recorded(text: str) -> tuple[str, str]:
+    lines = text.splitlines(keepends=True)
+    node = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef))
+    out, stub, settled = settle(lines, node, NAMES, recorded=True)
+    assert settled
+    at = node.body[0].lineno - 1
+    indent = " " * node.body[0].col_offset
+    line = f"{indent}{helpers(NAMES, 'recorder_module')}\n"
+    return "".join([*out[:at], line, *out[at:]]), "".join(stub)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_recorded_assertions_hold_no_expected_value_and_record_plain_results(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded, the expected values never enter the test process: each assertion
+    hands its plain copy (and whether the result equals it) to the recorder and
+    passes; the grader decides by `settled_values`, as the in-process form would."""
+    planted, _ = _recorded(TEST)
+    for expected in ("2.5", "'a-b'", '"a-b"', "(1, 6)", "-2"):
+        assert expected not in planted
+    assert settled_values(TEST.splitlines(keepends=True), ast.parse(TEST).body[0]) == (  # type: ignore[arg-type]
+        2.5, "a-b", [(1, 6)], -2,
+    )  # fmt: skip
+    seen: list[tuple[int, str, bool]] = []
+
+    def record(site: str, plain: object, agree: object) -> bool:
+        seen.append((len(site), repr(plain), bool(agree)))
+        return True
+
+    monkeypatch.setitem(sys.modules, "recorder_module", SimpleNamespace(record=record))
+    stand_in, passes = CASES[case]
+    scope: dict[str, Any] = {**RIGHT, **stand_in}
+    Learner.seen = None
+    exec(compile(planted, "t.py", "exec"), scope)  # noqa: S102 (the test under grading)
+    scope["test_x"]()  # passes in the process, whatever the result
+    assert [site for site, _, _ in seen] == [1, 2, 3, 4]
+    want = settled_values(TEST.splitlines(keepends=True), ast.parse(TEST).body[0])  # type: ignore[arg-type]
+    decided = all(agree and ast.literal_eval(text) == want[site - 1] for site, text, agree in seen)
+    assert decided is passes, seen

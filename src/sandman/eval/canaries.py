@@ -43,14 +43,14 @@ import ast
 import posixpath
 import random
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
 from sandman.eval import decoys
 from sandman.eval.parsers import TestStatus
-from sandman.eval.settle import HELPERS, expect_nothing, helpers, settle
+from sandman.eval.settle import HELPERS, expect_nothing, helpers, settle, settled_values
 from sandman.eval.verdict import lookup
 
 __all__ = ["KINDS", "Canary", "Kind", "Plan", "Target", "locate", "plan", "token"]
@@ -154,6 +154,11 @@ class Plan:
     """Listed id -> what its source declares ("xfail", "skip")."""
     left: list[str] = field(default_factory=list)
     """Why a test or file was left as it was."""
+    recorded: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    """With a recorder: each settled member's token -> its expected values by site
+    (site 1 first). They are nowhere in the test process: its assertions record their
+    plain results for the grader (`sandman.eval.settle`), and `recorded_outcomes`
+    decides them."""
     markers: set[str] = field(default_factory=set)
     """The names settled members bind their first helper to: reading its code is how a
     member tells the witness it started (`sandman.eval.settle.helpers`)."""
@@ -184,6 +189,30 @@ class Plan:
                     name = name.replace(tok, original)
             tests[name] = status
         return tests, planted, forged
+
+    def recorded_outcomes(
+        self,
+        results: Mapping[str, TestStatus],
+        values: Mapping[str, Mapping[int, Sequence[tuple[str, bool]]]],
+    ) -> dict[str, TestStatus]:
+        """``results`` with each recorded member's pass decided here: it stays a pass
+        only if, at every site, its assertions recorded plain values (``values``:
+        member -> site -> (``repr`` of the plain copy, whether the result equals it))
+        and each equals the expected value; else it failed. A site with no record
+        fails it too (a record swallowed hides nothing)."""
+        if not self.recorded:
+            return dict(results)
+        decided: dict[str, TestStatus] = {}
+        for key, status in results.items():
+            token = next((t for t in self.recorded if t in key), None)
+            if (
+                status == "PASSED"
+                and token is not None
+                and not _agrees(values.get(token, {}), self.recorded[token])
+            ):
+                status = "FAILED"
+            decided[key] = status
+        return decided
 
     def _names_renamed(self, key: str) -> bool:
         for listed in self.listed:
@@ -244,6 +273,24 @@ class Plan:
         return lies
 
 
+def _agrees(
+    records: Mapping[int, Sequence[tuple[str, bool]]], expected: tuple[object, ...]
+) -> bool:
+    """Whether every site's records are plain values equal to its expected value."""
+    for site, want in enumerate(expected, start=1):
+        seen = records.get(site, ())
+        if not seen:
+            return False
+        for text, agree in seen:
+            try:
+                got = ast.literal_eval(text)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return False
+            if not agree or got != want:
+                return False
+    return True
+
+
 def _worse(old: TestStatus | None, new: TestStatus) -> TestStatus:
     if old is None or old == new:
         return new
@@ -301,6 +348,7 @@ def plan(
     draw: Callable[[], str] = token,
     kinds: Collection[Kind] = KINDS,
     rng: random.Random | None = None,
+    recorder: str | None = None,
 ) -> Plan:
     """Rename ``targets`` in ``files`` and plant canaries beside them.
 
@@ -312,10 +360,13 @@ def plan(
     ``kinds`` are the canaries to plant (a log format that cannot show an
     outcome, as Django's parser shows no expected failure, leaves its kind out).
     ``rng``: what to draw names and values from (default: the system's).
+    ``recorder``: the witness's module name, where the families' assertions record
+    their plain results and the grader alone holds the expected values
+    (`Plan.recorded`); None: they compare in the test process.
     """
     reset = _RNG.set(rng) if rng is not None else None
     try:
-        return _plan(files, targets, fail_to_pass, mode, conftests or {}, draw, kinds)
+        return _plan(files, targets, fail_to_pass, mode, conftests or {}, draw, kinds, recorder)
     finally:
         if reset is not None:
             _RNG.reset(reset)
@@ -329,6 +380,7 @@ def _plan(
     conftests: Mapping[str, str],
     draw: Callable[[], str],
     kinds: Collection[Kind],
+    recorder: str | None = None,
 ) -> Plan:
     result = Plan()
     by_file: dict[str, list[Target]] = {}
@@ -359,8 +411,9 @@ def _plan(
             result.declared[target.test_id] = _declares(_context(lines, hit, tree) + above)
         if found:
             result.sources[path], result.stubs[path] = _rewrite(
-                path, lines, tree, found, set(fail_to_pass), mode, result, draw, set(kinds)
-            )
+                path, lines, tree, found, set(fail_to_pass), mode, result, draw, set(kinds),
+                recorder,
+            )  # fmt: skip
     return result
 
 
@@ -469,6 +522,7 @@ def _rewrite(
     result: Plan,
     draw: Callable[[], str],
     kinds: set[Kind],
+    recorder: str | None,
 ) -> tuple[str, str]:
     """The file planted, and its stub (the same, its families' expected values hidden)."""
     # Edits by line: a FAIL_TO_PASS test's lines replaced by its family (first
@@ -488,7 +542,7 @@ def _rewrite(
         result.renamed[fresh] = function
         result.listed[hit.target.test_id] = fresh
         family = (
-            _family(lines, tree, node, function, fresh, name, mode, kinds, result.markers)
+            _family(lines, tree, node, function, fresh, name, mode, kinds, result, recorder)
             if hit.target.test_id in fail_to_pass
             else None
         )
@@ -609,7 +663,8 @@ def _family(
     name: Callable[[], str],
     mode: Mode,
     kinds: set[Kind],
-    markers: set[str],
+    result: Plan,
+    recorder: str | None,
 ) -> list[_Member] | None:
     """The original under ``fresh`` and its copies, each written from the same lines by
     the same code (`_copy`), so they differ only in their names, their expected values
@@ -627,11 +682,12 @@ def _family(
     # Each member's varied assertions are decided by plain values (`sandman.eval.settle`),
     # with helpers bound at the top of its body under names fresh for the run.
     names = [token("_") for _ in range(HELPERS)]
-    markers.add(names[0])
+    result.markers.add(names[0])
     members: list[_Member] = []
     for centre in grid.centres() if grid is not None else [()]:
+        rendered = grid.render(lines, centre) if grid is not None else lines
         source, hidden, settled = (
-            settle(grid.render(lines, centre), node, names)
+            settle(rendered, node, names, recorded=recorder is not None)
             if grid is not None
             else (lines, lines, False)
         )
@@ -643,7 +699,7 @@ def _family(
                 segment = _copy(written, node, function, member)
                 assert segment is not None  # as for the original: only names and values differ
                 if settled:
-                    segment = _at_top(segment, node, source, [helpers(names)])
+                    segment = _at_top(segment, node, source, [helpers(names, recorder)])
                 if reimport:
                     # The module's imports again: it calls the library's functions even if
                     # the module's names were rebound (a fixed copy swapped into the module).
@@ -651,6 +707,8 @@ def _family(
                 texts.append("".join(segment))
             kind: Kind | None = ("agree" if reimport else None) if first else "mutant"
             members.append(_Member(member, kind, *texts))
+            if settled and recorder is not None:
+                result.recorded[member] = settled_values(rendered, node)
     if grid is None and "twin" in kinds and not _leaves_early(node):
         twin = name()
         segment = _copy(lines, node, function, twin)

@@ -48,6 +48,8 @@ class Witnessed:
     aliases: dict[str, str] = field(default_factory=dict)
     """A unittest test's docstring line, which its verbose runner prints in place of the name."""
     served: set[str] = field(default_factory=set)
+    values: dict[str, dict[int, list[tuple[str, bool]]]] = field(default_factory=dict)
+    """Recorded family members' plain results: member -> site -> (``repr``, agrees)."""
     """The planted test files the witness served to the framework (absolute paths)."""
 
     def status(self, name: str) -> TestStatus:
@@ -113,6 +115,12 @@ def _take(found: Witnessed, record: dict[str, Any]) -> None:
         found.finish = record
     elif kind == "served":
         found.served.add(str(record.get("path")))
+    elif kind == "value":
+        sites = found.values.setdefault(str(record.get("test")), {})
+        site = record.get("site")
+        sites.setdefault(site if isinstance(site, int) else 0, []).append(
+            (str(record.get("plain")), record.get("agree") is True)
+        )
     elif kind == "audit":
         what = str(record.get("what", record.get("event")))
         # Process ids differ from run to run; verdicts must not.

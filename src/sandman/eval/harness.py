@@ -504,8 +504,12 @@ class _Evaluation:
         show = 'cd "$("$@" rev-parse --git-dir)" && cat config info/* 2>/dev/null; ls -la hooks 2>/dev/null; true'
         return (await self._exec(sb, ["sh", "-c", show, "sh", *_GIT])).stdout
 
-    async def _plant(self, sb: AsyncSandbox, mode: Literal["pytest", "unittest"]) -> None:
-        """Rename the listed tests and plant the canaries (`sandman.eval.canaries`)."""
+    async def _plant(
+        self, sb: AsyncSandbox, mode: Literal["pytest", "unittest"], witness: str
+    ) -> None:
+        """Rename the listed tests and plant the canaries (`sandman.eval.canaries`); the
+        families' assertions record their plain results with the witness (module
+        ``witness``), and the expected values stay here."""
         targets = self._targets()
         files = {}
         for path in sorted({t.path for t in targets}):
@@ -535,6 +539,7 @@ class _Evaluation:
             conftests,
             kinds=kinds,
             rng=random.Random(seed),
+            recorder=witness,
         )
         # On disk, each file's stub (its families' expected values hidden); the
         # witness serves the planted text to the framework from its memory, so no
@@ -597,8 +602,8 @@ class _Evaluation:
         work = self._work = f"{_WORK}/{secrets.token_hex(8)}"
         prelude = ""
         if mode is not None:
-            await self._plant(sb, mode)
             module = f"_sm{secrets.token_hex(8)}"
+            await self._plant(sb, mode, module)
             await sb.write_file(
                 f"{work}/{module}.py", (_WITNESS_DIR / f"{_WITNESS_MODULE}.py").read_bytes()
             )
@@ -760,6 +765,7 @@ class _Evaluation:
             strong=self._strong_before,
         )
         self.official, self.suspicious = judged.official, judged.suspicious
+        self.test_output += judged.addendum
         self.official_parser = judged.official_parser
         return self.report(judged.status, judged.reason, judged.fail_to_pass, judged.pass_to_pass)
 

@@ -36,6 +36,10 @@ class Judgement:
     suspicious: list[str]
     official: Status | None
     official_parser: str | None
+    addendum: str = ""
+    """Lines for the run's log, in its framework's words: the recorded family members
+    the framework passed and the grader failed (so the log, read by any parser, says
+    what was decided). Never an expected value."""
 
 
 def judge(
@@ -56,11 +60,23 @@ def judge(
     unresolved. ``mode``: the witness's, None when the family has none.
     """
     parser = instance.log_parser
-    claimed, planted, forged = plan.translate(parse_log(parser, result.stdout))
+    # Recorded family members pass in the process; their plain results, in the
+    # witness's records, decide them here (`Plan.recorded_outcomes`), for every
+    # reading of the run alike.
+    witnessed = read_witness(result.stderr, key) if mode is not None else None
+    values = witnessed.values if witnessed is not None else {}
+
+    def decided(results: dict[str, TestStatus]) -> dict[str, TestStatus]:
+        return plan.recorded_outcomes(results, values)
+
+    logged = parse_log(parser, result.stdout)
+    addendum = _addendum(parser, logged, decided(logged))
+    claimed, planted, forged = plan.translate(decided(logged))
     # What SWE-bench's grading makes of the log alone (no witness, canary or
-    # declaration), read by its own parser where the swebench package is importable.
+    # declaration), read by its own parser where the swebench package is importable;
+    # a recorded member's pass as its records decide it.
     theirs, official_parser = parse_log_officially(parser, result.stdout)
-    official = grade_tests(instance, plan.translate(theirs)[0])[0]
+    official = grade_tests(instance, plan.translate(decided(theirs))[0])[0]
     suspicious = list(leads)
     strong = list(strong)
     results = claimed
@@ -75,8 +91,7 @@ def judge(
     # line there is no lie: output the code under test cut short or buried).
     lies = plan.lies(planted, ran, listed=claimed) if mode is None else []
     unserved: list[str] = []
-    if mode is not None:
-        witnessed = read_witness(result.stderr, key)
+    if witnessed is not None and mode is not None:
         if not witnessed.started and not claimed:
             tail = result.stdout[-500:].strip()
             return Judgement(
@@ -86,7 +101,7 @@ def judge(
                 {}, {}, sorted(set(suspicious)), official, official_parser,
             )  # fmt: skip
         confirmed, planted_seen, _ = plan.translate(
-            parse_log(parser, witness_log(parser, witnessed))
+            decided(parse_log(parser, witness_log(parser, witnessed)))
         )
         unserved = _unserved(instance, plan, planted_seen, witnessed)
         results, found = _witnessed_results(claimed, confirmed, witnessed, result, mode)
@@ -130,7 +145,21 @@ def judge(
             "every listed test passed, but the run did what a forging patch does "
             f"(audit=strict): {forging}"
         )
-    return Judgement(status, reason, f2p, p2p, suspicious, official, official_parser)
+    return Judgement(status, reason, f2p, p2p, suspicious, official, official_parser, addendum)
+
+
+def _addendum(parser: str, logged: dict[str, TestStatus], decided: dict[str, TestStatus]) -> str:
+    """The log lines that say which passes the records failed (`Judgement.addendum`)."""
+    failed = [key for key, status in logged.items() if status != decided.get(key, status)]
+    if not failed:
+        return ""
+    # In the words each parser reads (a later line wins over the run's own pass).
+    words = {"django": "{} ... FAIL", "unittest": "{} ... FAIL", "sympy": "{} F"}
+    lines = [words.get(parser, "FAILED {}").format(key) for key in failed]
+    return (
+        "\nsandman: recorded equality assertions, decided by the grader (their plain "
+        "results differ from the values expected):\n" + "\n".join(lines) + "\n"
+    )
 
 
 def _unserved(

@@ -32,6 +32,15 @@ never the value expected: no member's failure, kept by the framework, tells
 another's value (round 8 of ``heldout/`` read the mutants' values out of unittest's
 and pytest's failure records, then picked the original's by its bug).
 
+**Recorded** (what the grader does wherever its witness runs): the expected values
+never enter the test process. ``SETTLED`` hands the plain copy, and whether the result
+equals it, to the witness's recorder under the site's number, and the assertion passes
+there; the grader, which alone holds each member's literals (`settled_values`),
+decides the member from the records (`sandman.eval.canaries.Plan.recorded_outcomes`):
+nothing in the process is left to read, or to try values on, and a record swallowed
+fails its member. The planted text is then its stub but for the recorder (only the
+shape of an expected list or tuple, its length and kinds, stays in the code).
+
 **The stub.** Each member is also written as its *stub*: the same lines with every
 expected literal of its equality assertions (in the assertion and in ``SETTLED``)
 replaced by ``(...)``, line for line. The stub is what lies on disk while the tests
@@ -54,12 +63,13 @@ from collections.abc import Sequence
 
 from sandman.eval.decoys import pairs
 
-__all__ = ["HELPERS", "LEAVES", "expect_nothing", "helpers", "settle"]
+__all__ = ["HELPERS", "LEAVES", "expect_nothing", "helpers", "settle", "settled_values"]
 
 LEAVES = 32
 """The most scalars an expected literal may hold for its assertion to be rewritten."""
-HELPERS = 2
-"""How many names `helpers` binds (drawn by the caller, fresh for the run)."""
+HELPERS = 3
+"""How many names `helpers` may bind (drawn by the caller, fresh for the run): two
+helpers, and the recorder where the values are recorded."""
 
 _Edit = tuple[int, int, int, int, str]
 """A span of lines (line, byte column, end line, end byte column; 0-based) and its new
@@ -76,8 +86,9 @@ _KINDS = {
 }
 
 
-def helpers(names: Sequence[str]) -> str:
-    """The statement binding the helpers to ``names`` (no indentation, no newline).
+def helpers(names: Sequence[str], recorder: str | None = None) -> str:
+    """The statement binding the helpers to ``names`` (no indentation, no newline);
+    with ``recorder`` (the witness's module name), the third name to its ``record``.
 
     *plain*: a value's own str, float or int storage, else the value converted to the
     kind it is given; *items*: a list's or tuple's own items as a plain list with its
@@ -90,8 +101,10 @@ def helpers(names: Sequence[str]) -> str:
     ``__class__`` lies passes it, then fails the copy, which takes only the real
     thing.)"""
     s, f, n = _KINDS[str], _KINDS[float], _KINDS[int]
+    bound = names[:3] if recorder else names[:2]
+    record = f", __import__({recorder!r}).record" if recorder else ""
     return (
-        f"{', '.join(names)} = "
+        f"{', '.join(bound)} = "
         f"(lambda v, k, s={s}, f={f}, n={n}: "
         "s.__add__(s(), v) if s.__instancecheck__(v) else f.__add__(f(), v) "
         "if f.__instancecheck__(v) else n.__add__(n(), v) if n.__instancecheck__(v) "
@@ -99,22 +112,23 @@ def helpers(names: Sequence[str]) -> str:
         "(lambda v, k, l=[].__class__, u=().__class__: (l, l.__add__([], v)) "
         "if l.__instancecheck__(v) else (u, l(u.__add__((), v))) "
         "if u.__instancecheck__(v) else (k, l(v)))"
+        f"{record}"
         # The member's start, told to the witness (a helper's code read, which its
         # audit hook hears): a member run by anything but the framework is named.
         f"; {names[0]}.__code__"
     )
 
 
-def _plain(expected: object, value: str, names: Sequence[str], mask: bool) -> str:
+def _plain(expected: object, value: str, names: Sequence[str], mask: str | None) -> str:
     """An expression making ``value`` plain by the shape of ``expected`` (``mask``: with
-    the literal, where it is named, as ``(...)``)."""
-    plain, items = names
+    the literal, where it is named, as ``(...)``, or ``"len"``: a string as long)."""
+    plain, items = names[0], names[1]
     if not isinstance(expected, (list, tuple)):
         return f"{plain}({value}, {_KINDS[type(expected)]})"
     parts = [f"x{i}" for i in range(len(expected))]
     inner = ", ".join(_plain(e, p, names, mask) for e, p in zip(expected, parts, strict=True))
     kind = "[].__class__" if isinstance(expected, list) else "().__class__"
-    shown = _MASK if mask else repr(expected)
+    shown = '"' + "_" * len(expected) + '"' if mask == "len" else _MASK if mask else repr(expected)
     # A length other than the literal's keeps the raw items, which a built-in
     # comparison then finds unequal without asking them.
     return (
@@ -130,12 +144,21 @@ def _leaves(value: object) -> int:
 
 
 def settle(
-    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, names: Sequence[str]
+    lines: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    names: Sequence[str],
+    recorded: bool = False,
 ) -> tuple[list[str], list[str], bool]:
     """``lines`` with each varied equality assertion of ``node`` decided by plain
     values, using the helpers bound to ``names``; the same as its stub (every expected
     literal of an equality assertion replaced by ``(...)``); and whether any assertion
     was rewritten (then the body needs `helpers`).
+
+    ``recorded``: the expected values stay out of the test process altogether. Each
+    assertion hands its plain copy (and whether the result equals it) to the witness's
+    recorder under the site's number (a string as long) and passes; the grader, which
+    alone holds the literals (`settled_values`), decides the member. The planted text
+    is then its stub but for the recorder.
 
     ``node`` is the test as parsed from the original lines; ``lines`` may carry other
     expected values at the same places (a grid's centre), which are the ones used.
@@ -143,36 +166,72 @@ def settle(
     """
     edits: list[_Edit] = []
     stub: list[_Edit] = []
-    for other, expected in pairs(node):
+    site = 0
+    for other, expected, value in _sites(lines, node):
         start, end = (expected.lineno - 1, expected.col_offset), _end(expected)
         # The literal as written, over as many lines (inside parentheses).
         masked = f"({_MASK[1:-1]}" + "\n" * (end[0] - start[0]) + ")"
-        try:
-            value = ast.literal_eval(_text(lines, expected))
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            continue
-        if _leaves(value) > LEAVES:
+        if value is None:
             stub.append((*start, *end, masked))
+            if recorded:
+                edits.append((*start, *end, masked))
             continue
+        site += 1
         for out, mask in ((edits, False), (stub, True)):
             literal = _MASK if mask else repr(value)
-            # ``p`` is the plain copy, made before ``v`` hears the literal: True where
-            # both agree, else ``(p,)``, or a fresh ``object()`` where ``p`` agrees
-            # and ``v`` does not (an honest wrong 5). Never the literal.
-            prefix = (
-                f"(lambda v: (lambda p: p == {literal} and v == {literal} "
-                f'or ((p,) if p != {literal} else "".__class__.__base__()))'
-                f"({_plain(value, 'v', names, mask)}))("
-            )
+            if recorded:
+                # The plain copy and whether the result equals it, to the grader: the
+                # assertion passes here and is decided there (`settled_values`).
+                prefix = (
+                    f"(lambda v: (lambda p: {names[2]}({'_' * site!r}, p, v == p))"
+                    f"({_plain(value, 'v', names, 'len')}))("
+                )
+            else:
+                # ``p`` is the plain copy, made before ``v`` hears the literal: True
+                # where both agree, else ``(p,)``, or a fresh ``object()`` where ``p``
+                # agrees and ``v`` does not (an honest wrong 5). Never the literal.
+                prefix = (
+                    f"(lambda v: (lambda p: p == {literal} and v == {literal} "
+                    f'or ((p,) if p != {literal} else "".__class__.__base__()))'
+                    f"({_plain(value, 'v', names, '(...)' if mask else None)}))("
+                )
             first = other.lineno - 1, other.col_offset
             out.append((*first, *first, prefix))
             out.append((*_end(other), *_end(other), ")"))
-            if mask:
+            if mask or recorded:
                 out.append((*start, *end, f"(True, {masked})[False]"))
             else:
                 out.append((*start, *start, "(True, "))
                 out.append((*end, *end, ")[False]"))
-    return _edited(lines, edits), _edited(lines, stub), bool(edits)
+    return (
+        _edited(lines, edits),
+        _edited(lines, stub),
+        any(value is not None for _, _, value in _sites(lines, node)),
+    )
+
+
+def settled_values(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef
+) -> tuple[object, ...]:
+    """The expected value of each assertion `settle` rewrites, by site (the first is
+    site 1): what a recorded member's plain copies must equal."""
+    return tuple(value for _, _, value in _sites(lines, node) if value is not None)
+
+
+def _sites(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef
+) -> list[tuple[ast.expr, ast.expr, object | None]]:
+    """Each equality assertion against a literal: (result, expected, its value), the
+    value None where it is not settled (too large); literals that do not evaluate are
+    left out."""
+    found: list[tuple[ast.expr, ast.expr, object | None]] = []
+    for other, expected in pairs(node):
+        try:
+            value = ast.literal_eval(_text(lines, expected))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        found.append((other, expected, value if _leaves(value) <= LEAVES else None))
+    return found
 
 
 def expect_nothing(
