@@ -1,6 +1,6 @@
 """`evaluate`: grade one patch on one instance in a fresh sandbox, by the SWE-bench harness's rules.
 
-(About 830 lines, one procedure: each step relies on what the steps before it
+(About 960 lines, one procedure: each step relies on what the steps before it
 set back, so its order is its defence; canaries, verdicts and evidence are
 their own modules.)
 
