@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -216,6 +218,11 @@ def main() -> int:
         "interleaved with the rest (before and after a change to the build)",
     )
     args = parser.parse_args()
+    # A forked child's fd table is sized by its parent's highest open fd, and exec keeps
+    # it: a high fd inherited from the caller (a CI runner's or a tool's pipe) gives every
+    # runsc a table that hides what the sentry's own growth of it costs
+    # (hack/gvisor/prewarmer). A service has no such fd: neither does this run.
+    os.closerange(64, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     variants = args.runtimes.split(",")
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown:
