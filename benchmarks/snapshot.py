@@ -13,9 +13,10 @@ things are compared), so a noisy machine moves both sides alike.
 With ``--kubernetes`` it measures pods on one node (the hack/kube harness's real node
 unless ``--node``), with this tree's daemon imported there unless ``--daemon-image``:
 a fork's create->ready against a plain create's, a 10 MiB against a 1 GiB snapshot, a
-files restore's first command. Last line: ``fork_ratio=<x> snapshot_size_ratio=<x>
-restore_first_exec_p50_ms=<ms> leftover=<n> provider=kubernetes`` (leftover: the run's
-pods and snapshot files).
+files restore's first command, and a paused pod's CPU (read from its cgroup when the
+node is this host). Last line: ``fork_ratio=<x> snapshot_size_ratio=<x>
+restore_first_exec_p50_ms=<ms> pause_cpu_ms=<ms> leftover=<n> provider=kubernetes``
+(leftover: the run's pods and snapshot files).
 
 Last line: ``fork_ratio=<x> snapshot_size_ratio=<x> disk_16_forks_gib=<g>
 restore_first_exec_p50_ms=<ms> grpo_speedup=<x> leftover=<n>``, then what it adds:
@@ -382,6 +383,29 @@ async def snapshot_times(
     return p_large / p_small, p_small, p_large, kept
 
 
+async def pause_cpu_pod(client: sandman.AsyncClient, config: KubernetesConfig) -> float | None:
+    """CPU ms a paused pod spinning in a loop used over 2 s, its daemon included, read
+    from the pod's cgroup on this host; None when the pod runs elsewhere."""
+    from sandman.providers.kubernetes import KubernetesProvider
+
+    async with client.sandbox(TARGET, **SPEC) as sb:
+        await sh(sb, "(while :; do :; done) >/dev/null 2>&1 &")
+        provider = KubernetesProvider(config)
+        try:
+            uid = (await provider.api.get_pod(sb.id))["metadata"]["uid"]
+        finally:
+            await provider.aclose()
+        found = list(Path("/sys/fs/cgroup").glob(f"cpuacct/*/kubepods/**/pod{uid}/cpuacct.usage"))
+        if not found:
+            return None
+        await sb.pause()
+        before = int(found[0].read_text())
+        await asyncio.sleep(2)
+        used = int(found[0].read_text()) - before
+        await sb.resume()
+    return used / 1e6
+
+
 async def run_kubernetes(args: argparse.Namespace, state: Path) -> str:
     """Fork vs plain create, small vs large snapshot, a restore's first command: pods on
     the node ``--node`` (default: the hack/kube harness's real node)."""
@@ -417,6 +441,9 @@ async def run_kubernetes(args: argparse.Namespace, state: Path) -> str:
             progress(2, 3)
             restore_ms = await restore_first_exec(client, 3 if small else 10)
             print(f"files restore to first exec p50: {restore_ms:.0f} ms")
+            pause_ms = await pause_cpu_pod(client, config)
+            shown = "not on this host" if pause_ms is None else f"{pause_ms:.1f} ms of CPU"
+            print(f"paused for 2 s, spinning: {shown}, daemon included (running: ~2000)")
             progress(3, 3)
         from sandman.providers.kubernetes import KubernetesProvider
 
@@ -428,7 +455,9 @@ async def run_kubernetes(args: argparse.Namespace, state: Path) -> str:
     left += sum(1 for p in (state / "snapshots").rglob("*") if p.is_file())
     return (
         f"fork_ratio={ratio:.2f} snapshot_size_ratio={size_ratio:.2f} "
-        f"restore_first_exec_p50_ms={restore_ms:.0f} leftover={left} provider=kubernetes"
+        f"restore_first_exec_p50_ms={restore_ms:.0f} "
+        f"pause_cpu_ms={'na' if pause_ms is None else f'{pause_ms:.3f}'} leftover={left} "
+        "provider=kubernetes"
     )
 
 
@@ -441,7 +470,7 @@ def main() -> int:
     parser.add_argument("--state-dir", type=Path, help="an empty directory (default: a new one)")
     parser.add_argument(
         "--kubernetes", action="store_true",
-        help="measure the kubernetes provider instead (files: fork, snapshot, restore)",
+        help="measure the kubernetes provider instead (files: fork, snapshot, restore; pause)",
     )  # fmt: skip
     parser.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"))
     parser.add_argument("--node", help="--kubernetes: the node to run on (default: the harness's)")

@@ -24,6 +24,7 @@ import sandman
 from sandman import models
 from sandman._transport import AsyncTransport, HTTPTransport, Response, ResponseStream
 from sandman.daemon import DaemonClient
+from sandman.daemon.pausing import pause_processes, resume_processes
 from sandman.daemon.protocol import ERROR_CLASSES, ExecOptions
 from tests.daemon.conftest import TOKEN
 from tests.daemon.running import RunningDaemon
@@ -192,6 +193,11 @@ async def _exercise(client: DaemonClient, work: Path) -> None:
     ):
         with pytest.raises(sandman.DaemonError):
             await failing
+    # The host's pause (Kubernetes): what would start a process is refused meanwhile.
+    await pause_processes(client)
+    with pytest.raises(sandman.SandboxPaused):
+        await client.exec(["true"])
+    await resume_processes(client)
 
 
 @pytest.mark.anyio

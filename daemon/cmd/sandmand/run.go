@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"sandman/daemon/internal/freeze"
 	"sandman/daemon/internal/proc"
 	"sandman/daemon/internal/reaper"
 	"sandman/daemon/internal/server"
@@ -232,6 +233,10 @@ func run(cfg config, logger *log.Logger) error {
 		Token: cfg.token, NoAuth: cfg.noAuth, Version: version,
 		KillGrace: cfg.killGrace, Reaper: rp, Env: proc.DaemonEnv(), Log: logger,
 		ChildOOMScoreAdj: cfg.childOOMScoreAdj, Listeners: ls, ChangesRoot: "/",
+		// As PID 1 every process of the pid namespace is the sandbox's.
+		Freezer: freeze.New(freeze.Options{
+			Self: os.Getpid(), All: os.Getpid() == 1, Usage: freeze.CgroupUsage("/sys/fs/cgroup"),
+		}),
 	})
 	if err != nil {
 		return err
@@ -285,6 +290,7 @@ func shutdown(hs *http.Server, srv *server.Server, listeners []net.Listener, rp 
 	}
 	hs.SetKeepAlivesEnabled(false) // closes the idle connections
 	srv.CloseTunnels()             // http.Server no longer knows hijacked connections
+	srv.Unpause()                  // stopped processes would not heed the SIGTERM
 	stopChildren(rp, grace)
 	ctx, cancel := context.WithTimeout(context.Background(), answerGrace)
 	defer cancel()

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"sandman/daemon/internal/apierr"
+	"sandman/daemon/internal/freeze"
 	"sandman/daemon/internal/proc"
 	"sandman/daemon/internal/reaper"
 	"sandman/daemon/spec"
@@ -45,6 +46,9 @@ type Options struct {
 	// ChangesRoot is the tree /v1/changes reads and writes ("/" in a
 	// sandbox); empty: those routes refuse (400 invalid_request).
 	ChangesRoot string
+	// Freezer pauses and resumes the sandbox (POST /v1/pause, /v1/resume);
+	// nil: one that stops the daemon's descendants only.
+	Freezer *freeze.Freezer
 }
 
 // Server implements the v1 protocol.
@@ -65,6 +69,7 @@ type Server struct {
 	quiesced  bool       // prepared for a checkpoint: not serving
 	// changesRoot is Options.ChangesRoot.
 	changesRoot string
+	freezer     *freeze.Freezer
 }
 
 // New builds a Server.
@@ -86,7 +91,10 @@ func New(o Options) (*Server, error) {
 	s := &Server{
 		version: o.Version, killGrace: o.KillGrace, started: time.Now(), log: o.Log,
 		runner: runner, procs: proc.NewManager(runner), shells: proc.NewShellManager(runner),
-		listeners: o.Listeners, changesRoot: o.ChangesRoot,
+		listeners: o.Listeners, changesRoot: o.ChangesRoot, freezer: o.Freezer,
+	}
+	if s.freezer == nil {
+		s.freezer = freeze.New(freeze.Options{Self: os.Getpid()})
 	}
 	if s.log == nil {
 		s.log = log.New(discard{}, "", 0)
@@ -100,6 +108,8 @@ func New(o Options) (*Server, error) {
 		{"GET", "/v1/openapi.json", true, s.openapi},
 		{"POST", "/v1/token", false, s.tokenReplace},
 		{"POST", "/v1/checkpoint/prepare", false, s.checkpointPrepare},
+		{"POST", "/v1/pause", false, s.pauseProcesses},
+		{"POST", "/v1/resume", false, s.resumeProcesses},
 		{"POST", "/v1/exec", false, s.exec},
 		{"POST", "/v1/exec/stream", false, s.execStream},
 		{"POST", "/v1/processes", false, s.processStart},
@@ -159,6 +169,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if auth := s.auth.Load(); !rt.public && auth != nil &&
 		subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), *auth) != 1 {
 		writeError(w, apierr.New(http.StatusUnauthorized, "unauthorized", "missing or wrong bearer token"))
+		return
+	}
+	if pausedRefuses[rt.method+" "+rt.pattern] && s.freezer.Paused() {
+		writeError(w, sandboxPaused())
 		return
 	}
 	if err := rt.h(w, r, id); err != nil {

@@ -17,7 +17,10 @@ from sandman.models import Encoding
 
 __all__ = [
     "ERROR_CLASSES",
+    "PAUSE",
     "PROTOCOL_VERSION",
+    "RESUME",
+    "DaemonPaused",
     "ExecOptions",
     "command_fields",
     "error_from_response",
@@ -31,6 +34,17 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = "v1"
+
+PAUSE = "/v1/pause"
+RESUME = "/v1/resume"
+"""The host's pause where no freezer cgroup is writable (Kubernetes): the daemon stops
+every other process of its sandbox, and continues them (`sandman.daemon.pausing`)."""
+
+
+class DaemonPaused(errors.DaemonError, errors.SandboxPaused):
+    """``sandbox_paused``: the daemon of a paused sandbox refuses what would start, signal
+    or feed a process until it is resumed. Caught as `SandboxPaused` too."""
+
 
 # Stable wire codes to classes; a code this client does not know is a plain DaemonError.
 ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
@@ -66,6 +80,11 @@ ERROR_CLASSES: dict[str, type[errors.DaemonError]] = {
     # A memory checkpoint refused: the sandbox's processes hold TCP sockets, or requests
     # are in flight (`sandman.daemon.checkpoint.prepare_checkpoint`); the message names them.
     "not_checkpointable": errors.DaemonError,
+    # A paused sandbox's daemon refuses to start, signal or feed a process (`PAUSE`).
+    "sandbox_paused": DaemonPaused,
+    # A pause that could not stop every process in time (a fork bomb); nothing stays
+    # stopped, and the message names the pids.
+    "not_pausable": errors.DaemonError,
     # From the service's proxy route: what answers at the sandbox's socket is not its daemon.
     "untrusted_daemon": errors.UntrustedDaemon,
 }

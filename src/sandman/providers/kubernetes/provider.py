@@ -422,11 +422,13 @@ class KubernetesProvider:
         )
 
     async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
-        """Not on Kubernetes: a ConfigError that says what is."""
+        """Stop every process of the pod but its daemon (no CPU) until `resume`; the pod,
+        id, lease and memory stay, and calls that would start a process raise
+        `SandboxPaused`. ``memory``: a ConfigError that says what is supported."""
         await self._snapshots.pause(sandbox_id, memory=memory)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        """Not on Kubernetes: a ConfigError that says what is."""
+        """Continue the processes `pause` stopped."""
         return await self._snapshots.resume(sandbox_id)
 
     async def aclose(self) -> None:

@@ -29,6 +29,12 @@ skopeo, which uploads only the blobs the registry lacks. It works in a scratch
 directory beside the snapshots (``.image-*``), flocked while its maker lives, so
 ``sandman gc`` removes one whose maker was killed.
 
+A pause is the pod's daemon's (`sandman.daemon.pausing`): no freezer cgroup is writable
+in a pod, so the daemon stops every other process of it with SIGSTOP until none runs,
+stops again whatever a hostile sandbox gets running meanwhile, and refuses to start a
+process until the resume. The pod, its id, lease and memory stay, and so does the
+pause across a pool's restart: it is the daemon's state, not the pool's.
+
 The records, their lock and their listing are `sandman.providers.snapshot_records`'s,
 shared with the local provider's store; the image push is apart in
 `sandman.providers.kubernetes.commit`.
@@ -55,6 +61,8 @@ from pydantic import ValidationError
 
 from sandman import errors
 from sandman.daemon.changes import apply_changes, download_changes
+from sandman.daemon.client import DaemonClient
+from sandman.daemon.pausing import pause_processes, resume_processes
 from sandman.images.registry import (
     PROBE_TIMEOUT,
     PUSH_DIR,
@@ -93,11 +101,11 @@ MEMORY_UNSUPPORTED = (
     "checkpoint API only writes CRIU archives, and restores nothing); "
     "snapshot(memory=False) keeps the files, and fork and restore work from it"
 )
-PAUSE_UNSUPPORTED = (
-    "pause and resume are not supported by the kubernetes provider: a pod's processes "
-    "cannot be frozen through the API (no freezer, no checkpoint). Supported: snapshot "
-    "(files), fork and restore; to free a sandbox while the model thinks, snapshot it, "
-    "release it, and acquire(snapshot=...) later"
+PAUSE_MEMORY_UNSUPPORTED = (
+    "pause(memory=True) is not supported by the kubernetes provider: it would checkpoint "
+    "the processes, which needs gVisor pods and an agent on each node; pause() stops "
+    "every process (no CPU) and keeps the memory, and snapshot(), release and "
+    "acquire(snapshot=...) free the memory too"
 )
 
 
@@ -289,17 +297,17 @@ class PodSnapshots:
         return await anyio.to_thread.run_sync(store.get, sid)
 
     @staticmethod
-    def _lost(sandbox_id: str, info: SandboxInfo | None) -> errors.SandboxLost:
+    def _lost(
+        sandbox_id: str, info: SandboxInfo | None, what: str = "nothing to keep"
+    ) -> errors.SandboxLost:
         if info is None:
-            return errors.SandboxLost.of(sandbox_id, "deleted", "its pod is gone: nothing to keep")
+            return errors.SandboxLost.of(sandbox_id, "deleted", f"its pod is gone: {what}")
         if info.lost is not None:
             return errors.SandboxLost.of(
-                sandbox_id, info.lost.reason, f"{info.lost.detail}: nothing to keep"
+                sandbox_id, info.lost.reason, f"{info.lost.detail}: {what}"
             )
         return errors.SandboxLost.of(
-            sandbox_id,
-            "unknown",
-            f"its pod is {info.state}, its daemon unreachable: nothing to keep",
+            sandbox_id, "unknown", f"its pod is {info.state}, its daemon unreachable: {what}"
         )
 
     async def snapshots(
@@ -557,9 +565,42 @@ class PodSnapshots:
     # -- pause ------------------------------------------------------------------------
 
     async def pause(self, sandbox_id: str, *, memory: bool = False) -> None:
-        """Not on Kubernetes: ConfigError naming what is supported."""
-        raise errors.ConfigError(MEMORY_UNSUPPORTED if memory else PAUSE_UNSUPPORTED)
+        """Stop every process of the pod but its daemon, which does it (no freezer cgroup is
+        writable in a pod: `sandman.daemon.pausing`); the pod, its id, lease and memory
+        stay. ``memory``: ConfigError."""
+        if memory:
+            raise errors.ConfigError(PAUSE_MEMORY_UNSUPPORTED)
+        async with self._daemon(sandbox_id, "pause") as (_, daemon):
+            await pause_processes(daemon)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        """Not on Kubernetes: ConfigError naming what is supported."""
-        raise errors.ConfigError(PAUSE_UNSUPPORTED)
+        """Continue what `pause` stopped (nothing, if it is not paused)."""
+        async with self._daemon(sandbox_id, "resume") as (info, daemon):
+            await resume_processes(daemon)
+        return info
+
+    @contextlib.asynccontextmanager
+    async def _daemon(
+        self, sandbox_id: str, action: str
+    ) -> AsyncIterator[tuple[SandboxInfo, DaemonClient]]:
+        """The running pod's info and a client of its daemon; `SandboxLost` when there is
+        none to ask."""
+        if self._provider.config.readiness != "daemon":
+            raise errors.ConfigError(
+                f"{action} needs the pods' daemons (readiness='daemon'), not readiness='pod'"
+            )
+        provider = self._provider
+        info = provider._info(await provider.api.get_pod(sandbox_id))
+        if info.state != "running" or info.endpoint is None:
+            raise self._lost(sandbox_id, info, f"nothing to {action}")
+        async with info.endpoint.client(request_timeout=provider.config.request_timeout) as daemon:
+            try:
+                yield info, daemon
+            except errors.DaemonUnavailable as exc:
+                try:
+                    now = provider._info(await provider.api.get_pod(sandbox_id))
+                except errors.SandboxError:
+                    now = None
+                if now is None or now.state != "running":
+                    raise self._lost(sandbox_id, now, f"nothing to {action}") from exc
+                raise
