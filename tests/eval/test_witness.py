@@ -137,3 +137,68 @@ def test_defaults_set_on_a_test_s_code_are_reported(tmp_path: Path) -> None:
         "the test process replaced a test's defaults (helper) from (not on the stack)",
         "the test process replaced a test's defaults (test_x) from (not on the stack)",
     ]
+
+
+RESULTS = """\
+class Honest:
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+    def __eq__(self, other):
+        return self.text == other
+
+
+class Identity(Honest):  # the patch's (lines 12-20): equal only to its own str
+    def __str__(self):
+        self.given = "a-b"
+        return self.given
+
+    def __eq__(self, other):
+        return other is getattr(self, "given", None)
+
+
+class Reprs:  # the patch's (lines 21-23): its repr forges a record
+    def __repr__(self):
+        return "(1, 6)"
+"""
+
+
+def test_a_settled_result_is_decided_by_no_line_of_the_patch_s(tmp_path: Path) -> None:
+    """The witness makes the plain copy and asks whether the result equals it while it
+    watches the calls: a line the patch added that runs then makes the result disagree
+    (red-team round 12: a result equal only to the very copy its own ``__str__`` made);
+    the copy is recorded as built-in values only (an element's own ``repr`` forged a
+    record)."""
+    path = Path(__file__).parents[2] / "src/sandman/eval/witness/sandman_eval_witness.py"
+    spec = importlib.util.spec_from_file_location("witness_values_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results, records = tmp_path / "results.py", tmp_path / "records"
+    results.write_text(RESULTS)
+    fd = os.open(records, os.O_WRONLY | os.O_CREAT, 0o600)
+    witness = module._Witness(
+        {
+            "key": KEY.hex(), "mode": "pytest", "work": str(tmp_path / "work"), "fd": fd,
+            "patch_files": [str(results)], "patch_lines": {str(results): [[12, 23]]},
+        }
+    )  # fmt: skip
+    scope: dict[str, Any] = {}
+    exec(compile(RESULTS, str(results), "exec"), scope)  # noqa: S102 (the fixture's own code)
+    as_str = str  # the member's plain helper for a str, in short
+    witness.value("_", scope["Honest"]("a-b"), as_str)
+    witness.value("__", scope["Identity"]("x"), as_str)
+    witness.value("___", [scope["Reprs"]()], list)  # a list of another length, kept raw
+    witness.value("____", [(1, 6)], list)
+    found = read_witness(records.read_text(), KEY)
+    assert found.values["?"] == {
+        1: [("'a-b'", True)],
+        2: [("'a-b'", False)],
+        3: [("?", True)],
+        4: [("[(1, 6)]", True)],
+    }
+    decided = "the test process decided a settled result with the patch's code"
+    assert found.attributed == [f"{decided} (site 2) from {results}:13"]

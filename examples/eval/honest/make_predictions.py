@@ -810,6 +810,13 @@ def render() -> tuple[str, str]:
             })  # fmt: skip
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+    # Each project instance carries a fix (SWE-bench's gold ``patch``): its first honest
+    # one, from which the grader learns the input variants every other must pass too.
+    for instance in instances:
+        instance["patch"] = next(
+            r["model_patch"] for r in rows
+            if r["instance_id"] == instance["instance_id"] and r["expected"] == "resolved"
+        )  # fmt: skip
     return (
         "".join(json.dumps(i) + "\n" for i in instances),
         "".join(json.dumps(r) + "\n" for r in rows),

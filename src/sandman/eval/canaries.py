@@ -48,7 +48,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sandman.eval import decoys
+from sandman.eval import decoys, variants
 from sandman.eval.parsers import TestStatus
 from sandman.eval.settle import HELPERS, expect_nothing, helpers, settle, settled_values
 from sandman.eval.verdict import lookup
@@ -56,7 +56,7 @@ from sandman.eval.verdict import lookup
 __all__ = ["KINDS", "Canary", "Kind", "Plan", "Target", "locate", "plan", "token"]
 
 Mode = Literal["pytest", "unittest"]
-Kind = Literal["pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree"]
+Kind = Literal["pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree", "variant"]
 
 _FAILS: frozenset[TestStatus] = frozenset({"FAILED", "ERROR"})
 _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
@@ -68,8 +68,11 @@ _EXPECTED: dict[Kind, frozenset[TestStatus]] = {
     "twin": _FAILS,
     "mutant": _FAILS,
     "agree": frozenset(),  # whatever its original ends with
+    "variant": frozenset(),  # likewise
 }
-KINDS: tuple[Kind, ...] = ("pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree")
+KINDS: tuple[Kind, ...] = (
+    "pass", "fail", "error", "skip", "xfail", "twin", "mutant", "agree", "variant",
+)  # fmt: skip
 _UNITTEST_ID = re.compile(r"^(\w+) \(([\w.]+)\)$")
 _XFAIL = re.compile(r"xfail|expectedFailure")
 _SKIP = re.compile(r"skip", re.IGNORECASE)
@@ -132,6 +135,8 @@ class Canary:
             return f"a mutant of {self.of}"
         if self.kind == "agree":
             return f"the re-importing copy of {self.of}"
+        if self.kind == "variant":
+            return f"an input variant of {self.of}"
         return f"the must-{self.kind} canary"
 
 
@@ -160,6 +165,9 @@ class Plan:
     plain results for the grader (`sandman.eval.settle`), and `recorded_outcomes`
     decides them."""
     markers: set[str] = field(default_factory=set)
+    variants: dict[str, tuple[variants.Key, int]] = field(default_factory=dict)
+    """Each planted input variant's token -> which variant it is, and how many sites its
+    assertions record (`sandman.eval.variants`)."""
     """The names settled members bind their first helper to: reading its code is how a
     member tells the witness it started (`sandman.eval.settle.helpers`)."""
 
@@ -265,6 +273,16 @@ class Plan:
                         f"its original {original}: the name the test calls is not the library's"
                     )
                 continue
+            if canary.kind == "variant":
+                # One way only: an honest partial fix can get a variant right and its
+                # original wrong; a pass of the original alone is what special-casing does.
+                original = lookup(canary.of, listed or {})
+                if original == "PASSED" and status != "PASSED":
+                    lies.append(
+                        f"{canary.describe()} in {canary.path} ended {status}, its original "
+                        "PASSED: the code answers the test's own inputs, not others alike"
+                    )
+                continue
             if status not in canary.expected:
                 want = "/".join(sorted(canary.expected))
                 lies.append(
@@ -349,6 +367,7 @@ def plan(
     kinds: Collection[Kind] = KINDS,
     rng: random.Random | None = None,
     recorder: str | None = None,
+    inputs: variants.Inputs | None = None,
 ) -> Plan:
     """Rename ``targets`` in ``files`` and plant canaries beside them.
 
@@ -362,11 +381,16 @@ def plan(
     ``rng``: what to draw names and values from (default: the system's).
     ``recorder``: the witness's module name, where the families' assertions record
     their plain results and the grader alone holds the expected values
-    (`Plan.recorded`); None: they compare in the test process.
+    (`Plan.recorded`); None: they compare in the test process. ``inputs``: with a
+    recorder, each FAIL_TO_PASS test's input variants (`sandman.eval.variants`): every
+    one drawn (``inputs.values`` None: to learn what they record), else those
+    ``inputs.values`` holds, each expecting its values there.
     """
     reset = _RNG.set(rng) if rng is not None else None
     try:
-        return _plan(files, targets, fail_to_pass, mode, conftests or {}, draw, kinds, recorder)
+        return _plan(
+            files, targets, fail_to_pass, mode, conftests or {}, draw, kinds, recorder, inputs
+        )
     finally:
         if reset is not None:
             _RNG.reset(reset)
@@ -381,6 +405,7 @@ def _plan(
     draw: Callable[[], str],
     kinds: Collection[Kind],
     recorder: str | None = None,
+    inputs: variants.Inputs | None = None,
 ) -> Plan:
     result = Plan()
     by_file: dict[str, list[Target]] = {}
@@ -412,7 +437,7 @@ def _plan(
         if found:
             result.sources[path], result.stubs[path] = _rewrite(
                 path, lines, tree, found, set(fail_to_pass), mode, result, draw, set(kinds),
-                recorder,
+                recorder, inputs,
             )  # fmt: skip
     return result
 
@@ -523,6 +548,7 @@ def _rewrite(
     draw: Callable[[], str],
     kinds: set[Kind],
     recorder: str | None,
+    inputs: variants.Inputs | None,
 ) -> tuple[str, str]:
     """The file planted, and its stub (the same, its families' expected values hidden)."""
     # Edits by line: a FAIL_TO_PASS test's lines replaced by its family (first
@@ -541,8 +567,9 @@ def _rewrite(
         fresh = name()
         result.renamed[fresh] = function
         result.listed[hit.target.test_id] = fresh
+        drawn = (hit.target.test_id, inputs) if inputs is not None else None
         family = (
-            _family(lines, tree, node, function, fresh, name, mode, kinds, result, recorder)
+            _family(lines, tree, node, function, fresh, name, mode, kinds, result, recorder, drawn)
             if hit.target.test_id in fail_to_pass
             else None
         )
@@ -665,6 +692,7 @@ def _family(
     kinds: set[Kind],
     result: Plan,
     recorder: str | None,
+    inputs: tuple[str, variants.Inputs] | None = None,
 ) -> list[_Member] | None:
     """The original under ``fresh`` and its copies, each written from the same lines by
     the same code (`_copy`), so they differ only in their names, their expected values
@@ -709,6 +737,8 @@ def _family(
             members.append(_Member(member, kind, *texts))
             if settled and recorder is not None:
                 result.recorded[member] = settled_values(rendered, node)
+    if grid is not None and recorder is not None and inputs is not None:
+        members += _variants(lines, node, function, name, names, recorder, result, *inputs)
     if grid is None and "twin" in kinds and not _leaves_early(node):
         twin = name()
         segment = _copy(lines, node, function, twin)
@@ -726,6 +756,47 @@ def _family(
             assert segment is not None
             members.append(_Member(mutant, "mutant", "".join(segment), "".join(segment)))
     return members if len(members) > 1 else None
+
+
+def _variants(
+    lines: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    function: str,
+    name: Callable[[], str],
+    names: list[str],
+    recorder: str,
+    result: Plan,
+    test_id: str,
+    inputs: variants.Inputs,
+) -> list[_Member]:
+    """The test's input variants (`sandman.eval.variants`), written as the family's
+    members are: all of them while calibrating, else those with values to expect."""
+    members: list[_Member] = []
+    seen: set[str] = set()
+    sites = len(settled_values(lines, node))
+    for index in range(variants.COUNT):
+        key = (test_id, index)
+        moved = variants.transform(lines, node, inputs.rng(key))
+        if moved is None:
+            break
+        if "".join(moved) in seen or (inputs.values is not None and key not in inputs.values):
+            continue
+        seen.add("".join(moved))
+        source, hidden, _ = settle(moved, node, names, recorded=True)
+        member = name()
+        texts = []
+        for written in (source, hidden):
+            segment = _copy(written, node, function, member)
+            assert segment is not None  # as for the original: only names and inputs differ
+            texts.append("".join(_at_top(segment, node, source, [helpers(names, recorder)])))
+        result.variants[member] = (key, sites)
+        if inputs.values is not None:
+            result.recorded[member] = inputs.values[key]
+            members.append(_Member(member, "variant", *texts))
+        else:
+            # Calibrating: nothing to expect yet, so nothing to end as (`kind` None).
+            members.append(_Member(member, None, *texts))
+    return members
 
 
 def _failing(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, mode: Mode) -> str:

@@ -37,6 +37,7 @@ is told from any other SIGKILL by the sandbox's own cgroup counter
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -48,14 +49,15 @@ import re
 import secrets
 import shlex
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from sandman import errors
 from sandman.client import AsyncClient, AsyncSandbox
-from sandman.eval import canaries
+from sandman.eval import canaries, variants
 from sandman.eval.conditions import Conditions
 from sandman.eval.evidence import audit_patch
 from sandman.eval.instances import Instance
@@ -118,6 +120,11 @@ _LOADER = ("/etc/ld.so.preload", "/etc/ld.so.cache")
 _FRAMEWORK_FILES = ("/_pytest/", "/pytest/", "/pluggy/", "/unittest/", "/django/test/", "/py/_")
 _PLANT_KEY = secrets.token_bytes(32)
 """This process's secret for drawing canaries (see `_Evaluation._plant`)."""
+# Each instance's input variants, learnt once per process from its fix (`_calibrated`).
+_CALIBRATED: dict[str, variants.Inputs] = {}
+_CALIBRATING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
 _STEP_TIMEOUT = 300.0  # for git and patch; the test run has the conditions' limit
 _MAX_OUTPUT = 32 * 2**20
 # No hooks and no fsmonitor command, whatever the repository's config says.
@@ -170,8 +177,21 @@ class _Abort(Exception):
 class _Evaluation:
     """One evaluation's state: what it tried, saw and decided."""
 
-    def __init__(self, instance: Instance, patch: str, conditions: Conditions, model: str) -> None:
+    def __init__(
+        self,
+        instance: Instance,
+        patch: str,
+        conditions: Conditions,
+        model: str,
+        inputs: variants.Inputs | None = None,
+        calibrating: bool = False,
+    ) -> None:
         self.instance = instance
+        self.inputs = inputs
+        self.calibrating = calibrating
+        """A run that learns the input variants' values (`_calibrated`): an empty
+        patch is the unpatched code's."""
+        self.values: Mapping[str, Mapping[int, Sequence[tuple[str, bool]]]] = {}
         self.patch = patch
         self.conditions = conditions
         self.model = model
@@ -245,7 +265,7 @@ class _Evaluation:
         )
 
     async def run(self, client: AsyncClient, acquire_timeout: float) -> Report:
-        if not self.patch.strip():
+        if not self.patch.strip() and not self.calibrating:
             return self.report("patch_failed", "the patch is empty")
         if touched := git_paths(self.patch):
             return self.report("patch_failed", f"the patch touches .git: {', '.join(touched)}")
@@ -289,7 +309,8 @@ class _Evaluation:
         before = self._before = await self._snapshot(sb)
 
         self.step = "apply"
-        await self._apply(sb, before)
+        if self.patch.strip():
+            await self._apply(sb, before)
 
         self.step = "protect"
         changed = await self._changed(sb, before)
@@ -540,6 +561,7 @@ class _Evaluation:
             kinds=kinds,
             rng=random.Random(seed),
             recorder=witness,
+            inputs=self.inputs,
         )
         # On disk, each file's stub (its families' expected values hidden); the
         # witness serves the planted text to the framework from its memory, so no
@@ -765,6 +787,7 @@ class _Evaluation:
             strong=self._strong_before,
         )
         self.official, self.suspicious = judged.official, judged.suspicious
+        self.values = judged.values
         self.test_output += judged.addendum
         self.official_parser = judged.official_parser
         return self.report(judged.status, judged.reason, judged.fail_to_pass, judged.pass_to_pass)
@@ -928,7 +951,60 @@ async def evaluate_report(
         evaluation.ref, evaluation.digest = await pin_image(instance.image, images)
     except errors.ImageError as exc:
         return evaluation.report("error", f"image {instance.image!r}: {exc}")
+    if instance.patch and patch.strip() and instance.log_parser in _WITNESS_MODES:
+        evaluation.inputs = await _calibrated(evaluation, client, acquire_timeout)
     return await evaluation.run(client, acquire_timeout)
+
+
+async def _calibrated(
+    evaluation: _Evaluation, client: AsyncClient, acquire_timeout: float
+) -> variants.Inputs:
+    """The instance's input variants and what each must record: its fix and the
+    unpatched code run once each (side by side) on every variant drawn, in this
+    process; kept are those the fix answers and the unpatched code answers otherwise.
+
+    None where the fix does not pass the instance's tests here: the grade goes on
+    without variants (as for an instance without a fix), said in the log."""
+    instance = evaluation.instance
+    # The grader's own runs: the fix's tests must pass; what the audit lists of them
+    # (the image's own bytecode, say) is no evidence about the patch being graded.
+    conditions = evaluation.conditions.model_copy(update={"audit": "record"})
+    key = inputs_hash(instance, "", conditions, evaluation.digest)
+    locks = _CALIBRATING.setdefault(asyncio.get_running_loop(), {})
+    async with locks.setdefault(key, asyncio.Lock()):
+        if key in _CALIBRATED:
+            return _CALIBRATED[key]
+        # Drawn from this process's secret: the same for every grade of the instance,
+        # and known to no patch.
+        drawing = variants.Inputs(hmac.new(_PLANT_KEY, key.encode(), hashlib.sha256).digest())
+        runs = [
+            _Evaluation(instance, patch, conditions, "calibration", drawing, calibrating=True)
+            for patch in (instance.patch or "", "")
+        ]
+        for run in runs:
+            run.ref, run.digest = evaluation.ref, evaluation.digest
+        fix, _ = await asyncio.gather(*(run.run(client, acquire_timeout) for run in runs))
+        if fix.verdict.status != "resolved":
+            logger.warning(
+                "%s: its own fix is graded %s here (%s): graded without input variants",
+                instance.instance_id,
+                fix.verdict.status,
+                fix.verdict.reason,
+            )
+            learnt = variants.Inputs(drawing.seed, {})
+            if fix.verdict.category != "error":  # a sandbox lost or a timeout: try again
+                _CALIBRATED[key] = learnt
+            return learnt
+        fixed, unpatched = ((run.plan.variants, run.values) for run in runs)
+        learnt = variants.Inputs(drawing.seed, variants.learnt(fixed, unpatched))
+        logger.info(
+            "%s: %d input variant(s) learnt from its fix (of %d drawn)",
+            instance.instance_id,
+            len(learnt.values or {}),
+            len(runs[0].plan.variants),
+        )
+        _CALIBRATED[key] = learnt
+        return learnt
 
 
 async def evaluate(

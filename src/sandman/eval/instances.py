@@ -120,6 +120,10 @@ class Instance(BaseModel):
     repo: str = ""
     version: Annotated[str, BeforeValidator(_version)] = ""
     problem_statement: str = ""
+    patch: str | None = None
+    """The instance's own fix (SWE-bench's gold ``patch``), never shown to a model: where
+    it is given, each grade also runs every FAIL_TO_PASS test on inputs moved by a
+    draw, expecting what this fix answers there (`sandman.eval.variants`)."""
 
     @model_validator(mode="before")
     @classmethod

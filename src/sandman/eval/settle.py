@@ -33,9 +33,13 @@ another's value (round 8 of ``heldout/`` read the mutants' values out of unittes
 and pytest's failure records, then picked the original's by its bug).
 
 **Recorded** (what the grader does wherever its witness runs): the expected values
-never enter the test process. ``SETTLED`` hands the plain copy, and whether the result
-equals it, to the witness's recorder under the site's number, and the assertion passes
-there; the grader, which alone holds each member's literals (`settled_values`),
+never enter the test process. ``SETTLED`` hands the result, and the expression that
+makes it plain, to the witness's recorder under the site's number, and the assertion
+passes there. The witness makes the plain copy and asks whether the result equals it
+while it watches the calls (a line the patch added that runs then decides nothing: the
+result's own methods could tell that check from the test's own comparison, by identity
+or by the order of calls; red-team round 12), and records the copy only as built-in
+values, by their built-in ``repr`` (an element's own ``repr`` never writes a record); the grader, which alone holds each member's literals (`settled_values`),
 decides the member from the records (`sandman.eval.canaries.Plan.recorded_outcomes`):
 nothing in the process is left to read, or to try values on, and a record swallowed
 fails its member. The planted text is then its stub but for the recorder (only the
@@ -180,11 +184,15 @@ def settle(
         for out, mask in ((edits, False), (stub, True)):
             literal = _MASK if mask else repr(value)
             if recorded:
-                # The plain copy and whether the result equals it, to the grader: the
-                # assertion passes here and is decided there (`settled_values`).
+                # The result and how to make it plain, to the witness: it makes the
+                # plain copy and asks whether the result equals it, watching that no
+                # line of the patch's decides either (a result's own methods can tell
+                # that check from the test's own comparison), and records both for
+                # the grader: the assertion passes here and is decided there
+                # (`settled_values`).
                 prefix = (
-                    f"(lambda v: (lambda p: {names[2]}({'_' * site!r}, p, v == p))"
-                    f"({_plain(value, 'v', names, 'len')}))("
+                    f"(lambda v: {names[2]}({'_' * site!r}, v, "
+                    f"lambda v: {_plain(value, 'v', names, 'len')}))("
                 )
             else:
                 # ``p`` is the plain copy, made before ``v`` hears the literal: True

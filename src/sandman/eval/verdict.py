@@ -41,7 +41,8 @@ __all__ = [
 # the grader's files only after pre_test, ``official`` beside ``status``;
 # 6: ``official`` read by the swebench package's own parser where it is importable,
 # ``official_parser`` naming the parser.
-HARNESS_VERSION = "6"
+# 7: input variants (`sandman.eval.variants`) where the instance carries its fix.
+HARNESS_VERSION = "7"
 """Part of every inputs hash: a harness change that could change verdicts bumps it."""
 
 Status = Literal[

@@ -345,20 +345,50 @@ class _Witness:
             self.reads.add((what, path))
             self.emit("audit", event="read", what=what, target=path, patch=where)
 
-    def value(self, site: str, plain: Any, agree: Any) -> None:
-        """A family member's settled assertion ran: its plain result (``repr``), and
-        whether the result equals it, go to the grader, who alone holds the value
-        expected (`sandman.eval.settle`)."""
-        agrees = bool(agree)  # the test's own comparison: an error here is the test's
+    def value(self, site: str, value: Any, plain: Any) -> None:
+        """A family member's settled assertion ran: its plain result, and whether the
+        result equals it, go to the grader, who alone holds the value expected
+        (`sandman.eval.settle`).
+
+        Both are decided here while a profiler watches every call on this thread: a
+        line the patch added that runs then makes the result disagree (the result's
+        own methods could tell this check from the test's own comparison). The copy
+        is recorded as built-in values only, by their built-in ``repr``."""
+        ran: List[str] = []
+
+        def watch(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call" and not ran:
+                where = self._patch_code(frame.f_code)
+                if where:
+                    ran.append(where)
+
+        previous = sys.getprofile()
+        self.busy.on = True  # the witness's own profiler: not a forger's
+        sys.setprofile(watch)
+        self.busy.on = False
+        try:
+            # An error here is the test's, as the assertion's own would have been.
+            copy = plain(value)
+            agrees = bool(value == copy) is True
+        finally:
+            self.busy.on = True
+            sys.setprofile(previous)
+            self.busy.on = False
+        if ran:
+            agrees = False
+            self.emit(
+                "audit",
+                event="value",
+                what="decided a settled result with the patch's code",
+                target="site %d" % len(site),
+                patch=ran[0],
+            )
         frame: Optional[FrameType] = sys._getframe(1)
         while frame is not None and not (
             frame.f_code.co_filename in self.planted_names and frame.f_code.co_name != "<lambda>"
         ):
             frame = frame.f_back
-        try:
-            text = repr(plain)  # a plain copy: built-in values only
-        except Exception:
-            text = "?"
+        text = _built_in_repr(copy)
         self.emit(
             "value",
             test=frame.f_code.co_name if frame is not None else "?",
@@ -415,6 +445,25 @@ class _Witness:
         return True
 
     # -- where a call comes from ----------------------------------------------------
+
+    def _patch_code(self, code: Any) -> Optional[str]:
+        """``file:line`` of ``code`` where any of its lines is one the patch added or
+        changed, else None."""
+        name = self._patch_file(getattr(code, "co_filename", None))
+        ranges = self.patch_lines.get(name, ()) if name is not None else ()
+        if not ranges:
+            return None
+        lines = getattr(code, "co_lines", None)  # 3.10+; before, the line starts
+        if lines is None:
+            import dis  # only on an old Python, and only for the patch's files
+
+            found = [n for _, n in dis.findlinestarts(code)]
+        else:
+            found = [line for _, _, line in lines()]
+        for line in found:
+            if line is not None and any(a <= line <= b for a, b in ranges):
+                return "%s:%d" % (name, line)
+        return None
 
     def patch_line(self) -> Optional[str]:
         """The first frame on the stack running a line the patch added or changed, as
@@ -618,12 +667,39 @@ _WHAT = {
 _VALUE_LIMIT = 1 << 16  # a longer repr is cut, and then equals no expected value
 
 
-def record(site: Any, plain: Any, agree: Any) -> bool:
-    """What a family member's settled assertion calls (`sandman.eval.settle`, recorded):
-    its plain result goes to the grader, and the assertion passes here."""
+def _built_in_repr(value: Any, depth: int = 0) -> str:
+    """``value``'s ``repr`` if it is built of built-in values alone (the exact types,
+    by their own ``repr``: no method of the value's runs), else ``"?"`` (which equals
+    no expected value)."""
+    kind = type(value)
+    if kind is bool or value is None:
+        return "True" if value is True else "False" if value is False else "None"
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        return float.__repr__(value)
+    if kind is str:
+        return str.__repr__(value)
+    if (kind is list or kind is tuple) and depth < 32:
+        items = [
+            _built_in_repr(item, depth + 1)
+            for item in (list.__iter__(value) if kind is list else tuple.__iter__(value))
+        ]
+        if "?" in items:
+            return "?"
+        if kind is tuple:
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        return "[" + ", ".join(items) + "]"
+    return "?"
+
+
+def record(site: Any, value: Any, plain: Any) -> bool:
+    """What a family member's settled assertion calls (`sandman.eval.settle`, recorded)
+    with its result and the expression making it plain: the plain copy goes to the
+    grader, and the assertion passes here."""
     witness = _witness
     if witness is not None:
-        witness.value(str(site), plain, agree)
+        witness.value(str(site), value, plain)
     return True
 
 
