@@ -86,3 +86,23 @@ def test_the_memory_of_many_sandboxes_grows_with_the_square_of_their_count() -> 
     assert host.memory_for(1000) < 2 * 2**30
     assert 24 * 2**30 < host.memory_for(11858) < 30 * 2**30
     assert host.memory_for(2000) - 2 * host.memory_for(1000) > 100 * 2**20
+
+
+def test_the_doctor_says_whether_the_built_runsc_has_its_sidecars(tmp_path: Path) -> None:
+    """runsc starts each sentry through the sidecars beside it (hack/gvisor/build makes
+    them); the doctor names those missing and where they belong."""
+    runsc = tmp_path / "runsc"
+    runsc.write_text("#!/bin/sh\necho 'runsc version test'\n")
+    runsc.chmod(0o755)
+    (tmp_path / "gvisor-bin").mkdir()
+    sentry = tmp_path / "gvisor-bin" / "gvisor_sentry"
+    sentry.write_text("")
+    sentry.chmod(0o755)
+    lines = host.check_gvisor(runsc)
+    (said,) = [line for line in lines if line.startswith("runsc sidecars")]
+    assert "gvisor-sentry-prewarmer missing" in said and str(tmp_path / "gvisor-bin") in said
+    prewarmer = tmp_path / "gvisor-bin" / "gvisor-sentry-prewarmer"
+    prewarmer.write_text("")
+    prewarmer.chmod(0o755)
+    (said,) = [line for line in host.check_gvisor(runsc) if line.startswith("runsc sidecars")]
+    assert "missing" not in said and "gvisor_sentry, gvisor-sentry-prewarmer" in said

@@ -407,6 +407,8 @@ def check_gvisor(built: Path | None = None) -> list[str]:
         found = True
         version = _first_line([str(binary), "--version"])
         lines.append(f"runsc {where}: {binary} ({version or 'version unknown'})")
+        if binary == built:
+            lines.append(_sidecars(binary))
     if not found:
         lines.append("runsc: none (optional; apt-get install -y runsc, or hack/gvisor/build)")
         return lines
@@ -429,6 +431,26 @@ def check_gvisor(built: Path | None = None) -> list[str]:
     else:
         lines.append("gVisor platform kvm: /dev/kvm with hardware virtualization: may work")
     return lines
+
+
+# runsc (>= 2026) starts each sentry through these, found in gvisor-bin/ beside itself
+# (hack/gvisor/README.md); without them it boots with its whole self and waits an RCU
+# grace period as the sentry's fd table grows.
+_SIDECARS = ("gvisor_sentry", "gvisor-sentry-prewarmer")
+
+
+def _sidecars(runsc: Path) -> str:
+    """Whether the sidecars runsc looks for beside itself are there, in words."""
+    missing = [
+        name for name in _SIDECARS if not os.access(runsc.parent / "gvisor-bin" / name, os.X_OK)
+    ]
+    if not missing:
+        return f"runsc sidecars: {', '.join(_SIDECARS)} (no wait as each sentry starts)"
+    return (
+        f"runsc sidecars: {', '.join(missing)} missing in {runsc.parent / 'gvisor-bin'} "
+        "(each create waits 1-15 ms more; hack/gvisor/build makes them, the prewarmer "
+        "with a C compiler)"
+    )
 
 
 def _first_line(argv: list[str]) -> str:
