@@ -23,6 +23,7 @@ from sandman.eval import (
     run_batch,
 )
 from sandman.eval.decoys import CHOICES
+from sandman.eval.variants import COUNT
 from sandman.images import ImageStore
 from sandman.providers.local import LocalProvider
 from sandman.settings import LocalConfig
@@ -130,10 +131,12 @@ async def test_every_kind_of_patch_gets_its_verdict(
     token = next(t for t, name in report["renamed"].items() if name == "test_median_even")
     assert f"PASSED tests/test_stats.py::{token}" in report["test_output"]
     assert "test_median_even" not in report["test_output"]
-    # Two input variants: the instance carries its fix, and every shift of an even
-    # list of four reaches the bug.
-    assert sorted(d.split()[1] for d in report["canaries"].values()) == [
-        "input", "input", "must-error", "must-fail", "must-pass", "must-skip", "must-xfail",
+    # Input variants too: the instance carries its fix (how many reach the bug depends
+    # on the process's draw; every even list of four or six does).
+    kinds = sorted(d.split()[1] for d in report["canaries"].values())
+    assert 1 <= kinds.count("input") <= COUNT
+    assert [k for k in kinds if k != "input"] == [
+        "must-error", "must-fail", "must-pass", "must-skip", "must-xfail",
         *["mutant"] * 2 * (CHOICES - 1), "re-importing",
     ]  # fmt: skip
     assert all(v.official in (v.status, None) for key, v in got.items() if key[0] in honest)

@@ -33,48 +33,74 @@ SLUG = (
 )
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_every_input_moves_and_every_line_keeps_its_columns(seed: int) -> None:
+@pytest.mark.parametrize("draw", range(COUNT))
+def test_every_input_moves_on_its_own_line_and_the_expected_values_stay(draw: int) -> None:
     for text in (MEDIAN, SLUG):
         lines, node = _node(text)
-        moved = transform(lines, node, random.Random(seed))
+        moved = transform(lines, node, random.Random(draw), draw)
         assert moved is not None and moved != lines
-        assert [len(line) for line in moved] == [len(line) for line in lines]
+        assert len(moved) == len(lines)  # every line where it was: the family's edits hold
+        ast.parse("".join(moved))
         # The expected literal and the docstring stay as written.
         assert moved[-1].rstrip().endswith(("== 2.5", '"hello-world")'))
         if text == SLUG:
             assert moved[2] == lines[2]
-            # Punctuation and spaces stay where the bug lives; letters move, case kept.
             said = ast.literal_eval(moved[3].split("slugify(")[1].split(")")[0])
-            assert [c.isalpha() for c in said] == [c.isalpha() for c in "  Hello,  World!"]
-            assert [c.isupper() for c in said] == [c.isupper() for c in "  Hello,  World!"]
-            assert said != "  Hello,  World!"
+            # Letters stay letters and marks marks (a mark or a letter may repeat);
+            # spaces stay.
+            assert said.count(" ") == 4 and said != "  Hello,  World!"
+            assert sum(c.isalpha() for c in said) in (10, 11)
+            assert len(said) in (16, 18)
 
 
-def test_numbers_move_together_so_their_order_and_differences_stay() -> None:
-    lines, node = _node(
-        "def test_t():\n    assert merge([(1, 2), (2, 3), (7, 9)], -4, 2.75) == [(1, 3)]\n"
-    )
-    moved = transform(lines, node, random.Random(1))
-    assert moved is not None
-    args = ast.literal_eval("(" + moved[1].split("merge(")[1].split(") ==")[0] + ")")
-    pairs, negative, decimal = args
-    shift = pairs[0][0] - 1
-    assert shift != 0
-    assert pairs == [(1 + shift, 2 + shift), (2 + shift, 3 + shift), (7 + shift, 9 + shift)]
-    assert negative == -4 + shift and decimal == 2.75 + shift
-    assert moved[1].endswith("== [(1, 3)]\n")
+def test_the_ways_numbers_move_take_turns() -> None:
+    """A small shift (differences kept), a shift past every digit (low digits kept), a
+    scale (differences scaled): each is among a test's draws, and a list of numbers
+    may grow by two items past its largest (its own length is no gate)."""
+    text = "def test_t():\n    assert merge([(1, 2), (2, 3), (7, 9)], -4, 2.75) == [(1, 3)]\n"
+    lines, node = _node(text)
+    grown = False
+    for draw in range(COUNT):
+        moved = transform(lines, node, random.Random(draw), draw)
+        assert moved is not None
+        assert moved[1].endswith("== [(1, 3)]\n")
+        pairs, negative, decimal = ast.literal_eval(
+            "(" + moved[1].split("merge(")[1].split(") ==")[0] + ")"
+        )
+        grown |= len(pairs) == 5
+        first, second = pairs[0], pairs[1]
+        if draw % 3 == 0:
+            shift = first[0] - 1
+            assert 0 < abs(shift) < 10
+            assert pairs[:3] == [
+                (1 + shift, 2 + shift),
+                (2 + shift, 3 + shift),
+                (7 + shift, 9 + shift),
+            ]
+            assert negative == -4 + shift and decimal == 2.75 + shift
+        elif draw % 3 == 1:
+            assert first[0] % 10 == 1 and abs(first[0]) > 9  # past every digit: low digit kept
+            assert second[0] - first[0] == 1
+        else:
+            scale = first[1] - first[0]
+            assert 2 <= scale <= 9 and second[0] == first[1]  # touching stays touching
+        if len(pairs) == 5:
+            largest = max(x for pair in pairs[:3] for x in pair)
+            assert all(x > largest for pair in pairs[3:] for x in pair)
+    assert grown
 
 
 def test_a_test_with_nothing_to_move_has_no_variant() -> None:
     for text in (
         "def test_t():\n    assert f() == 3\n",
         "def test_t():\n    assert f(True, None, b'x', f'{y}') == 3\n",
-        # No shift keeps every number's length (0 and 9 both present).
-        "def test_t():\n    assert f(0, 9, '.') == 3\n",
+        # Expected values stay: a literal on the expected side alone is nothing to move.
+        "def test_t():\n    assert f() == [4, 1, 'ab']\n",
     ):
         lines, node = _node(text)
-        assert transform(lines, node, random.Random(0)) is None, text
+        assert all(
+            transform(lines, node, random.Random(draw), draw) is None for draw in range(COUNT)
+        ), text
 
 
 def test_the_same_key_draws_the_same_variant_and_another_key_may_not() -> None:
@@ -82,8 +108,8 @@ def test_the_same_key_draws_the_same_variant_and_another_key_may_not() -> None:
     inputs = Inputs(b"secret")
     first = transform(lines, node, inputs.rng(("t", 0)))
     assert first == transform(lines, node, inputs.rng(("t", 0)))
-    drawn = {"".join(transform(lines, node, inputs.rng(("t", i))) or []) for i in range(COUNT)}
-    assert len(drawn) > 1
+    drawn = {"".join(transform(lines, node, inputs.rng(("t", i)), i) or []) for i in range(COUNT)}
+    assert len(drawn) > COUNT // 2
     assert first != transform(lines, node, Inputs(b"other").rng(("t", 0)))
 
 
@@ -164,7 +190,7 @@ def test_a_grading_plan_plants_the_learnt_variants_as_canaries_with_their_values
     (canary,) = [c for c in made.canaries if c.kind == "variant"]
     assert canary.token == token and canary.describe() == f"an input variant of {TARGET}"
     # Its inputs are the draw's, its expected value nowhere in the file.
-    moved = transform(*_node(MEDIAN), Inputs(b"seed").rng(key))
+    moved = transform(*_node(MEDIAN), Inputs(b"seed").rng(key), 0)
     assert moved is not None
     inputs = moved[1].split("median(")[1].split(")")[0]
     assert f"median({inputs})" in made.sources["t.py"]

@@ -776,19 +776,34 @@ def _variants(
     sites = len(settled_values(lines, node))
     for index in range(variants.COUNT):
         key = (test_id, index)
-        moved = variants.transform(lines, node, inputs.rng(key))
-        if moved is None:
-            break
-        if "".join(moved) in seen or (inputs.values is not None and key not in inputs.values):
+        moved = variants.transform(lines, node, inputs.rng(key), draw=index)
+        if moved is None or "".join(moved) in seen:
+            continue
+        if inputs.values is not None and key not in inputs.values:
             continue
         seen.add("".join(moved))
-        source, hidden, _ = settle(moved, node, names, recorded=True)
+        # Its own parse: a moved literal may change its length (never its lines).
+        at = next(
+            (
+                n
+                for n in ast.walk(ast.parse("".join(moved)))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.lineno == node.lineno
+            ),
+            None,
+        )
+        if at is None or len(settled_values(moved, at)) != sites:
+            continue
+        source, hidden, _ = settle(moved, at, names, recorded=True)
         member = name()
         texts = []
         for written in (source, hidden):
-            segment = _copy(written, node, function, member)
-            assert segment is not None  # as for the original: only names and inputs differ
-            texts.append("".join(_at_top(segment, node, source, [helpers(names, recorder)])))
+            segment = _copy(written, at, function, member)
+            if segment is None:
+                break
+            texts.append("".join(_at_top(segment, at, source, [helpers(names, recorder)])))
+        if len(texts) != 2:
+            continue
         result.variants[member] = (key, sites)
         if inputs.values is not None:
             result.recorded[member] = inputs.values[key]

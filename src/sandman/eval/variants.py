@@ -14,13 +14,19 @@ answers only the test's own inputs fails it. Its expected values, like the famil
 never enter the test process (they are recorded, `sandman.eval.settle`), and they are
 the fix's, so no patch can know them without computing them.
 
-The draw, per variant: every whole number of the body (and a decimal's integer part)
-shifted by one ``k`` (differences and order kept: touching intervals still touch),
-every letter of its plain strings through one permutation (case kept; punctuation and
-spaces, where bugs like to live, kept). Each literal keeps its length, so every line
-keeps its columns and the family's other edits their places. Expected literals stay as
-written. A variant the fix fails, or on which the unpatched code already agrees with
-the fix (it does not reach the bug), is not planted (the harness's calibration).
+The draw, per variant: every number of the body moved alike, in turns (``draw % 3``) by
+a small shift (differences and order kept: touching intervals still touch), by a shift
+past every digit the numbers have (low digits kept: cents stay cents), or scaled; every
+letter of its plain strings through one permutation (case kept) and every mark through
+another (spaces and digits kept), and, every other draw, a letter and a mark of each
+string repeated; every other draw, a list of numbers (or of tuples of numbers) grown by
+two items past its largest. A literal may change its length (a line never moves: the
+caller parses the moved text again), so neither a table of the few inputs a smaller
+draw could make nor a gate on the inputs' lengths holds (red-team round 13 beat a
+first, length-keeping draw with both, and with fixes of only the structure a shift
+keeps). Expected literals stay as written. A variant the fix fails, or on which the
+unpatched code already agrees with the fix (it does not reach the bug), is not planted
+(the harness's calibration).
 """
 
 from __future__ import annotations
@@ -29,16 +35,16 @@ import ast
 import random
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sandman.eval.decoys import pairs
 
 __all__ = ["COUNT", "KEEP", "Inputs", "learnt", "transform"]
 
-COUNT = 4
+COUNT = 8
 """How many variants of a test the calibration tries."""
-KEEP = 2
+KEEP = 8
 """How many of those that reach the bug a grade plants."""
 
 Key = tuple[str, int]
@@ -66,56 +72,173 @@ class Inputs:
 
 
 def transform(
-    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, rng: random.Random
+    lines: list[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    rng: random.Random,
+    draw: int = 0,
 ) -> list[str] | None:
-    """``lines`` with ``node``'s inputs moved by one draw from ``rng``, every literal its
-    own length; None where the test has no input to move (or none moves)."""
+    """``lines`` with ``node``'s inputs moved by one draw from ``rng`` (no line added or
+    removed; a literal may change its length); None where the test has no input to
+    move, or where the moved text does not parse. ``draw``: which of a test's draws
+    (the way numbers move takes turns, so every way is among a test's draws)."""
     expected = _expected_spans(node)
-    numbers: list[tuple[ast.Constant, bool, str]] = []  # constant, negated, integer part
+    numbers: list[tuple[ast.expr, float]] = []  # the span (a -n whole), its value
     strings: list[ast.Constant] = []
-    for constant, negated in _constants(node):
+    lists: list[ast.List] = []
+    for item, negated in _constants(node):
+        if isinstance(item, ast.List):
+            if (item.lineno, item.col_offset) not in expected:
+                lists.append(item)
+            continue
+        constant = item.operand if isinstance(item, ast.UnaryOp) else item
+        assert isinstance(constant, ast.Constant)
         if (constant.lineno, constant.col_offset) in expected or constant.lineno != (
             constant.end_lineno or constant.lineno
         ):
             continue
-        text = _text(lines, constant)
-        value = constant.value
+        text, value = _text(lines, constant), constant.value
         if isinstance(value, bool):
             continue
-        if isinstance(value, int) and _DIGITS.match(text):
-            numbers.append((constant, negated, text))
-        elif isinstance(value, float) and (match := _DECIMAL.match(text)):
-            numbers.append((constant, negated, match[1]))
+        if isinstance(value, (int, float)) and (_DIGITS.match(text) or _DECIMAL.match(text)):
+            numbers.append((item, -value if negated else value))
         elif isinstance(value, str) and _STRING.match(text) and any(c.isalpha() for c in text):
             strings.append(constant)
-    edits: list[tuple[ast.Constant, str]] = []
-    shifts = [k for k in range(-9, 10) if k and all(_fits(t, n, k) for _, n, t in numbers)]
-    if numbers and shifts:
-        k = rng.choice(shifts)
-        for constant, negated, whole in numbers:
-            text = _text(lines, constant)
-            moved = int(whole) - k if negated else int(whole) + k
-            edits.append((constant, str(moved) + text[len(whole) :]))
-    if strings:
-        letters = list(string.ascii_lowercase)
-        rng.shuffle(letters)
-        table = str.maketrans(
-            string.ascii_lowercase + string.ascii_uppercase,
-            "".join(letters) + "".join(letters).upper(),
-        )
-        edits += [(c, _text(lines, c).translate(table)) for c in strings]
-    edits = [(c, new) for c, new in edits if new != _text(lines, c)]
+    move = _numbers(rng, [abs(v) for _, v in numbers], draw % 3)
+    edits: list[tuple[ast.expr, str]] = [(span, _number(move(v))) for span, v in numbers]
+    edits += _strings(rng, [(c, _text(lines, c)) for c in strings])
+    if rng.random() < 0.5:
+        edits += [e for e in (_appended(items, move) for items in lists) if e is not None]
+    edits = [(span, new) for span, new in edits if new != _span_text(lines, span)]
     if not edits:
         return None
     out = lines[:]
-    for constant, new in edits:
-        index = constant.lineno - 1
+    # Right to left within a line: each edit's columns are the original text's.
+    for span, new in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
+        index = span.lineno - 1  # one line each (a list's end: where its last item ends)
         raw = out[index].encode("utf-8", errors="surrogateescape")
-        start, end = constant.col_offset, constant.end_col_offset or constant.col_offset
-        out[index] = (raw[:start] + new.encode() + raw[end:]).decode(
+        first = span.col_offset
+        last = span.end_col_offset if span.end_col_offset is not None else first
+        out[index] = (raw[:first] + new.encode() + raw[last:]).decode(
             "utf-8", errors="surrogateescape"
         )
+    try:
+        ast.parse("".join(out))
+    except (SyntaxError, ValueError):
+        return None
     return out
+
+
+class _End(ast.expr):
+    """An empty span where a list's items end: text is inserted there."""
+
+
+def _numbers(rng: random.Random, sizes: list[float], mode: int) -> Callable[[float], float]:
+    """One draw of how the numbers move, all alike: by a small shift (``mode`` 0:
+    differences kept), by a shift past every digit they have (1: low digits kept), or
+    scaled (2: differences scaled)."""
+    width = 10 ** len(str(int(max(sizes, default=1))))
+    sign = rng.choice((-1, 1))
+    if mode == 0:
+        shift = sign * rng.randint(1, 9)
+        return lambda v: v + shift
+    if mode == 1:
+        shift = rng.randint(1, 999) * width
+        return lambda v: v + shift
+    scale, shift = rng.randint(2, 9), rng.randint(0, 9)
+    return lambda v: v * scale + shift
+
+
+def _number(value: float) -> str:
+    return repr(value) if isinstance(value, int) else repr(float(value))
+
+
+_PUNCTUATION = ",.;:!?/()[]{}-_@#$%&*+=<>|~^"
+
+
+def _strings(
+    rng: random.Random, found: list[tuple[ast.Constant, str]]
+) -> list[tuple[ast.expr, str]]:
+    """Every plain string through one permutation of letters (case kept) and one of
+    punctuation (spaces and digits kept), so equal strings stay equal; and, every other
+    draw, each with a letter and a mark of its own repeated (so its length moves)."""
+    letters = list(string.ascii_lowercase)
+    marks = list(_PUNCTUATION)
+    rng.shuffle(letters)
+    rng.shuffle(marks)
+    table = str.maketrans(
+        string.ascii_lowercase + string.ascii_uppercase + _PUNCTUATION,
+        "".join(letters) + "".join(letters).upper() + "".join(marks),
+    )
+    grow = rng.random() < 0.5
+    salt = rng.random()
+    edits: list[tuple[ast.expr, str]] = []
+    for constant, text in found:
+        quote, body = text[0], text[1:-1].translate(table)
+        if grow:
+            # Drawn from the string itself (and the draw): equal strings grow alike.
+            local = random.Random(f"{salt}\0{body}")
+            for kind in (str.isalpha, lambda c: c in _PUNCTUATION):
+                at = [i for i, c in enumerate(body) if kind(c)]
+                if at:
+                    i = local.choice(at)
+                    body = body[: i + 1] + body[i] + body[i + 1 :]
+        edits.append((constant, quote + body + quote))
+    return edits
+
+
+def _appended(items: ast.List, move: Callable[[float], float]) -> tuple[ast.expr, str] | None:
+    """Two more items for a list of numbers (or of tuples of numbers): its last two,
+    moved as the numbers were and then past its largest; None for any other list."""
+    try:
+        values = ast.literal_eval(items)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if len(values) < 2 or not all(_numeric(v) for v in values):
+        return None
+    moved = [_map(v, move) for v in values]
+    leaves = [x for v in moved for x in _leaves(v)]
+    past = max(leaves) - min(leaves) + 1
+    extra = [_map(v, lambda x: x + past) for v in moved[-2:]]
+    last = items.elts[-1]
+    end = _End(lineno=last.end_lineno or last.lineno, col_offset=last.end_col_offset or 0)
+    end.end_lineno, end.end_col_offset = end.lineno, end.col_offset
+    return end, "".join(", " + _literal(v) for v in extra)
+
+
+def _numeric(value: object) -> bool:
+    if isinstance(value, tuple):
+        return bool(value) and all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _map(value: object, move: Callable[[float], float]) -> object:
+    if isinstance(value, tuple):
+        return tuple(_map(v, move) for v in value)
+    assert isinstance(value, (int, float))
+    return move(value)
+
+
+def _leaves(value: object) -> list[float]:
+    if isinstance(value, tuple):
+        return [x for v in value for x in _leaves(v)]
+    assert isinstance(value, (int, float))
+    return [value]
+
+
+def _literal(value: object) -> str:
+    if isinstance(value, tuple):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    assert isinstance(value, (int, float))
+    return _number(value)
+
+
+def _span_text(lines: list[str], span: ast.expr) -> str:
+    if isinstance(span, _End):
+        return ""
+    raw = lines[span.lineno - 1].encode("utf-8", errors="surrogateescape")
+    last = span.end_col_offset if span.end_col_offset is not None else span.col_offset
+    return raw[span.col_offset : last].decode("utf-8", errors="surrogateescape")
 
 
 Planted = Mapping[str, tuple[Key, int]]
@@ -161,28 +284,22 @@ def _answers(planted: Planted, records: Records) -> dict[Key, tuple[object, ...]
     return found
 
 
-def _fits(whole: str, negated: bool, k: int) -> bool:
-    """Whether a number written ``whole`` (its integer part) keeps its length and sign
-    when the value moves by ``k``."""
-    moved = int(whole) - k if negated else int(whole) + k
-    return moved >= (1 if negated else 0) and len(str(moved)) == len(whole)
-
-
 def _expected_spans(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[tuple[int, int]]:
-    """Where each constant of an equality assertion's expected side starts: left as written."""
+    """Where each part of an equality assertion's expected side starts: left as written."""
     spans: set[tuple[int, int]] = set()
     for _, expected in pairs(node):
         for inner in ast.walk(expected):
-            if isinstance(inner, ast.Constant):
+            if isinstance(inner, ast.expr):
                 spans.add((inner.lineno, inner.col_offset))
     return spans
 
 
 def _constants(
     node: ast.FunctionDef | ast.AsyncFunctionDef,
-) -> list[tuple[ast.Constant, bool]]:
-    """The constants of the body (not its docstring, not inside an f-string), each with
-    whether a unary minus stands before it."""
+) -> list[tuple[ast.expr, bool]]:
+    """The body's constants (not its docstring, not inside an f-string), each as its
+    span (``-n`` whole) with whether a unary minus stands before it, and its list
+    displays."""
     body = node.body
     if (
         body
@@ -191,22 +308,28 @@ def _constants(
         and isinstance(body[0].value.value, str)
     ):
         body = body[1:]
-    found: list[tuple[ast.Constant, bool]] = []
+    found: list[tuple[ast.expr, bool]] = []
 
-    def visit(item: ast.AST, negated: bool) -> None:
+    def visit(item: ast.AST) -> None:
         if isinstance(item, ast.JoinedStr):
             return
         if isinstance(item, ast.Constant):
-            found.append((item, negated))
+            found.append((item, False))
             return
-        if isinstance(item, ast.UnaryOp) and isinstance(item.op, ast.USub):
-            visit(item.operand, True)
+        if (
+            isinstance(item, ast.UnaryOp)
+            and isinstance(item.op, ast.USub)
+            and isinstance(item.operand, ast.Constant)
+        ):
+            found.append((item, True))
             return
+        if isinstance(item, ast.List):
+            found.append((item, False))
         for child in ast.iter_child_nodes(item):
-            visit(child, False)
+            visit(child)
 
     for statement in body:
-        visit(statement, False)
+        visit(statement)
     return found
 
 
