@@ -161,6 +161,10 @@ async def _sweep_local(config: LocalConfig, labels: Mapping[str, str]) -> int:
         # (another pool's creates in flight are younger than the grace).
         with contextlib.suppress(errors.SandboxError, OSError):
             await provider.remove_strays(older_than=_STRAY_GRACE)
+        # Likewise a snapshot's delete killed with it (its record already gone, so no
+        # sweep by label finds it); a live pool's delete removes the same trash alike.
+        with contextlib.suppress(errors.SandboxError, OSError):
+            await asyncio.to_thread(provider.snapshot_store.remove_strays)
         return swept
     finally:
         await provider.aclose()  # unmounts the disk filesystem if no sandbox is left

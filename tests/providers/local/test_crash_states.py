@@ -186,8 +186,14 @@ async def test_a_dead_pools_watchdog_removes_what_its_killed_deletes_left(
     died = sandboxes / ".new-sb-000000000005.9c0d1e2f"  # the dead pool's create, record written
     died.mkdir(mode=0o700)
     (died / "meta.json").write_text('{"id": "sb-000000000005", "labels": {}}')
+    # A snapshot's delete killed after its rename (chaos: service killed mid-delete).
+    snapshots = provider.snapshot_store.root
+    snapshots.mkdir(parents=True, exist_ok=True)
+    dropped = snapshots / ".old-sn-69dfffb26904.cf013cab"
+    dropped.mkdir(mode=0o700)
     await watchdog._sweep_local(provider.config, {"sandman.io/pool": "dead"})
     assert not trash.exists() and not died.exists() and in_flight.exists()
+    assert not dropped.exists()
     in_flight.rmdir()
     assert leftovers(provider) == []
 
