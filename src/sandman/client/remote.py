@@ -1,6 +1,6 @@
 """``sandman.connect(url, api_key=...)``: a client whose sandboxes come from the HTTP service.
 
-(About 650 lines, one protocol's client: each call maps the service's error
+(About 720 lines, one protocol's client: each call maps the service's error
 shapes to the same typed errors, and must agree with the service's routes.)
 
 `RemoteBackend` implements the same `Backend` protocol as the in-process pool,

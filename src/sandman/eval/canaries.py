@@ -1,6 +1,6 @@
 """Evidence the patch cannot predict: listed tests renamed, canaries planted beside them.
 
-(About 850 lines: one rewrite, from reading a test file to planting its copies and canaries;
+(About 930 lines: one rewrite, from reading a test file to planting its copies and canaries;
 the values the copies expect are drawn in `sandman.eval.decoys`.)
 
 Pure: test files' text in, rewritten text and a `Plan` out; the harness reads

@@ -1,6 +1,6 @@
 """`evaluate`: grade one patch on one instance in a fresh sandbox, by the SWE-bench harness's rules.
 
-(About 960 lines, one procedure: each step relies on what the steps before it
+(About 1,040 lines, one procedure: each step relies on what the steps before it
 set back, so its order is its defence; canaries, verdicts and evidence are
 their own modules.)
 
@@ -25,7 +25,7 @@ The steps, each a command in the sandbox (never in the agent's):
    canaries must end as planted, and XFAIL or SKIPPED counts only where the
    test's own source declares it.
 
-Its size (about 800 lines) is the steps' and one evaluation's state: what
+Its size is the steps' and one evaluation's state: what
 is pure lives beside it (`protect`: what a patch may change; `canaries`: the
 plan; `judge`: grading a finished run).
 

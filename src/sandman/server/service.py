@@ -1,6 +1,10 @@
 """The service's state over one `Pool`: tenants, their sessions and limits, acquires in
 flight, recently gone sandboxes, and shutdown. HTTP lives in `app`; this is plain asyncio.
 
+(About 620 lines, one piece: every route's tenant check, count and limit reads and
+writes the same per-tenant state under one event loop; split, each half would need
+the other's invariants.)
+
 Ownership needs no table of its own: every sandbox acquired through the service
 carries its tenant as the label ``sandman.io/tenant`` (in its spec, so the
 backend keeps it), which survives a restart of the service and an adoption by

@@ -1,6 +1,6 @@
 """The grader's witness inside the test process (runs on the image's Python, 3.6+).
 
-(About 1,150 lines in one file: the harness writes this file alone into the sandbox,
+(About 1,210 lines in one file: the harness writes this file alone into the sandbox,
 under a fresh random module name (`sandman.eval.harness`), for the image's Python,
 where nothing of Sandman is installed; a module of its own beside it would need
 planting and a random name too, or the code under test could shadow it.)

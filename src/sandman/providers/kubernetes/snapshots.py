@@ -1,6 +1,10 @@
 """Snapshots of pods' files, kept by the pool (`sandman.providers.base.Snapshots` on
 Kubernetes; docs/snapshots.md says why this route).
 
+(About 610 lines, one piece: snapshot, fork, restore, save and pause each go through the
+same pod lookup, daemon client and lost-pod errors; the records and the image push
+already live apart.)
+
 A pod's writable layer is the node's, out of the pool's reach, so the daemon sends
 what the sandbox changed: ``GET /v1/changes`` is a tar stream of every entry whose
 ctime is at or after the daemon's start (nothing else runs in a pod before its daemon,
