@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 
 import pytest
 
-from sandman.eval.canaries import Target, plan
+from sandman.eval.canaries import Plan, Target, plan
 from sandman.eval.parsers import TestStatus
 from sandman.eval.variants import COUNT, Inputs, learnt, transform
 
@@ -46,11 +47,14 @@ def test_every_input_moves_on_its_own_line_and_the_expected_values_stay(draw: in
         if text == SLUG:
             assert moved[2] == lines[2]
             said = ast.literal_eval(moved[3].split("slugify(")[1].split(")")[0])
-            # Letters stay letters and marks marks (a mark or a letter may repeat);
-            # spaces stay.
+            # Letters stay letters and marks marks; spaces stay. On every other draw
+            # each run of marks is one longer and one letter repeats (round 13 fixed only
+            # runs of marks as long as the test's).
             assert said.count(" ") == 4 and said != "  Hello,  World!"
-            assert sum(c.isalpha() for c in said) in (10, 11)
-            assert len(said) in (16, 18)
+            grown = draw % 2 == 1
+            assert sum(c.isalpha() for c in said) == (11 if grown else 10)
+            runs = re.findall(r"[^A-Za-z ]+", said)
+            assert [len(run) for run in runs] == ([2, 2] if grown else [1, 1])
 
 
 def test_the_ways_numbers_move_take_turns() -> None:
@@ -151,16 +155,21 @@ def test_calibration_keeps_the_variants_the_fix_answers_and_the_bug_gets_wrong()
 TARGET = "t.py::test_median_even"
 
 
-def test_a_calibrating_plan_plants_every_variant_and_expects_nothing_of_them() -> None:
-    made = plan(
+def _planned(inputs: Inputs, recorder: str | None = "witness_mod") -> Plan:
+    """MEDIAN's plan, its one test a FAIL_TO_PASS test, with ``inputs``."""
+    return plan(
         {"t.py": MEDIAN},
         [Target(TARGET, "t.py", (), "test_median_even")],
         [TARGET],
         "pytest",
         rng=random.Random(5),
-        recorder="witness_mod",
-        inputs=Inputs(b"seed"),
+        recorder=recorder,
+        inputs=inputs,
     )
+
+
+def test_a_calibrating_plan_plants_every_variant_and_expects_nothing_of_them() -> None:
+    made = _planned(Inputs(b"seed"))
     assert made.variants
     assert {key for key, _ in made.variants.values()} <= {(TARGET, i) for i in range(COUNT)}
     assert all(sites == 1 for _, sites in made.variants.values())
@@ -175,15 +184,7 @@ def test_a_calibrating_plan_plants_every_variant_and_expects_nothing_of_them() -
 
 def test_a_grading_plan_plants_the_learnt_variants_as_canaries_with_their_values() -> None:
     key = (TARGET, 0)
-    made = plan(
-        {"t.py": MEDIAN},
-        [Target(TARGET, "t.py", (), "test_median_even")],
-        [TARGET],
-        "pytest",
-        rng=random.Random(5),
-        recorder="witness_mod",
-        inputs=Inputs(b"seed", {key: (12.5,)}),
-    )
+    made = _planned(Inputs(b"seed", {key: (12.5,)}))
     (token,) = made.variants
     assert made.variants[token] == (key, 1)
     assert made.recorded[token] == (12.5,)
@@ -213,12 +214,5 @@ def test_a_grading_plan_plants_the_learnt_variants_as_canaries_with_their_values
 
 
 def test_without_a_recorder_no_variant_is_planted() -> None:
-    made = plan(
-        {"t.py": MEDIAN},
-        [Target(TARGET, "t.py", (), "test_median_even")],
-        [TARGET],
-        "pytest",
-        rng=random.Random(5),
-        inputs=Inputs(b"seed"),
-    )
+    made = _planned(Inputs(b"seed"), recorder=None)
     assert not made.variants and not made.recorded

@@ -975,8 +975,10 @@ async def _calibrated(
         if key in _CALIBRATED:
             return _CALIBRATED[key]
         # Drawn from this process's secret: the same for every grade of the instance,
-        # and known to no patch.
-        drawing = variants.Inputs(hmac.new(_PLANT_KEY, key.encode(), hashlib.sha256).digest())
+        # and known to no patch (and not from the image's digest: a rebuilt image draws
+        # alike).
+        seed = inputs_hash(instance, "", conditions, None).encode()
+        drawing = variants.Inputs(hmac.new(_PLANT_KEY, seed, hashlib.sha256).digest())
         runs = [
             _Evaluation(instance, patch, conditions, "calibration", drawing, calibrating=True)
             for patch in (instance.patch or "", "")

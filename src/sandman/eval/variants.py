@@ -18,9 +18,10 @@ The draw, per variant: every number of the body moved alike, in turns (``draw % 
 a small shift (differences and order kept: touching intervals still touch), by a shift
 past every digit the numbers have (low digits kept: cents stay cents), or scaled; every
 letter of its plain strings through one permutation (case kept) and every mark through
-another (spaces and digits kept), and, every other draw, a letter and a mark of each
-string repeated; every other draw, a list of numbers (or of tuples of numbers) grown by
-two items past its largest. A literal may change its length (a line never moves: the
+another (spaces and digits kept), and, every other draw, each run of marks one longer
+and a letter of each string repeated; every other pair of draws, a list of numbers (or
+of tuples of numbers) grown by two items past its largest (so every combination is
+among a test's draws). A literal may change its length (a line never moves: the
 caller parses the moved text again), so neither a table of the few inputs a smaller
 draw could make nor a gate on the inputs' lengths holds (red-team round 13 beat a
 first, length-keeping draw with both, and with fixes of only the structure a shift
@@ -105,8 +106,10 @@ def transform(
             strings.append(constant)
     move = _numbers(rng, [abs(v) for _, v in numbers], draw % 3)
     edits: list[tuple[ast.expr, str]] = [(span, _number(move(v))) for span, v in numbers]
-    edits += _strings(rng, [(c, _text(lines, c)) for c in strings])
-    if rng.random() < 0.5:
+    # Strings grow on every other draw, lists on every other pair: every combination of
+    # the ways numbers move, strings grow and lists grow is among a test's draws.
+    edits += _strings(rng, [(c, _text(lines, c)) for c in strings], grow=draw % 2 == 1)
+    if draw // 2 % 2 == 1:
         edits += [e for e in (_appended(items, move) for items in lists) if e is not None]
     edits = [(span, new) for span, new in edits if new != _span_text(lines, span)]
     if not edits:
@@ -156,11 +159,13 @@ _PUNCTUATION = ",.;:!?/()[]{}-_@#$%&*+=<>|~^"
 
 
 def _strings(
-    rng: random.Random, found: list[tuple[ast.Constant, str]]
+    rng: random.Random, found: list[tuple[ast.Constant, str]], grow: bool
 ) -> list[tuple[ast.expr, str]]:
     """Every plain string through one permutation of letters (case kept) and one of
-    punctuation (spaces and digits kept), so equal strings stay equal; and, every other
-    draw, each with a letter and a mark of its own repeated (so its length moves)."""
+    punctuation (spaces and digits kept), so equal strings stay equal; and, with
+    ``grow``, each run of marks one mark longer and one letter of each string repeated
+    (so its length and the runs' lengths move: round 13 fixed only runs as long as the
+    test's)."""
     letters = list(string.ascii_lowercase)
     marks = list(_PUNCTUATION)
     rng.shuffle(letters)
@@ -169,19 +174,17 @@ def _strings(
         string.ascii_lowercase + string.ascii_uppercase + _PUNCTUATION,
         "".join(letters) + "".join(letters).upper() + "".join(marks),
     )
-    grow = rng.random() < 0.5
     salt = rng.random()
     edits: list[tuple[ast.expr, str]] = []
     for constant, text in found:
         quote, body = text[0], text[1:-1].translate(table)
         if grow:
+            body = re.sub(f"[{re.escape(_PUNCTUATION)}]+", lambda m: m[0][0] + m[0], body)
             # Drawn from the string itself (and the draw): equal strings grow alike.
-            local = random.Random(f"{salt}\0{body}")
-            for kind in (str.isalpha, lambda c: c in _PUNCTUATION):
-                at = [i for i, c in enumerate(body) if kind(c)]
-                if at:
-                    i = local.choice(at)
-                    body = body[: i + 1] + body[i] + body[i + 1 :]
+            at = [i for i, c in enumerate(body) if c.isalpha()]
+            if at:
+                i = random.Random(f"{salt}\0{body}").choice(at)
+                body = body[: i + 1] + body[i] + body[i + 1 :]
         edits.append((constant, quote + body + quote))
     return edits
 
