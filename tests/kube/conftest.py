@@ -191,6 +191,18 @@ def kube_cluster() -> Iterator[KubeCluster]:
         assert not leftovers, f"hack/kube/down left: {leftovers}"
 
 
+@pytest.fixture(scope="module")
+def daemon_image(kube_cluster: KubeCluster) -> Iterator[str]:
+    """This tree's sandmand as a daemon image on the real node, for one module's tests
+    (`tests.kube.daemon_image`); skipped without a real node."""
+    from tests.kube.daemon_image import current_daemon_image  # it imports this module
+
+    if not kube_cluster.real_node:
+        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
+    with current_daemon_image(kube_cluster) as name:
+        yield name
+
+
 @pytest.fixture
 def real_node(kube_cluster: KubeCluster) -> str:
     """The name of the harness's real node; the test is skipped on a cluster without one."""

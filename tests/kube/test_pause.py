@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ from sandman import errors
 from sandman.pool import Pool, PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.daemon_image import current_daemon_image
 from tests.kube.support import Admin, config_for, real_node_spec
 from tests.support import wait_for
 
@@ -36,14 +35,6 @@ BUSY = "while :; do :; done"
 SPAWNER = (
     "while :; do (:); sh -c 'i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done' & sleep 0.05; done"
 )
-
-
-@pytest.fixture(scope="module")
-def daemon_image(kube_cluster: KubeCluster) -> Iterator[str]:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    with current_daemon_image(kube_cluster) as name:
-        yield name
 
 
 def pod_cgroup(uid: str) -> Path:

@@ -34,7 +34,6 @@ from tests.images import builders
 from tests.images.registry_server import Registry, free_port, missing_tools, push, start_registry
 from tests.kube import node_images
 from tests.kube.conftest import REPO, SETUP_TIMEOUT, KubeCluster
-from tests.kube.daemon_image import current_daemon_image
 from tests.kube.support import config_for, real_node_spec
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 600)]
@@ -53,14 +52,6 @@ class Base:
     reference: str
     layers: list[str]
     """Its layer blobs' digests."""
-
-
-@pytest.fixture(scope="module")
-def daemon_image(kube_cluster: KubeCluster) -> Iterator[str]:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    with current_daemon_image(kube_cluster) as name:
-        yield name
 
 
 @pytest.fixture(scope="module")

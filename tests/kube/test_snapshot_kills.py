@@ -15,7 +15,6 @@ from tests.images import builders
 from tests.images.registry_server import Registry, missing_tools, push, start_registry
 from tests.kube import node_images
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.daemon_image import current_daemon_image
 from tests.kube.snapshot_kills import KillPlan, run_kill
 from tests.kube.support import BUSYBOX, Admin
 
@@ -23,14 +22,6 @@ pytestmark = [
     pytest.mark.kube, pytest.mark.chaos, pytest.mark.anyio,
     pytest.mark.timeout(SETUP_TIMEOUT + 600),
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def daemon_image(kube_cluster: KubeCluster) -> Iterator[str]:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    with current_daemon_image(kube_cluster) as name:
-        yield name
 
 
 @pytest.fixture(scope="module")

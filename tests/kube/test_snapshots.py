@@ -22,19 +22,10 @@ from sandman import errors
 from sandman.pool import PoolConfig
 from sandman.providers.kubernetes import KubernetesProvider
 from tests.kube.conftest import SETUP_TIMEOUT, KubeCluster
-from tests.kube.daemon_image import current_daemon_image
 from tests.kube.support import POOL, Admin, config_for, real_node_spec
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.anyio, pytest.mark.timeout(SETUP_TIMEOUT + 600)]
-
-
-@pytest.fixture(scope="module")
-def daemon_image(kube_cluster: KubeCluster) -> Iterator[str]:
-    if not kube_cluster.real_node:
-        pytest.skip("the cluster has no real node (SANDMAN_KUBE_REAL_NODE=0)")
-    with current_daemon_image(kube_cluster) as name:
-        yield name
 
 
 @pytest.fixture
